@@ -1,9 +1,8 @@
 """Check that the notebooks' two forms and the exported package agree.
 
-`nbs/**/*.py` (py:percent) is the source of truth. On a scratch copy of `nbs/`, `pith_lit/` and
-`settings.ini`, this rebuilds every `.ipynb` from its `.py` (`jupytext --to ipynb --update`, which keeps
-cell ids and outputs) and re-exports the package (`nbdev_export`), then compares the copy with the tree
-file by file. Any difference means something was edited on one side only or not exported. The tree
+`nbs/**/*.py` (py:percent) is the source of truth. On a scratch copy of `nbs/` and `settings.ini`, this
+rebuilds every `.ipynb` from its `.py` (`jupytext --to ipynb --update`, which keeps cell ids and outputs)
+and exports the package afresh (`nbdev_export`), then compares the copy with the tree file by file. Any difference means something was edited on one side only or not exported. The tree
 itself is never touched, so the check is safe on a dirty work tree.
 
     python scripts/sync_check.py [ROOT]      # exit 0 in sync, 1 with a list of what disagrees
@@ -33,8 +32,6 @@ def check(root: Path) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp)
         shutil.copytree(nbs, copy / "nbs", ignore=SKIP)
-        if (root / "pith_lit").exists():
-            shutil.copytree(root / "pith_lit", copy / "pith_lit", ignore=SKIP)
         shutil.copy(root / "settings.ini", copy / "settings.ini")
         sources = sorted(str(p) for p in (copy / "nbs").rglob("*.py"))
         for py in sources:

@@ -9,14 +9,41 @@
 # %% [markdown]
 # # The layer protocol
 #
-# (Work in progress: the prose, routing info and local dispatch/combine are being written.)
+# A mixture-of-experts layer does four kinds of work: attention and the router, which are local to each
+# token; sending each token to the experts it chose; the experts themselves; and bringing the results
+# back. With expert parallelism the sending and the bringing back are all-to-alls between GPUs, and the
+# whole system's speed comes from overlapping them with the compute of another micro-batch. So every
+# decoder layer of every model is cut at those seams into five stages:
+#
+# | stage | call | by | does |
+# |---|---|---|---|
+# | 1 | `layer.stage1(h, positions) -> (h, x, routing)` | model | attention + residual, norm, router, shared experts |
+# | 2 | `dispatcher.dispatch(x, routing) -> (x_grouped, counts)` | engine | send rows to their experts, grouped |
+# | 3 | `layer.stage3(x_grouped, counts) -> y` | model | the routed experts on grouped rows |
+# | 4 | `dispatcher.combine(y, routing) -> y` | engine | bring expert outputs back to the tokens' rank |
+# | 5 | `layer.stage5(h, y, routing) -> h` | model | router-weighted sum of each token's outputs + residual |
+#
+# A model never sees stages 2 and 4, and the engine never looks inside 1, 3 and 5. This notebook defines the
+# pieces they share: the `Routing` record that travels from stage 1 to stage 5, the single-rank dispatcher, and
+# `run_layers`, the plain loop that calls the five stages. The expert-parallel dispatcher and the overlapped
+# schedules (in `engine/`) replace the last two without touching any model.
 
 # %%
 #| default_exp models.protocol
 
 # %%
 #| export
-from dataclasses import field
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from pith_lit.ops.permute import gather_rows, sort_by_expert
+
+# %% [markdown]
+# ## Config fields carry their help
+#
+# Every model's `Config` is a dataclass whose fields are declared with `cfg(default, help)`, so the command
+# line can print what each field means (train/config).
 
 # %%
 #| export
@@ -25,3 +52,179 @@ def cfg(default, help: str):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+# %% [markdown]
+# ## Routing: what stage 1 tells stages 2–5
+#
+# Stage 1 decides, for each of the T = B·S tokens of a micro-batch, which k experts it goes to and with what
+# weight. Dispatch then records where each (token, expert) pair's output will be found after combine, and
+# stage 5 reads that back. `probs` keeps the full softmax over all experts for the load-balance loss; `counts`
+# is the number of (token, expert) pairs per expert, for load-balance statistics. The engine may add its own
+# metadata (split sizes, deduplication indices) to this record; a model only reads the fields below.
+
+# %%
+#| export
+@dataclass
+class Routing:
+    """Router decision for the T tokens of one micro-batch, passed from stage 1 through stages 2-5.
+
+    ids: (T, k) int64 expert ids; weights: (T, k) router weights (the model's compute dtype);
+    probs: (T, E) full router probabilities (float32, float64 for a float64 model) or None;
+    row_index: (T, k) int64, set by dispatch/combine: the row of the combined expert-output buffer that holds
+    the output of token t's k-th expert; counts: (E,) int64 (token, expert) pairs per expert in this
+    micro-batch, set by dispatch."""
+    ids: Tensor
+    weights: Tensor
+    probs: Tensor | None
+    row_index: Tensor | None = None
+    counts: Tensor | None = None
+
+# %% [markdown]
+# ## Stages 2 and 4 on one rank
+#
+# With all experts on one rank, dispatch is a permutation: sort the T·k (token, expert) pairs by expert and
+# copy each token's row once per pair. Combine has nothing to move, so the grouped expert outputs are already
+# the combined buffer and `row_index` from the sort points into them. `sort_by_expert` and `gather_rows` (in
+# `ops/permute`) are the torch reference on CPU and Triton kernels on CUDA; `gather_rows` is differentiable,
+# so gradients flow back to the tokens.
+#
+# The expert-parallel dispatcher has the same two methods: its `dispatch` returns the rows for this rank's
+# experts grouped by local expert with `counts` of shape (E_local,), and its `combine` returns the outputs
+# to the tokens' home rank in the order `routing.row_index` names.
+
+# %%
+#| export
+class LocalDispatcher:
+    """Stages 2 and 4 when one rank holds all `num_experts` experts.
+
+    The contract every dispatcher keeps:
+    `dispatch(x (T, H), routing) -> (x_grouped (N, H), counts (E_local,) int64)`: the rows the local experts
+    must process, grouped by local expert in order (`counts[e]` rows for local expert e, padding included);
+    it sets `routing.counts` (pairs per global expert) and whatever it needs for `combine`.
+    `combine(y (N, H), routing) -> y (M, H)`: the expert outputs back on the tokens' rank, with
+    `routing.row_index[t, j]` the row of token t's j-th expert output. Both are differentiable."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def dispatch(self, x: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
+        src_token, row_index, counts = sort_by_expert(routing.ids, self.num_experts)
+        routing.row_index, routing.counts = row_index, counts
+        return gather_rows(x, src_token), counts
+
+    def combine(self, y: Tensor, routing: Routing) -> Tensor:
+        "Locally the grouped outputs are the combined buffer: `routing.row_index` already points into them."
+        return y
+
+# %% [markdown]
+# ## The five calls
+#
+# `run_layers` is the whole schedule with no overlap: for each layer, the five stages in order. A dense layer
+# (one that does its MLP in stage 1) returns `routing = None` and skips stages 2–5. The overlapped schedules
+# in `engine/` make the same calls in a different order, and their tests compare against this loop.
+
+# %%
+#| export
+def run_layers(layers, h: Tensor, positions: Tensor, dispatcher) -> tuple[Tensor, list]:
+    """Run `layers` (an iterable of layers that follow the five-stage protocol) on `h` (B, S, H).
+
+    Returns the output hidden states and each layer's `Routing` (None for a dense layer)."""
+    routings = []
+    for layer in layers:
+        h, x, routing = layer.stage1(h, positions)
+        if routing is not None:
+            x, counts = dispatcher.dispatch(x, routing)
+            y = layer.stage3(x, counts)
+            y = dispatcher.combine(y, routing)
+            h = layer.stage5(h, y, routing)
+        routings.append(routing)
+    return h, routings
+
+# %% [markdown]
+# ## Check: five stages equal a plain loop over experts
+#
+# A toy layer shows the protocol in its smallest form: stage 1 is a softmax top-k router (no attention),
+# each expert is one tanh-linear map, and stage 5 uses `weighted_gather` from `ops/permute`. Its
+# `reference` computes the same thing without any protocol piece: every expert on every token, masked by
+# whether the token chose it. A dense toy layer in the middle checks that `run_layers` skips stages 2–5
+# for it.
+
+# %%
+import torch
+from torch import nn
+
+from pith_lit.ops.permute import weighted_gather
+
+# %%
+class ToyMoE(nn.Module):
+    def __init__(self, H, E, k):
+        super().__init__()
+        self.k = k
+        self.router = nn.Parameter(torch.randn(E, H))
+        self.w = nn.Parameter(torch.randn(E, H, H) / H**0.5)
+
+    def stage1(self, h, positions):
+        x = h.flatten(0, 1)
+        probs = torch.softmax(x @ self.router.T, -1)
+        weights, ids = probs.topk(self.k, -1)
+        return h, x, Routing(ids, weights, probs)
+
+    def stage3(self, x, counts):
+        ends = counts.cumsum(0).tolist()  # the one host sync: row ranges per expert
+        return torch.cat([torch.tanh(x[s:e] @ w.T) for s, e, w in zip([0] + ends[:-1], ends, self.w)])
+
+    def stage5(self, h, y, routing):
+        return h + weighted_gather(y, routing.row_index, routing.weights).view(h.shape)
+
+    def reference(self, h):
+        x = h.flatten(0, 1)
+        weights, ids = torch.softmax(x @ self.router.T, -1).topk(self.k, -1)
+        out = torch.zeros_like(x)
+        for e, w in enumerate(self.w):
+            out = out + ((ids == e) * weights).sum(-1, keepdim=True) * torch.tanh(x @ w.T)
+        return h + out.view(h.shape)
+
+
+class ToyDense(nn.Module):
+    def __init__(self, H):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(H, H) / H**0.5)
+
+    def stage1(self, h, positions):
+        return h + torch.tanh(h @ self.w.T), None, None
+
+    def reference(self, h):
+        return h + torch.tanh(h @ self.w.T)
+
+# %%
+torch.manual_seed(0)
+B, S, H, E, k = 2, 5, 8, 4, 2
+layers = [ToyMoE(H, E, k), ToyDense(H), ToyMoE(H, E, k)]
+for l in layers: l.double()
+h0 = torch.randn(B, S, H, dtype=torch.float64, requires_grad=True)
+
+out, routings = run_layers(layers, h0, torch.arange(S), LocalDispatcher(E))
+ref = h0
+for l in layers: ref = l.reference(ref)
+assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
+assert routings[1] is None and routings[0].row_index.shape == (B * S, k)
+assert torch.equal(routings[0].counts, torch.bincount(routings[0].ids.flatten(), minlength=E))
+
+params = [h0, *(p for l in layers for p in l.parameters())]
+g = torch.autograd.grad(out.square().sum(), params)
+g_ref = torch.autograd.grad(ref.square().sum(), params)
+for a, b in zip(g, g_ref): assert torch.allclose(a, b, rtol=0, atol=1e-12), (a - b).abs().max()
+print("five stages == plain loop over experts: outputs and gradients agree to 1e-12 in float64")
+
+# %% [markdown]
+# Every token routed to one expert: the other experts get zero rows, and the grouped compute must still
+# place every row correctly.
+
+# %%
+skewed = ToyMoE(H, E, 1).double()
+with torch.no_grad(): skewed.router.zero_(); skewed.router[2] = 50.0  # positive inputs all prefer expert 2
+hp = torch.rand(B, S, H, dtype=torch.float64) + 0.1
+out, (r,) = run_layers([skewed], hp, torch.arange(S), LocalDispatcher(E))
+assert r.counts.tolist() == [0, 0, B * S, 0]
+assert torch.allclose(out, skewed.reference(hp), rtol=0, atol=1e-12)
+print("all tokens on one expert:", r.counts.tolist())

@@ -1,0 +1,476 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Token permutation
+#
+# The router gives every token `k` experts. The experts want their rows *grouped*: all rows of expert 0,
+# then all rows of expert 1, ..., so that one grouped GEMM (ops/grouped_linear) runs every expert at once.
+# This notebook is the bookkeeping between the two orders and the two memory-bound copies that cross it:
+#
+# 1. `sort_by_expert(ids, num_experts, pad_to)`: where each (token, expert) pair goes in the grouped order.
+# 2. `gather_rows(x, src_token)`: the **permute**, token order → grouped order (T rows in, N = T·k rows out).
+# 3. `weighted_gather(y, row_index, weights)`: the **un-permute** fused with stage 5's router-weighted sum,
+#    grouped order → token order (N rows in, T rows out).
+#
+# At Qwen3-30B-A3B's shape (16K tokens, hidden 2048, top-8 of 128 experts, bf16) the permuted activation
+# is 131072 × 2048 × 2 B = 512 MiB, so each copy is ~1 GiB of memory traffic, ~0.25 ms at the 4.3 TB/s
+# copy ceiling. The copies are worth a kernel because of what eager PyTorch does around them (below).
+
+# %%
+#| default_exp ops.permute
+
+# %%
+#| export
+import torch
+from torch import Tensor
+import triton
+import triton.language as tl
+
+# %%
+#| hide
+import os
+
+torch.manual_seed(0)
+if torch.cuda.is_available():      # on the GPU machine the checks below run the compiled kernels on CUDA tensors
+    torch.set_default_device("cuda")
+else:
+    assert os.environ.get("TRITON_INTERPRET") == "1", \
+        "on a CPU, run this notebook with TRITON_INTERPRET=1 in the environment (set before triton is imported)"
+
+# %% [markdown]
+# ## 1. The grouped order
+#
+# Flatten the (T, k) expert ids into T·k pairs, pair p = t·k + j. A **stable** sort by expert id gives the
+# grouped order, and stability keeps the pairs of one expert in token order (reads of `x` then sweep forward
+# through memory, and the order is deterministic). Three outputs describe the permutation both ways:
+#
+# - `src_token (N,)`: the token each grouped row is copied from (-1 for a padding row);
+# - `row_index (T, k)`: the grouped row of each pair, for the way back;
+# - `counts (E,)`: rows per expert group, **including padding** — exactly the group sizes the GEMM sees.
+#
+# `counts` comes from `searchsorted` on the sorted ids, not `torch.bincount`: bincount sizes its output from
+# the largest id, which is a host sync on CUDA. Without padding N = T·k is known on the host, and nothing
+# here waits for the GPU.
+#
+# **Padding.** Some grouped GEMMs (FP8 ones in particular) want every group to start at a multiple of 16 or
+# 32 rows. With `pad_to > 1` each group is rounded up; the padding rows have `src_token = -1` and are zero
+# after the gather, so they contribute nothing and receive no gradient. The number of rows N then depends
+# on the counts, and a tensor's size must be known on the host to allocate it: **the one host sync** is
+# `int(padded.sum())` below, which waits for the sort to finish. Nothing else in this module syncs.
+#
+# Ids outside `[0, num_experts)` would silently corrupt the order; `torch._assert_async` checks them without
+# a host sync (on CPU it raises at once, on CUDA it is a device-side assert).
+
+# %%
+#| export
+def sort_by_expert(ids: Tensor, num_experts: int, pad_to: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """Grouped order of the (token, expert) pairs in `ids (T, k)`.
+
+    Returns `src_token (N,)` (token of each grouped row, -1 for padding), `row_index (T, k)` (grouped row of each
+    pair) and `counts (E,)` (rows per expert group, padding included). Stable: one expert's pairs stay in token
+    order. With `pad_to > 1` each group is padded to a multiple of `pad_to` rows (one host sync, to size N)."""
+    if ids.dim() != 2 or ids.dtype != torch.int64:
+        raise ValueError(f"ids must be a (T, k) int64 tensor of expert ids, got shape {tuple(ids.shape)} "
+                         f"dtype {ids.dtype}; pass the router's top-k indices")
+    if num_experts < 1 or pad_to < 1:
+        raise ValueError(f"num_experts and pad_to must be >= 1, got num_experts={num_experts} pad_to={pad_to}")
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    torch._assert_async(((flat >= 0) & (flat < num_experts)).all(),
+                        f"sort_by_expert: expert ids must lie in [0, {num_experts}); check the router's top-k")
+    sorted_ids, order = torch.sort(flat, stable=True)           # order[j] = pair at grouped position j
+    bounds = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=ids.device))
+    counts = bounds.diff()
+    rows = torch.arange(flat.numel(), device=ids.device)        # grouped row of position j (no padding)
+    if pad_to > 1:
+        padded = (counts + pad_to - 1) // pad_to * pad_to
+        pad_start = padded.cumsum(0) - padded
+        rows = rows - bounds[sorted_ids] + pad_start[sorted_ids]
+        n_rows = int(padded.sum())                              # the one host sync: N sizes src_token
+        counts = padded
+    else:
+        n_rows = flat.numel()
+    src_token = torch.full((n_rows,), -1, dtype=torch.int64, device=ids.device)
+    src_token[rows] = order // k
+    row_index = torch.empty_like(flat)
+    row_index[order] = rows
+    return src_token, row_index.view(T, k), counts
+
+# %% [markdown]
+# Check against a hand-written loop: walk the experts in order, and within an expert the pairs in token order;
+# pad each group; the result must match exactly. Awkward cases: an expert nobody chose, a single token, no
+# tokens at all.
+
+# %%
+def sort_by_expert_loop(ids, num_experts, pad_to=1):
+    "The definition, one pair at a time, in plain Python."
+    T, k = ids.shape
+    chosen, src, row_index, counts = ids.tolist(), [], [[0] * k for _ in range(T)], []
+    for e in range(num_experts):
+        pairs = [(t, j) for t in range(T) for j in range(k) if chosen[t][j] == e]
+        for t, j in pairs:
+            row_index[t][j] = len(src)
+            src.append(t)
+        pad = -len(pairs) % pad_to
+        src += [-1] * pad
+        counts.append(len(pairs) + pad)
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=ids.device)
+    return as_tensor(src), as_tensor(row_index).view(T, k), as_tensor(counts)
+
+for T, k, E, pad_to in [(7, 2, 5, 1), (7, 2, 5, 4), (1, 1, 3, 1), (1, 3, 4, 8), (0, 2, 4, 1), (0, 2, 4, 16),
+                        (33, 4, 9, 3)]:
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.int64)
+    ids[ids == 1] = 0                                  # top-k never repeats an expert, but expert 1 gets no pairs
+    got, want = sort_by_expert(ids, E, pad_to), sort_by_expert_loop(ids, E, pad_to)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.int64 and torch.equal(g, w), (T, k, E, pad_to, g, w)
+    assert int(got[2][1]) == 0 and int(got[2].sum()) == got[0].numel()
+print("sort_by_expert matches the loop")
+
+# %% [markdown]
+# Bad input says what to change:
+
+# %%
+for bad, msg in [(lambda: sort_by_expert(torch.zeros(4, 2, dtype=torch.int32), 4), "int64"),
+                 (lambda: sort_by_expert(torch.tensor([[0, 4]]), 4), "[0, 4)"),
+                 (lambda: sort_by_expert(torch.tensor([[0, 1]]), 4, pad_to=0), "pad_to")]:
+    try:
+        bad()
+    except (ValueError, RuntimeError) as e:
+        assert msg in str(e), e
+    else:
+        raise AssertionError(f"no error for {msg}")
+
+# %% [markdown]
+# ## 2. Permute: `gather_rows`
+#
+# Eager PyTorch writes it as `torch.where(valid, x[src.clamp(min=0)], 0)`: an index_select pass (read N rows,
+# write N rows) then a `where` pass (read N rows and write them again), ~2× the bytes, and its backward is
+# autograd's `index_put_(accumulate=True)` **in the activation dtype**: in bf16 the k contributions to a token
+# are rounded after each add. Without padding the `where` disappears, but the backward stays.
+#
+# The Triton forward is a pure copy: program (row, column block) loads its source row (masked to zero when
+# `src = -1`) and stores it. No arithmetic, so bf16 passes through bit-exact.
+#
+# **Backward** is a scatter-add: `grad_x[src[n]] += grad_out[n]`. Which rows collide is only known from the
+# data, so the choices are `index_add_` or atomics. We use an **fp32 atomic-add kernel**: each grouped row
+# is read once in its own dtype, converted to fp32 and atomically added into an fp32 (T, H) buffer (the k
+# adds per token hit L2), then one cast writes the bf16 gradient. `index_add_` would have to run in fp32 on
+# an fp32 copy of `grad_out` (an extra N×H×4 B write and read) to get the same accuracy. The price of atomics:
+# the order of the ≤ k fp32 adds per element is not fixed, so the result is not bitwise reproducible run to
+# run (it is exact to fp32 rounding, then rounded once to bf16). Padding rows (`src = -1`) are skipped.
+
+# %%
+#| export
+def gather_rows_torch(x: Tensor, src_token: Tensor) -> Tensor:
+    "Reference: `out[n] = x[src_token[n]]`, zero where `src_token[n] = -1`. Differentiable by autograd."
+    valid = (src_token >= 0).unsqueeze(1)
+    return torch.where(valid, x[src_token.clamp(min=0)], torch.zeros((), dtype=x.dtype, device=x.device))
+
+# %%
+#| export
+_BLOCK_H = 1024   # columns per program in the copy kernels: 2 KiB of bf16 per load, enough to keep HBM busy
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, src_ptr, out_ptr, H, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    src = tl.load(src_ptr + row)
+    n_read = tl.where(src >= 0, H, 0)           # a padding row reads nothing and stores zeros
+    vals = tl.load(x_ptr + tl.maximum(src, 0) * H + cols, mask=cols < n_read, other=0.0)
+    tl.store(out_ptr + row * H + cols, vals, mask=cols < H)
+
+
+@triton.jit
+def _scatter_add_rows_kernel(g_ptr, src_ptr, acc_ptr, H, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    src = tl.load(src_ptr + row)
+    mask = cols < tl.where(src >= 0, H, 0)     # padding rows add nothing
+    g = tl.load(g_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.atomic_add(acc_ptr + tl.maximum(src, 0) * H + cols, g, mask=mask, sem="relaxed")
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_token):
+        x, src_token = x.contiguous(), src_token.contiguous()
+        (N,), (T, H) = src_token.shape, x.shape
+        out = torch.empty(N, H, dtype=x.dtype, device=x.device)
+        if N and H:
+            _gather_rows_kernel[(N, triton.cdiv(H, _BLOCK_H))](x, src_token, out, H, BLOCK_H=_BLOCK_H)
+        ctx.save_for_backward(src_token)
+        ctx.x_shape, ctx.x_dtype = (T, H), x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (src_token,), (T, H) = ctx.saved_tensors, ctx.x_shape
+        grad_out = grad_out.contiguous()
+        acc = torch.zeros(T, H, dtype=torch.float32, device=grad_out.device)
+        if src_token.numel() and H:
+            _scatter_add_rows_kernel[(src_token.numel(), triton.cdiv(H, _BLOCK_H))](
+                grad_out, src_token, acc, H, BLOCK_H=_BLOCK_H)
+        return acc.to(ctx.x_dtype), None
+
+# %% [markdown]
+# Which implementation runs is decided here, in sight: Triton on CUDA, the reference elsewhere. `impl=`
+# overrides it, so this notebook runs the Triton kernels on CPU tensors under the interpreter.
+
+# %%
+#| export
+def _use_triton(x: Tensor, impl: str | None) -> bool:
+    if impl not in (None, "triton", "torch"):
+        raise ValueError(f"impl must be 'triton', 'torch' or None (choose by device), got {impl!r}")
+    return x.is_cuda if impl is None else impl == "triton"
+
+
+def gather_rows(x: Tensor, src_token: Tensor, impl: str | None = None) -> Tensor:
+    """Permute: `out[n] = x[src_token[n]]` for `x (T, H)`, `src_token (N,)`; rows with `src_token = -1` are zero.
+    Backward scatter-adds into (T, H) in fp32. `impl`: "triton", "torch", or None (Triton on CUDA)."""
+    if x.dim() != 2 or src_token.dim() != 1 or src_token.dtype != torch.int64:
+        raise ValueError(f"gather_rows wants x (T, H) and src_token (N,) int64, got x {tuple(x.shape)}, "
+                         f"src_token {tuple(src_token.shape)} {src_token.dtype}")
+    if _use_triton(x, impl):
+        return _GatherRows.apply(x, src_token)
+    return gather_rows_torch(x, src_token)
+
+# %% [markdown]
+# Check: Triton (under the interpreter on CPU) against the float64 reference, forward and backward, with
+# padding rows, an expert with no rows, a width that is not a multiple of the block, one token, zero tokens.
+# The float64 reference gradient is exact; the kernels accumulate in fp32. bf16 must pass through the
+# forward bit-exact.
+
+# %%
+def check_gather(T, k, E, H, pad_to, dtype=torch.float32):
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.int64)
+    src, row_index, counts = sort_by_expert(ids, E, pad_to)
+    x = torch.randn(T, H, dtype=dtype, requires_grad=True)
+    g = torch.randn(src.numel(), H, dtype=dtype)
+    x64 = x.detach().double().requires_grad_()
+    want = gather_rows(x64, src, impl="torch")
+    want.backward(g.double())
+    for impl in ("triton", "torch"):
+        x.grad = None
+        out = gather_rows(x, src, impl=impl)
+        out.backward(g)
+        assert out.dtype == dtype and torch.equal(out.double(), want.detach().to(dtype).double()), impl
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=tol, atol=tol)
+        assert (out[src < 0] == 0).all()
+
+for T, k, E, H, pad_to in [(13, 3, 6, 1500, 4), (13, 3, 6, 7, 1), (1, 1, 2, 5, 1), (1, 2, 4, 33, 8), (0, 2, 4, 9, 1)]:
+    check_gather(T, k, E, H, pad_to)
+check_gather(9, 2, 5, 1030, 4, torch.bfloat16)
+print("gather_rows: triton == torch == float64 reference")
+
+# %% [markdown]
+# ## 3. Un-permute fused with the weighted sum: `weighted_gather`
+#
+# Stage 5 needs `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]`. Eager PyTorch gathers `y[row_index]` into a
+# (T, k, H) tensor (read N rows, write N rows), multiplies by the weights (read and write them again) and sums
+# over k (read once more): about 5 × N × H × 2 B and 3 launches, plus a (T, k, H) fp32 intermediate if it
+# accumulates in fp32. The fused kernel reads each grouped row once and writes each token row once:
+# (N + T) × H × 2 B, accumulating in fp32 in registers and rounding once to `y`'s dtype.
+#
+# **Backward.** `grad_y[row_index[t, j]] = weights[t, j] · grad_out[t]` and
+# `grad_weights[t, j] = ⟨grad_out[t], y[row_index[t, j]]⟩`. Every grouped row belongs to at most one pair
+# (the permutation is one-to-one, padding rows belong to none), so each row of `grad_y` is written by exactly
+# one program: a plain store, no atomics, deterministic. One program per pair reads `grad_out[t]` (k programs
+# share it, through L2) and its row of `y`, writes its `grad_y` row and its weight's gradient, the dot product
+# accumulated in fp32. Padding rows of `grad_y` must be zero: the buffer is zeroed only when there is
+# padding (N ≠ T·k, known on the host).
+
+# %%
+#| export
+def weighted_gather_torch(y: Tensor, row_index: Tensor, weights: Tensor) -> Tensor:
+    "Reference: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]`, summed in fp32 (or y's dtype if wider)."
+    acc = torch.promote_types(y.dtype, torch.float32)
+    return (y[row_index].to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(y.dtype)
+
+# %%
+#| export
+@triton.jit
+def _weighted_gather_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(idx_ptr + t * K + j)
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += w * tl.load(y_ptr + r * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weighted_gather_bwd_kernel(go_ptr, y_ptr, idx_ptr, w_ptr, gy_ptr, gw_ptr, H, K: tl.constexpr,
+                                BLOCK_H: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)          # one (token, j) pair
+    t = p // K
+    r = tl.load(idx_ptr + p)
+    w = tl.load(w_ptr + p).to(tl.float32)
+    dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = cols < H
+        g = tl.load(go_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+        dot += g * tl.load(y_ptr + r * H + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(gy_ptr + r * H + cols, (w * g).to(gy_ptr.dtype.element_ty), mask=mask)
+    tl.store(gw_ptr + p, tl.sum(dot, axis=0).to(gw_ptr.dtype.element_ty))
+
+
+class _WeightedGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, row_index, weights):
+        y, row_index, weights = y.contiguous(), row_index.contiguous(), weights.contiguous()
+        (T, K), H = row_index.shape, y.shape[1]
+        out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+        if T and H:
+            _weighted_gather_kernel[(T, triton.cdiv(H, _BLOCK_H))](y, row_index, weights, out, H, K=K,
+                                                                     BLOCK_H=_BLOCK_H)
+        ctx.save_for_backward(y, row_index, weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, row_index, weights = ctx.saved_tensors
+        (T, K), (N, H) = row_index.shape, y.shape
+        grad_out = grad_out.contiguous()
+        grad_y = (torch.empty_like if N == T * K else torch.zeros_like)(y)   # padding rows get no store
+        grad_w = torch.empty_like(weights)
+        if T * K and H:
+            _weighted_gather_bwd_kernel[(T * K,)](grad_out, y, row_index, weights, grad_y, grad_w, H, K=K,
+                                                  BLOCK_H=_BLOCK_H)
+        elif T * K:
+            grad_w.zero_()
+        return grad_y, None, grad_w
+
+# %%
+#| export
+def weighted_gather(y: Tensor, row_index: Tensor, weights: Tensor, impl: str | None = None) -> Tensor:
+    """Un-permute and weight: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]` for `y (N, H)`,
+    `row_index (T, k)` int64, `weights (T, k)`; fp32 accumulation, output in `y`'s dtype. Differentiable in
+    `y` and `weights`. `impl`: "triton", "torch", or None (Triton on CUDA)."""
+    if y.dim() != 2 or row_index.dim() != 2 or row_index.dtype != torch.int64 or weights.shape != row_index.shape:
+        raise ValueError(f"weighted_gather wants y (N, H), row_index (T, k) int64 and weights (T, k), got y "
+                         f"{tuple(y.shape)}, row_index {tuple(row_index.shape)} {row_index.dtype}, weights "
+                         f"{tuple(weights.shape)}")
+    if _use_triton(y, impl):
+        return _WeightedGather.apply(y, row_index, weights)
+    return weighted_gather_torch(y, row_index, weights)
+
+# %% [markdown]
+# Check against float64, forward and both gradients, on the same awkward cases. The round trip
+# `weighted_gather(gather_rows(x), row_index, w)` must give `x · Σ_j w[t, j]`, which ties the two directions
+# together.
+
+# %%
+def check_weighted(T, k, E, H, pad_to, dtype=torch.float32):
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.int64)
+    src, row_index, counts = sort_by_expert(ids, E, pad_to)
+    y = torch.randn(src.numel(), H, dtype=dtype)
+    w = torch.rand(T, k, dtype=torch.float32)
+    g = torch.randn(T, H, dtype=dtype)
+    y64, w64 = y.double().requires_grad_(), w.double().requires_grad_()
+    want = weighted_gather(y64, row_index, w64, impl="torch")
+    want.backward(g.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for impl in ("triton", "torch"):
+        yy, ww = y.clone().requires_grad_(), w.clone().requires_grad_()
+        out = weighted_gather(yy, row_index, ww, impl=impl)
+        out.backward(g)
+        assert out.dtype == dtype and out.shape == (T, H)
+        torch.testing.assert_close(out.double(), want.detach(), rtol=tol, atol=tol)
+        torch.testing.assert_close(yy.grad.double(), y64.grad, rtol=tol, atol=tol)
+        torch.testing.assert_close(ww.grad.double(), w64.grad, rtol=tol, atol=tol * H ** 0.5)
+        assert (yy.grad[src < 0] == 0).all()
+    x = torch.randn(T, H, dtype=dtype)
+    back = weighted_gather(gather_rows(x, src, impl="triton"), row_index, w, impl="triton")
+    torch.testing.assert_close(back.double(), x.double() * w.double().sum(1, keepdim=True), rtol=tol, atol=tol)
+
+for T, k, E, H, pad_to in [(13, 3, 6, 1500, 4), (13, 3, 6, 7, 1), (1, 1, 2, 5, 1), (1, 2, 4, 33, 8), (0, 2, 4, 9, 1)]:
+    check_weighted(T, k, E, H, pad_to)
+check_weighted(9, 2, 5, 1030, 4, torch.bfloat16)
+print("weighted_gather: triton and torch match float64, forward and backward")
+
+# %% [markdown]
+# ## 4. On the GPU: bf16 at the real size, and speed
+#
+# `bench()` times the permute and un-permute, forward and backward, against the eager reference at
+# Qwen3-30B-A3B's shape, with `triton.testing.do_bench`. Bytes are counted as the kernel must move them,
+# read plus written, so they compare directly with the 4.3 TB/s copy ceiling: the gather reads and writes N
+# rows; the weighted gather reads N rows and writes T; the gather's backward reads N rows and writes T
+# fp32 rows by atomics, then casts (read T×4, write T×2); the weighted gather's backward reads T rows k
+# times (counted once) and N rows of `y`, and writes N rows. `python -m pith_lit.ops.bench` prints the table.
+
+# %%
+#| export
+COPY_CEILING = 4.3e12   # bytes/s read plus written, device copy measured on the H200
+
+
+def bench(T: int = 16384, H: int = 2048, E: int = 128, k: int = 8) -> dict:
+    "Permute and un-permute, fwd and bwd, Triton vs eager, bf16 on CUDA: ms, GB/s, % of the copy ceiling, speed-up."
+    from triton.testing import do_bench
+    dev, dt = "cuda", torch.bfloat16
+    ids = torch.randn(T, E, device=dev).topk(k, dim=1).indices
+    src, row_index, _ = sort_by_expert(ids, E)
+    N = src.numel()
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    y = torch.randn(N, H, device=dev, dtype=dt)
+    w = torch.rand(T, k, device=dev)
+    gN, gT = torch.randn(N, H, device=dev, dtype=dt), torch.randn(T, H, device=dev, dtype=dt)
+
+    def fwd_bwd(fn, *args, grad):
+        ins = [a.detach().requires_grad_() if a.is_floating_point() else a for a in args]
+        out = fn(*ins)
+        return lambda: torch.autograd.grad(out, [a for a in ins if a.requires_grad], grad, retain_graph=True)
+
+    cases = {   # name: (triton fn, eager fn, bytes moved)
+        "gather fwd": (lambda: gather_rows(x, src, impl="triton"), lambda: gather_rows(x, src, impl="torch"),
+                       2 * N * H * 2),
+        "gather bwd": (fwd_bwd(lambda a, s: gather_rows(a, s, impl="triton"), x, src, grad=gN),
+                       fwd_bwd(lambda a, s: gather_rows(a, s, impl="torch"), x, src, grad=gN),
+                       N * H * 2 + T * H * (4 + 4 + 2)),
+        "weighted_gather fwd": (lambda: weighted_gather(y, row_index, w, impl="triton"),
+                                lambda: weighted_gather(y, row_index, w, impl="torch"), (N + T) * H * 2),
+        "weighted_gather bwd": (
+            fwd_bwd(lambda a, i, b: weighted_gather(a, i, b, impl="triton"), y, row_index, w, grad=gT),
+            fwd_bwd(lambda a, i, b: weighted_gather(a, i, b, impl="torch"), y, row_index, w, grad=gT),
+            (T + 2 * N) * H * 2),
+    }
+    out = {}
+    for name, (fast, eager, nbytes) in cases.items():
+        ms, eager_ms = do_bench(fast, return_mode="median"), do_bench(eager, return_mode="median")
+        out.update({f"{name} ms": ms, f"{name} GB/s": nbytes / ms / 1e6,
+                    f"{name} % of copy": 100 * nbytes / ms / 1e-3 / COPY_CEILING,
+                    f"{name} eager ms": eager_ms, f"{name} speed-up": eager_ms / ms})
+    return out
+
+# %%
+#| cuda
+T, H, E, k = 16384, 2048, 128, 8
+ids = torch.randn(T, E, device="cuda").topk(k, dim=1).indices
+src, row_index, counts = sort_by_expert(ids, E)
+x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.rand(T, k, device="cuda", requires_grad=True)
+xp = gather_rows(x, src)
+assert torch.equal(xp, x.detach()[src])
+out = weighted_gather(xp, row_index, w)
+want = weighted_gather_torch(xp.detach().double(), row_index, w.detach().double())
+torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)
+out.backward(torch.ones_like(out))
+torch.testing.assert_close(x.grad.double(), w.detach().double().sum(1, keepdim=True).expand(T, H),
+                           rtol=1e-2, atol=1e-2)
+src_p, row_index_p, counts_p = sort_by_expert(ids, E, pad_to=16)
+assert (counts_p % 16 == 0).all() and torch.equal(gather_rows(x.detach(), src_p)[row_index_p], x.detach()[:, None]
+                                                   .expand(T, k, H))
+for name, value in bench().items():
+    print(f"{name:36s} {value:10.3f}")

@@ -1,0 +1,322 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Grouped expert linear
+#
+# After the permute (ops/permute) the rows for expert 0 come first, then expert 1, and so on, `counts[e]` rows
+# each. Every expert multiplies its own rows by its own weight: `y[rows of e] = x[rows of e] @ w[e]ᵀ`. One
+# grouped GEMM does all experts in one launch; a loop over experts would launch 128 small GEMMs per
+# projection and need the counts on the host.
+#
+# Its backward has two halves with different urgency. The **input gradient** `dX_e = dY_e w_e` is on the
+# critical path: the previous layer (and, in a pipeline, the previous stage) waits for it. The **weight
+# gradient** `dW_e = dY_eᵀ X_e` is needed only by the optimizer step. DualPipeV's zero-bubble schedule
+# exploits that: it runs the input gradients first and fills pipeline bubbles with deferred weight
+# gradients. `grouped_linear` therefore computes `dX` at once and either computes `dW` at once too, or
+# pushes it to a `WeightGradQueue` that the scheduler drains later.
+
+# %%
+#| default_exp ops.grouped_linear
+
+# %%
+#| export
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# %%
+#| hide
+torch.manual_seed(0)
+if torch.cuda.is_available():      # on the GPU machine the checks below run on CUDA tensors
+    torch.set_default_device("cuda")
+
+# %% [markdown]
+# ## The deferred weight-gradient queue
+#
+# A queue of closures. Each closure computes one weight gradient and accumulates it into its parameter's
+# `.grad`, exactly as autograd would have. The scheduler calls `drain()` in a bubble; everything must be
+# drained before the optimizer step (and before gradients are reduced across ranks), or those gradients are
+# missing. A closure keeps its layer's `x` and `dY` alive until it runs: that is the memory price of deferring.
+
+# %%
+#| export
+class WeightGradQueue:
+    "Deferred weight-gradient work: `push(fn)` during backward, `drain()` runs and forgets it, in push order."
+    def __init__(self):
+        self._pending: list[Callable[[], None]] = []
+
+    def push(self, fn: Callable[[], None]) -> None:
+        self._pending.append(fn)
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for fn in pending:
+            fn()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+# %% [markdown]
+# ## Three grouped products
+#
+# With `offs = cumsum(counts)` as int32 (computed on the device, no host sync), `F.grouped_mm` (PyTorch ≥ 2.11,
+# bf16 on sm ≥ 80) covers all three products:
+#
+# | product | `F.grouped_mm` call | shapes |
+# |---|---|---|
+# | forward `Y_e = X_e W_eᵀ` | `grouped_mm(x, w.transpose(-2, -1), offs=offs)` | (N, in) · (E, in, out) → (N, out) |
+# | input grad `dX_e = dY_e W_e` | `grouped_mm(dy, w, offs=offs)` | (N, out) · (E, out, in) → (N, in) |
+# | weight grad `dW_e = dY_eᵀ X_e` | `grouped_mm(dy.t(), x, offs=offs)` | (out, N) · (N, in) → (E, out, in) |
+#
+# In the last one both operands are 2D and `offs` slices the shared (reduction) dimension. `offs[-1]` must
+# equal N: rows after it are ignored in the products and left unwritten in the output, so the counts are
+# checked against N with a device-side assert (no host sync). Its layout rules: strides a multiple of
+# 16 bytes (so `in` and `out` a multiple of 8 in bf16).
+#
+# The portable path loops over the expert row ranges with plain matmuls. It needs the range bounds as
+# Python ints: **one host sync** (`counts.tolist()`) in the forward, kept for the backward. It is the
+# reference, and what runs on CPU. `impl=` picks a path explicitly ("grouped_mm" | "loop"; None = grouped_mm
+# on CUDA, loop elsewhere), so on CPU the notebook can also run the `F.grouped_mm` calls (PyTorch has a CPU
+# implementation) and check their argument conventions against the loop.
+
+# %%
+#| export
+def _products_grouped_mm(offs: Tensor):
+    fwd = lambda x, w: F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    dgrad = lambda dy, w: F.grouped_mm(dy, w, offs=offs)
+    wgrad = lambda dy, x: F.grouped_mm(dy.t(), x, offs=offs)
+    return fwd, dgrad, wgrad
+
+
+def _products_loop(bounds: list[int]):
+    ranges = list(zip(bounds[:-1], bounds[1:]))
+    def fwd(x, w):
+        y = x.new_empty(x.shape[0], w.shape[1])
+        for e, (a, b) in enumerate(ranges):
+            torch.matmul(x[a:b], w[e].t(), out=y[a:b])
+        return y
+    def dgrad(dy, w):
+        dx = dy.new_empty(dy.shape[0], w.shape[2])
+        for e, (a, b) in enumerate(ranges):
+            torch.matmul(dy[a:b], w[e], out=dx[a:b])
+        return dx
+    def wgrad(dy, x):
+        return torch.stack([dy[a:b].t() @ x[a:b] for a, b in ranges])   # an empty range gives zeros
+    return fwd, dgrad, wgrad
+
+# %% [markdown]
+# ## The autograd function
+#
+# Backward returns `dX` now. For `dW` it either returns it (autograd accumulates it into `w.grad`) or pushes
+# a closure that computes the same product and accumulates it the same way: assign if `w.grad` is None, add
+# in place otherwise. The closure holds the Python object `w` that was passed in, so `w` must be the leaf
+# parameter itself (a cast or a view would collect the gradient on a temporary); that is checked.
+
+# %%
+#| export
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts, wgrad_queue, use_grouped_mm):
+        if use_grouped_mm:
+            products = _products_grouped_mm(counts.cumsum(0).to(torch.int32))
+        else:
+            products = _products_loop([0] + counts.cumsum(0).tolist())   # the loop's one host sync
+        ctx.products, ctx.queue = products, wgrad_queue
+        ctx.param = w if wgrad_queue is not None else None   # the object whose .grad a deferred closure fills
+        ctx.save_for_backward(x, w)
+        return products[0](x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        _, dgrad, wgrad = ctx.products
+        dx = dgrad(dy, w) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return dx, None, None, None, None
+        if ctx.queue is None:
+            return dx, wgrad(dy, x), None, None, None
+        param = ctx.param
+        def deferred():
+            dw = wgrad(dy, x)
+            if param.grad is None:
+                param.grad = dw
+            else:
+                param.grad += dw
+        ctx.queue.push(deferred)
+        return dx, None, None, None, None
+
+# %%
+#| export
+def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
+                   impl: str | None = None) -> Tensor:
+    """Per-expert linear on grouped rows: `y[rows of e] = x[rows of e] @ w[e]ᵀ` for `x (N, in)`, `w (E, out, in)`,
+    `counts (E,)` int64 with sum N. With `wgrad_queue`, the weight gradient is deferred to `wgrad_queue.drain()`
+    (accumulated into `w.grad`). `impl`: "grouped_mm", "loop", or None (grouped_mm on CUDA, loop elsewhere)."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
+        raise ValueError(f"grouped_linear wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
+    if counts.dtype != torch.int64:
+        raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
+    if impl not in (None, "grouped_mm", "loop"):
+        raise ValueError(f"impl must be 'grouped_mm', 'loop' or None (choose by device), got {impl!r}")
+    if wgrad_queue is not None and w.requires_grad and not w.is_leaf:
+        raise ValueError("a deferred weight gradient is accumulated into w.grad, so w must be the leaf parameter "
+                         "itself; pass the parameter (not a cast or view of it) or drop wgrad_queue")
+    torch._assert_async(counts.sum() == x.shape[0],
+                        f"grouped_linear: counts must sum to the {x.shape[0]} rows of x")
+    use_grouped_mm = x.is_cuda if impl is None else impl == "grouped_mm"
+    return _GroupedLinear.apply(x, w, counts, wgrad_queue, use_grouped_mm)
+
+# %% [markdown]
+# ## Checks
+#
+# Against a float64 reference (a per-row matmul with each row's own expert weight, no ranges involved): the
+# output and both gradients, for both paths, with an expert that has no rows (its weight gradient must be
+# exactly zero), a single-row group, and sizes that are no multiple of anything. `F.grouped_mm` on CPU runs
+# in bf16 and fp32; the loop in fp32 here.
+
+# %%
+def reference(x, w, counts):
+    "Each row times its own expert's weight, in float64."
+    expert = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    return torch.einsum("ni,noi->no", x.double(), w.double()[expert])
+
+def check(counts, n_in, n_out, impl, dtype=torch.float32, tol=1e-5):
+    counts = torch.tensor(counts, dtype=torch.int64)
+    N, E = int(counts.sum()), len(counts)
+    x = torch.randn(N, n_in, dtype=dtype, requires_grad=True)
+    w = (torch.randn(E, n_out, n_in) / n_in ** 0.5).to(dtype).requires_grad_()
+    g = torch.randn(N, n_out, dtype=dtype)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = reference(x64, w64, counts)
+    want.backward(g.double())
+    y = grouped_linear(x, w, counts, impl=impl)
+    y.backward(g)
+    assert y.dtype == dtype and y.shape == (N, n_out)
+    for got, ref in [(y, want), (x.grad, x64.grad), (w.grad, w64.grad)]:
+        torch.testing.assert_close(got.double(), ref.detach(), rtol=tol, atol=tol)
+    assert (w.grad[counts == 0] == 0).all(), "an expert with no rows got a nonzero weight gradient"
+
+cases = [[5, 0, 1, 17, 3], [0, 0, 9], [1], [0, 4]]
+for c in cases:
+    check(c, 24, 40, "loop")
+    check(c, 24, 40, "grouped_mm")
+    check(c, 24, 40, "grouped_mm", torch.bfloat16, tol=5e-2)
+print("loop and F.grouped_mm (CPU) match the float64 reference; empty experts get zero gradient")
+
+# %% [markdown]
+# Zero rows in total, and input errors that say what to change:
+
+# %%
+y = grouped_linear(torch.zeros(0, 8), torch.zeros(3, 16, 8, requires_grad=True), torch.zeros(3, dtype=torch.int64))
+assert y.shape == (0, 16)
+for bad, msg in [
+        (lambda: grouped_linear(torch.zeros(4, 8), torch.zeros(2, 16, 8), torch.tensor([1, 2])), "sum to the 4"),
+        (lambda: grouped_linear(torch.zeros(4, 8), torch.zeros(2, 16, 8), torch.tensor([1, 3], dtype=torch.int32)),
+         "int64"),
+        (lambda: grouped_linear(torch.zeros(4, 7), torch.zeros(2, 16, 8), torch.tensor([1, 3])), "w (E, out, in)"),
+        (lambda: grouped_linear(torch.zeros(4, 8), torch.zeros(2, 16, 8, requires_grad=True).float() * 2,
+                                torch.tensor([1, 3]), WeightGradQueue()), "leaf parameter")]:
+    try:
+        bad()
+    except (ValueError, RuntimeError) as e:
+        assert msg in str(e), e
+    else:
+        raise AssertionError(f"no error for {msg}")
+
+# %% [markdown]
+# **Deferred equals immediate, bitwise.** Two layers in a row, two backward passes accumulating into the same
+# `.grad` (as gradient accumulation over micro-batches does): with the queue, after backward the input
+# gradient is already there and the weight gradients are not; after `drain()` every gradient equals the
+# immediate run's bit for bit.
+
+# %%
+def two_layers(x, w1, w2, counts, queue, impl):
+    return grouped_linear(torch.relu(grouped_linear(x, w1, counts, queue, impl)), w2, counts, queue, impl)
+
+for impl in ("loop", "grouped_mm"):
+    counts = torch.tensor([3, 0, 6, 1], dtype=torch.int64)
+    x = torch.randn(10, 16, requires_grad=True)
+    w1, w2 = torch.randn(4, 24, 16, requires_grad=True), torch.randn(4, 8, 24, requires_grad=True)
+    grads = {}
+    for queue in (None, WeightGradQueue()):
+        for p in (x, w1, w2):
+            p.grad = None
+        for _ in range(2):
+            two_layers(x, w1, w2, counts, queue, impl).square().sum().backward()
+        if queue is not None:
+            assert len(queue) == 4 and w1.grad is None and w2.grad is None and x.grad is not None
+            queue.drain()
+            assert len(queue) == 0
+        grads[queue is None] = [p.grad.clone() for p in (x, w1, w2)]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False])), impl
+    assert (grads[True][1][1] == 0).all() and (grads[True][2][1] == 0).all()
+print("deferred == immediate, bitwise; the empty expert's weight gradients are zero")
+
+# %% [markdown]
+# ## On the GPU
+#
+# `bench()` times `grouped_linear` forward + backward against raw `F.grouped_mm` (autograd's own backward)
+# at Qwen3-30B-A3B's expert shapes: 16K tokens × top-8 = 131072 rows over 128 experts, gate/up projection
+# 2048 → 1536 and down projection 768 → 2048, bf16, with counts from random top-8 routing. FLOPs are
+# 3 × 2 × N × in × out (forward, input gradient, weight gradient), against the ~789 TFLOP/s matmul ceiling.
+
+# %%
+#| export
+MATMUL_CEILING = 789e12   # bf16 dense matmul FLOP/s measured on the H200
+
+
+def bench(T: int = 16384, k: int = 8, E: int = 128, shapes=((2048, 1536), (768, 2048))) -> dict:
+    "grouped_linear fwd+bwd vs raw F.grouped_mm fwd+bwd, bf16 on CUDA: ms, TFLOP/s, % of the matmul ceiling."
+    from triton.testing import do_bench
+    ids = torch.randn(T, E, device="cuda").topk(k, dim=1).indices
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32)
+    N = T * k
+    out = {}
+    for n_in, n_out in shapes:
+        x = torch.randn(N, n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(E, n_out, n_in, device="cuda") / n_in ** 0.5).to(torch.bfloat16).requires_grad_()
+        g = torch.randn(N, n_out, device="cuda", dtype=torch.bfloat16)
+        def ours():
+            torch.autograd.grad(grouped_linear(x, w, counts), (x, w), g)
+        def raw():
+            torch.autograd.grad(F.grouped_mm(x, w.transpose(-2, -1), offs=offs), (x, w), g)
+        ms, raw_ms = do_bench(ours, return_mode="median"), do_bench(raw, return_mode="median")
+        tflops = 3 * 2 * N * n_in * n_out / ms / 1e9
+        name = f"grouped_linear {n_in}->{n_out} fwd+bwd"
+        out.update({f"{name} ms": ms, f"{name} TFLOP/s": tflops,
+                    f"{name} % of matmul": 100 * tflops * 1e12 / MATMUL_CEILING,
+                    f"{name} raw grouped_mm ms": raw_ms, f"{name} time / raw": ms / raw_ms})
+    return out
+
+# %%
+#| cuda
+counts = torch.tensor([37, 0, 1, 250, 0, 96], device="cuda")
+x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = (torch.randn(6, 512, 256, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+g = torch.randn(x.shape[0], 512, device="cuda", dtype=torch.bfloat16)
+grads = []
+for impl in ("grouped_mm", "loop"):
+    x.grad = w.grad = None
+    y = grouped_linear(x, w, counts, impl=impl)
+    y.backward(g)
+    grads.append((y.detach(), x.grad, w.grad))
+for a, b in zip(*grads):
+    torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+assert (grads[0][2][counts == 0] == 0).all(), "grouped_mm gave a nonzero weight gradient to an empty expert"
+queue = WeightGradQueue()
+x.grad = w.grad = None
+grouped_linear(x, w, counts, queue).backward(g)
+queue.drain()
+assert torch.equal(w.grad, grads[0][2]) and torch.equal(x.grad, grads[0][1])
+for name, value in bench().items():
+    print(f"{name:44s} {value:10.3f}")

@@ -1,0 +1,659 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The run config
+#
+# A training run is described by one tree of dataclasses: `run` (where and how), `model` (the model family's
+# own `Config`), `parallel`, `train`, `data`, `ckpt` and `log`. It is filled in three layers: the dataclass
+# defaults, then a TOML file, then `--set section.field=value` on the command line. The result is checked in
+# full before anything starts, so that a typo or an impossible combination of sizes fails in the first second
+# with a message that names the field, the value and what would be valid, and not twenty minutes into a
+# multi-GPU launch as a shape error inside a collective.
+#
+# Every field carries its documentation (`cfg(default, help)` from the layer protocol notebook), so `--help`
+# can list the whole tree, and the section dataclasses are the only place a default is defined.
+# Values that follow from others (the number of micro-batches, the device that "auto" means) are properties,
+# never fields, so they cannot disagree with what they are derived from.
+
+# %%
+#| default_exp train.config
+
+# %%
+#| export
+import argparse
+import dataclasses
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal, Sequence, get_args, get_origin, get_type_hints
+
+import torch
+
+from pith_lit.models import qwen3_moe
+from pith_lit.models.protocol import cfg
+
+# %%
+import contextlib
+import io
+import math
+import tempfile
+
+# %% [markdown]
+# ## The sections
+#
+# A field whose value is one of a few words is typed `Literal[...]`: the type is the list of choices, so
+# the check and `--help` read the choices from the same place.
+
+# %%
+#| export
+@dataclass
+class RunConfig:
+    "Where the run lives and what it runs on."
+    dir: str = cfg("runs/tiny", "run directory: checkpoints, metrics.jsonl and TensorBoard logs; "
+                                "a second run with the same dir resumes")
+    seed: int = cfg(0, "random seed for initialisation and data order")
+    device: Literal["auto", "cpu", "cuda"] = cfg("auto", "auto = cuda if available, else cpu")
+
+
+@dataclass
+class ParallelConfig:
+    "How the processes divide the work. pp × dp × cp × ep must equal the number of processes."
+    pp: int = cfg(1, "pipeline-parallel ranks (DualPipeV: rank r holds stages r and 2·pp−1−r)")
+    dp: int = cfg(1, "data-parallel ranks")
+    cp: int = cfg(1, "context-parallel ranks (ring attention splits each sequence among them)")
+    ep: int = cfg(1, "expert-parallel ranks (the routed experts are divided among them)")
+    overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one "
+                               "micro-batch beside the backward of another)")
+    timeout_s: int = cfg(600, "timeout of a collective, in seconds")
+
+
+@dataclass
+class TrainConfig:
+    "The optimisation: batch, schedule, AdamW, load balance, precision."
+    steps: int = cfg(300, "optimizer steps")
+    global_batch: int = cfg(16, "sequences per optimizer step, all ranks together")
+    micro_batch: int = cfg(4, "sequences per micro-batch per data-parallel rank")
+    seq_len: int = cfg(128, "tokens per sequence")
+    lr: float = cfg(3e-3, "peak learning rate")
+    min_lr_ratio: float = cfg(0.1, "final learning rate as a fraction of lr (wsd and cosine)")
+    warmup: int = cfg(30, "steps of linear warmup from 0 to lr")
+    schedule: Literal["wsd", "cosine", "constant"] = cfg(
+        "wsd", "learning-rate schedule after warmup: warmup-stable-decay, cosine, or constant")
+    decay_frac: float = cfg(0.2, "last fraction of the steps that wsd decays over")
+    weight_decay: float = cfg(0.1, "AdamW weight decay")
+    beta1: float = cfg(0.9, "AdamW β1")
+    beta2: float = cfg(0.95, "AdamW β2")
+    eps: float = cfg(1e-8, "AdamW ε")
+    grad_clip: float = cfg(1.0, "clip the global gradient norm to this (0 disables)")
+    lb_coef: float = cfg(0.01, "load-balance loss coefficient (0 disables)")
+    lb_level: Literal["micro", "global"] = cfg(
+        "global", "load-balance expert counts per micro-batch, or over the whole step on all ranks")
+    dtype: Literal["auto", "bfloat16", "float32"] = cfg("auto", "auto = bfloat16 on CUDA, float32 on CPU")
+    optim_dtype: Literal["float32", "bfloat16"] = cfg(
+        "float32", "when computing in bfloat16: float32 = fp32 master weights and AdamW states; bfloat16 = "
+        "update the bf16 weights in place with bf16 states (half the optimizer memory, less exact)")
+    compile: bool = cfg(False, "torch.compile stages 1 and 5 of every layer")
+
+
+@dataclass
+class DataConfig:
+    "What the model reads."
+    corpus: str = cfg("stdlib", "stdlib = the embedded corpus (the Python standard library's source), "
+                                "or the path of a packed token file made by `python -m pith_lit.tokenize`")
+    tokenizer: str = cfg("bytes", "bytes = the byte-level tokenizer, or the path of a Hugging Face tokenizer.json")
+    val_frac: float = cfg(0.01, "fraction of the corpus held out for validation")
+
+
+@dataclass
+class CkptConfig:
+    "When to save, and what to keep."
+    every: int = cfg(100, "steps between checkpoints (0 = only at the end)")
+    keep: int = cfg(2, "most recent checkpoints kept")
+    resume: bool = cfg(True, "continue from the newest checkpoint in run.dir if there is one")
+
+
+@dataclass
+class LogConfig:
+    "What the run reports."
+    every: int = cfg(10, "steps between log lines")
+    tensorboard: bool = cfg(True, "write TensorBoard event files to run.dir")
+    sample_tokens: int = cfg(64, "length of the greedy sample printed at the end (0 disables)")
+
+# %% [markdown]
+# ## The model section
+#
+# `[model]` holds the `Config` dataclass of one model family, whose field names are those of the Hugging Face
+# config. Which dataclass is decided by its `model_type` field, with a plain `match`: adding a family is one
+# more `case` (and its name in `MODEL_TYPES`, which the error message lists).
+
+# %%
+#| export
+class ConfigError(ValueError):
+    "An invalid run config. The message names the field, the value, and what would be valid."
+
+
+MODEL_TYPES = ("qwen3_moe",)  # the cases of `model_class`, for its error message
+
+
+def model_class(model_type: str) -> type:
+    "The `Config` dataclass of the model family named `model_type`."
+    match model_type:
+        case "qwen3_moe":
+            return qwen3_moe.Config
+        case _:
+            raise ConfigError(f"model.model_type = {model_type!r}: unknown model family; "
+                              f"valid: {', '.join(map(repr, MODEL_TYPES))}")
+
+# %% [markdown]
+# The checks in this notebook use one helper: the message of the `ConfigError` a call must raise.
+
+# %%
+def raises(fn, *args) -> str:
+    "The message of the ConfigError that fn(*args) must raise."
+    try:
+        fn(*args)
+    except ConfigError as e:
+        return str(e)
+    raise AssertionError(f"{fn.__name__}{args} should have raised ConfigError")
+
+# %%
+for t in MODEL_TYPES:
+    assert model_class(t)().model_type == t, t
+print(raises(model_class, "llama"))
+
+# %% [markdown]
+# ## The tree
+#
+# `Config` holds one instance of each section. The derived values live here as properties.
+# "auto" resolves at the point of use, so a config file written on a laptop still means "the GPU" on
+# the GPU machine.
+
+# %%
+#| export
+@dataclass
+class Config:
+    "A whole run: defaults ← TOML file ← `--set` overrides. Build it with `load_config` or `parse_args`."
+    run: RunConfig = field(default_factory=RunConfig, metadata={"help": RunConfig.__doc__})
+    model: qwen3_moe.Config = field(default_factory=qwen3_moe.Config,
+                                    metadata={"help": "the model family's own config, chosen by model_type"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": ParallelConfig.__doc__})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": TrainConfig.__doc__})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": DataConfig.__doc__})
+    ckpt: CkptConfig = field(default_factory=CkptConfig, metadata={"help": CkptConfig.__doc__})
+    log: LogConfig = field(default_factory=LogConfig, metadata={"help": LogConfig.__doc__})
+
+    @property
+    def world_size(self) -> int:
+        "Processes the parallel sizes call for: pp × dp × cp × ep."
+        p = self.parallel
+        return p.pp * p.dp * p.cp * p.ep
+
+    @property
+    def num_micro_batches(self) -> int:
+        "Micro-batches per optimizer step on each data-parallel rank."
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        "Tokens one optimizer step trains on, all ranks together."
+        return self.train.global_batch * self.train.seq_len
+
+    @property
+    def device_type(self) -> str:
+        "'cuda' or 'cpu': run.device with auto resolved."
+        if self.run.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.run.device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        "The compute dtype: train.dtype with auto resolved (bfloat16 on CUDA, float32 on CPU)."
+        if self.train.dtype == "auto":
+            return torch.bfloat16 if self.device_type == "cuda" else torch.float32
+        return getattr(torch, self.train.dtype)
+
+# %%
+c = Config()
+assert c.num_micro_batches == 16 // (4 * 1) == 4 and c.world_size == 1 and c.tokens_per_step == 16 * 128
+auto = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+assert (c.device_type, c.torch_dtype) == auto
+undocumented = [f"{s.name}.{f.name}" for s in fields(Config) for f in fields(getattr(c, s.name))
+                if not f.metadata.get("help")]
+assert not undocumented, undocumented
+print(sum(len(fields(getattr(c, s.name))) for s in fields(Config)), "fields, all documented")
+
+# %% [markdown]
+# ## Types
+#
+# A TOML file and the command line can only produce bool, int, float, str and lists, so these are the types a
+# field may have (a `Literal` of strings for choices). bool is a subclass of int in Python, and `true` must not
+# pass as a layer count, so int and float checks exclude it. An int is accepted where a float is expected
+# (`lr = 1` is fine) and widened when the tree is built.
+
+# %%
+#| export
+def _type_name(t) -> str:
+    "How --help and the error messages show a field's type."
+    if get_origin(t) is Literal:
+        return "|".join(get_args(t))
+    return (get_origin(t) or t).__name__
+
+
+def _accepts(t, v) -> bool:
+    "Whether value `v` fits field type `t` (bool, int, float, str, list, or a Literal of strings)."
+    if get_origin(t) is Literal:
+        return isinstance(v, str) and v in get_args(t)
+    if t in (int, float):
+        return isinstance(v, t) and not isinstance(v, bool)
+    return isinstance(v, get_origin(t) or t)
+
+
+def _check_types(section: str, types: dict, values: dict):
+    "Raise ConfigError for the first value in `values` that does not fit its field's type in `types`."
+    for name, v in values.items():
+        t = types[name]
+        if get_origin(t) is Literal and not _accepts(t, v):
+            raise ConfigError(f"{section}.{name} = {v!r}: expected one of {', '.join(map(repr, get_args(t)))}")
+        if not _accepts(t, v):
+            raise ConfigError(f"{section}.{name} = {v!r}: expected {_type_name(t)}, got {type(v).__name__}")
+
+# %%
+assert _accepts(int, 3) and not _accepts(int, True) and not _accepts(int, 3.0)
+assert _accepts(float, 3.0) and not _accepts(float, "3") and _accepts(bool, False) and _accepts(list, [1])
+assert _accepts(Literal["a", "b"], "a") and not _accepts(Literal["a", "b"], "c")
+print(raises(_check_types, "train", get_type_hints(TrainConfig), {"lr": "fast"}))
+print(raises(_check_types, "run", get_type_hints(RunConfig), {"device": "tpu"}))
+
+# %% [markdown]
+# ## From dictionaries to the tree
+#
+# `from_dict` turns nested dicts (a parsed TOML file) into a `Config`. Unknown names are errors, with the closest
+# valid name suggested: a misspelt `lr` that silently fell back to its default would train with the wrong
+# learning rate and say nothing.
+#
+# An override `section.field=value` is parsed as a TOML literal when it is one (`3`, `1e-3`, `true`, `[1, 2]`,
+# `"quoted"`), and otherwise taken as the text itself, so paths need no quotes. A field of type str always takes
+# the text, so `--set run.dir=2024` is the directory "2024" and not a type error. Overrides are parsed here,
+# where the field's type is known, rather than when the command line is read; `model.model_type` is resolved
+# first because it decides which dataclass `[model]` is.
+#
+# Types are checked before a section is constructed, because a model `Config` checks its own values in
+# `__post_init__` (Qwen3's: heads per key/value head, even head_dim, top-k) and would otherwise meet a string
+# where it does arithmetic. Its `ValueError` becomes a `ConfigError` naming the section.
+
+# %%
+#| export
+def _closest(name: str, valid: Sequence[str], show: str) -> str:
+    "'; did you mean X?' (X written as `show` formats it) when a valid name is close to `name`, else all of them."
+    near = difflib.get_close_matches(name, valid, n=1)
+    return f"; did you mean {show.format(near[0])}?" if near else f"; valid: {', '.join(valid)}"
+
+
+def _split_override(item: str) -> tuple[tuple[str, str], str]:
+    "'section.field=value' -> ((section, field), 'value')."
+    key, eq, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not eq or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {item!r}: expected section.field=value, e.g. --set train.lr=1e-3")
+    return (parts[0], parts[1]), text.strip()
+
+
+def _parse_override(text: str, t):
+    "An override's value for a field of type `t` (None if unknown): a TOML literal, else the text; str takes the text."
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:  # not a TOML literal: the text is the value (a path, a word)
+        return text
+    textual = t is str or get_origin(t) is Literal
+    return text if textual and not isinstance(value, str) else value
+
+
+def from_dict(data: dict, overrides: Sequence[str] = ()) -> Config:
+    "Build a `Config` from nested dicts (a parsed TOML file) and `section.field=value` overrides. Not validated."
+    texts = dict(_split_override(item) for item in overrides)  # a later --set of the same field wins
+    sections = [f.name for f in fields(Config)]
+    for name in [*data, *(s for s, _ in texts)]:
+        if name not in sections:
+            raise ConfigError(f"[{name}]: no such section{_closest(name, sections, '[{}]')}")
+    for name, table in data.items():
+        if not isinstance(table, dict):  # `train = 3` instead of a [train] table
+            raise ConfigError(f"{name} = {table!r}: expected a table [{name}] of fields")
+    if ("model", "model_type") in texts:
+        model_type = _parse_override(texts["model", "model_type"], str)
+    else:
+        model_type = data.get("model", {}).get("model_type", qwen3_moe.Config.model_type)
+    hints = get_type_hints(Config)
+    parts = {}
+    for section in sections:
+        cls = model_class(model_type) if section == "model" else hints[section]
+        types = get_type_hints(cls)
+        values = dict(data.get(section, {}))
+        for (s, name), text in texts.items():
+            if s == section:
+                values[name] = _parse_override(text, types.get(name))
+        for name, v in values.items():
+            if name not in types:
+                raise ConfigError(f"{section}.{name} = {v!r}: no such field in [{section}]"
+                                  f"{_closest(name, list(types), section + '.{}')}")
+            if types[name] is float and _accepts(int, v):
+                values[name] = float(v)
+        _check_types(section, types, values)
+        try:
+            parts[section] = cls(**values)
+        except ValueError as e:  # the section's own __post_init__ check, re-raised as a config error
+            raise ConfigError(f"[{section}] {e}") from e
+    return Config(**parts)
+
+# %%
+c = from_dict({"train": {"lr": 1, "steps": 5}}, ["run.dir=out/2024", "train.compile=true", 'run.seed=7',
+                                                "model.num_experts=16", "data.tokenizer=tok/tokenizer.json"])
+assert c.train.lr == 1.0 and type(c.train.lr) is float and c.train.steps == 5 and c.train.compile is True
+assert c.run.dir == "out/2024" and c.run.seed == 7 and c.model.num_experts == 16
+assert c.data.tokenizer == "tok/tokenizer.json" and c.train.beta2 == 0.95  # untouched fields keep defaults
+assert from_dict({}, ["run.dir=1", "run.dir=2"]).run.dir == "2" and from_dict({}, ['run.dir="3"']).run.dir == "3"
+assert from_dict({}, ["model.mlp_only_layers=[0, 3]"]).model.mlp_only_layers == [0, 3]
+assert from_dict({}) == Config()
+for data, over in [({"trian": {}}, []), ({"train": {"lrr": 1.0}}, []), ({}, ["model.num_expert=4"]),
+                   ({}, ["train.lr"]), ({"train": 3}, []), ({}, ["model.model_type=llama"])]:
+    print(raises(from_dict, data, over))
+print(raises(from_dict, {}, ["model.num_key_value_heads=three"]))
+print(raises(from_dict, {}, ["model.num_key_value_heads=3"]))
+
+# %% [markdown]
+# ## Validation
+#
+# `validate` checks the finished tree: types (again, since a `Config` can also be built or changed in Python),
+# ranges, and the combinations that make a run impossible. It raises at the first problem with one message.
+# The combinations:
+#
+# - the parallel sizes multiply to the number of processes (`world_size`; `None` skips this when unknown);
+# - expert parallelism divides the experts evenly among its ranks;
+# - `global_batch` is a whole number of micro-batches on every data-parallel rank;
+# - DualPipeV feeds micro-batches in from both ends of the pipeline and needs at least 2·pp of them per step
+#   (also at pp = 1 with `overlap`, where it pairs two micro-batches);
+# - context parallelism cuts each sequence into 2·cp chunks (rank r takes chunks r and 2cp−1−r, which balances
+#   causal attention), so seq_len must divide by 2·cp when cp > 1; at cp = 1 nothing is cut;
+# - top-k cannot exceed the number of experts; query heads come in equal groups per key/value head;
+# - the byte tokenizer uses ids 0..255 for bytes and three more for special tokens, so it needs a vocabulary of
+#   at least `BYTE_VOCAB = 259` (`ByteTokenizer.vocab_size` in `train.data`, a later notebook that this one may
+#   not import; tests/test_config.py checks that the two agree).
+#
+# The model checks read Qwen3's field names (`num_experts`, ...); a family that names them differently (DeepSeek's
+# `n_routed_experts`) adds its own lines when it arrives. Every number in a Qwen3 config is a width, a count or
+# a positive constant, so must be > 0, except `num_experts`, where 0 means a dense model (Hugging Face's
+# convention). Qwen3's `__post_init__` already rejects some of these when the section is built; `validate`
+# repeats them for the same reason it repeats the types.
+
+# %%
+#| export
+BYTE_VOCAB = 259  # the byte tokenizer: 256 byte values + 3 special tokens
+
+
+def _need(ok: bool, message: str):
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    "Raise `ConfigError` naming the field, the value and what would be valid, at the first problem; else return `cfg`."
+    for s in fields(Config):
+        section = getattr(cfg, s.name)
+        if s.name == "model":
+            _need(type(section) is model_class(section.model_type),
+                  f"model.model_type = {section.model_type!r}, but [model] is a {type(section).__qualname__} "
+                  f"from {type(section).__module__}; build the model section with model_class(model_type)")
+        _check_types(s.name, get_type_hints(type(section)), {f.name: getattr(section, f.name) for f in fields(section)})
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+
+    positive = [("parallel", n) for n in ("pp", "dp", "cp", "ep", "timeout_s")]
+    positive += [("train", n) for n in ("steps", "global_batch", "micro_batch", "seq_len", "lr", "eps")]
+    positive += [("ckpt", "keep"), ("log", "every")]
+    positive += [("model", f.name) for f in fields(m) if f.name != "num_experts"
+                 and (_accepts(int, getattr(m, f.name)) or _accepts(float, getattr(m, f.name)))]
+    for sec, name in positive:
+        v = getattr(getattr(cfg, sec), name)
+        _need(v > 0, f"{sec}.{name} = {v!r}: must be > 0")
+    for sec, name in [("train", "warmup"), ("train", "weight_decay"), ("train", "grad_clip"),
+                      ("train", "lb_coef"), ("ckpt", "every"), ("log", "sample_tokens"), ("model", "num_experts")]:
+        v = getattr(getattr(cfg, sec), name)
+        _need(v >= 0, f"{sec}.{name} = {v!r}: must be >= 0")
+    for name, v, hi in [("train.min_lr_ratio", t.min_lr_ratio, "1]"), ("train.decay_frac", t.decay_frac, "1]"),
+                        ("train.beta1", t.beta1, "1)"), ("train.beta2", t.beta2, "1)"),
+                        ("data.val_frac", d.val_frac, "1)")]:
+        _need(0 <= v and (v <= 1 if hi == "1]" else v < 1), f"{name} = {v!r}: must be in [0, {hi}")
+
+    if world_size is not None:
+        _need(cfg.world_size == world_size,
+              f"parallel: pp × dp × cp × ep = {p.pp} × {p.dp} × {p.cp} × {p.ep} = {cfg.world_size}, "
+              f"but the world size is {world_size}; choose sizes whose product is {world_size}")
+    _need(m.num_experts % p.ep == 0,  # 0 experts (dense) also passes
+          f"parallel.ep = {p.ep}: model.num_experts = {m.num_experts} is not divisible by it; use one of "
+          f"{[k for k in range(1, m.num_experts + 1) if m.num_experts % k == 0]}")
+    per_step = t.micro_batch * p.dp
+    _need(t.global_batch % per_step == 0,
+          f"train.global_batch = {t.global_batch}: not divisible by train.micro_batch × parallel.dp = "
+          f"{t.micro_batch} × {p.dp} = {per_step}; use a multiple of {per_step}")
+    if p.pp > 1 or p.overlap:
+        why = f"parallel.pp = {p.pp}" if p.pp > 1 else "parallel.overlap = true"
+        _need(cfg.num_micro_batches >= 2 * p.pp,
+              f"train.global_batch = {t.global_batch}: gives {cfg.num_micro_batches} micro-batches per step "
+              f"(global_batch / (micro_batch × dp)), but DualPipeV with {why} needs at least 2·pp = {2 * p.pp}; "
+              f"use global_batch >= {2 * p.pp * per_step} or a smaller micro_batch")
+    if p.cp > 1:
+        _need(t.seq_len % (2 * p.cp) == 0,
+              f"train.seq_len = {t.seq_len}: not divisible by 2 × parallel.cp = {2 * p.cp} (context parallelism "
+              f"cuts each sequence into 2·cp chunks); use a multiple of {2 * p.cp}")
+    _need(m.num_experts == 0 or m.num_experts_per_tok <= m.num_experts,
+          f"model.num_experts_per_tok = {m.num_experts_per_tok}: more than model.num_experts = {m.num_experts}; "
+          f"use at most {m.num_experts}")
+    _need(m.num_attention_heads % m.num_key_value_heads == 0,
+          f"model.num_attention_heads = {m.num_attention_heads}: not divisible by model.num_key_value_heads = "
+          f"{m.num_key_value_heads}; use a multiple of {m.num_key_value_heads}")
+    if d.tokenizer == "bytes":
+        _need(m.vocab_size >= BYTE_VOCAB,
+              f"model.vocab_size = {m.vocab_size}: the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes + "
+              f"3 special tokens); use vocab_size >= {BYTE_VOCAB} or set data.tokenizer to a tokenizer.json")
+    return cfg
+
+# %% [markdown]
+# Each error, printed. Every case starts from the valid default config and changes one thing; each must raise.
+# A type error, and Qwen3's own checks, stop it in `from_dict`; the rest in `validate`.
+
+# %%
+def check(overrides: list[str], world_size: int | None = 1) -> Config:
+    return validate(from_dict({}, overrides), world_size)
+
+
+cases = {
+    "wrong type": ["train.steps=1.5"],
+    "bool for an int": ["model.num_hidden_layers=true"],
+    "bad choice": ["train.schedule=linear"],
+    "non-positive size": ["train.micro_batch=0"],
+    "out of range": ["train.beta2=1.0"],
+    "world size": ["parallel.dp=2"],
+    "ep vs experts": ["parallel.ep=3"],
+    "global batch": ["train.global_batch=10"],
+    "DualPipeV micro-batches": ["parallel.pp=2", "train.global_batch=8"],
+    "overlap at pp 1": ["parallel.overlap=true", "train.global_batch=4"],
+    "seq_len vs cp": ["parallel.cp=2", "train.seq_len=90"],
+    "top-k": ["model.num_experts_per_tok=9"],
+    "heads": ["model.num_attention_heads=6", "model.num_key_value_heads=4"],
+    "byte vocab": ["model.vocab_size=256"],
+}
+worlds = {"ep vs experts": 3, "DualPipeV micro-batches": 2, "seq_len vs cp": 2}
+for name, over in cases.items():
+    print(f"{name:>24}: {raises(check, over, worlds.get(name, 1))}")
+for name, value in [("num_experts_per_tok", 9), ("num_attention_heads", 5), ("num_hidden_layers", True)]:
+    c = Config()
+    setattr(c.model, name, value)  # changed after construction: only validate sees it
+    print(f"{'model.' + name + ' (validate)':>24}: {raises(validate, c)}")
+assert validate(Config(), 1) == Config() and check(["data.tokenizer=t.json", "model.vocab_size=100"])
+assert check(["parallel.pp=2", "train.global_batch=16"], 2)  # 4 micro-batches = 2·pp: enough
+assert check(["model.num_experts=0", "parallel.ep=2"], 2)  # a dense Qwen3
+
+# %% [markdown]
+# ## Writing the config a run used
+#
+# A run saves the exact config it ran with next to its checkpoints, so it can be repeated and resumed.
+# `to_dict` is the tree as nested dicts; `dump_toml` writes it as TOML. The TOML here is only flat tables of
+# scalars and lists, so a writer is a dozen lines and no new dependency. Python's float `repr` is both the
+# shortest exact decimal and valid TOML (`1e-08`, `inf`, `nan`), so floats survive the round trip bit for bit.
+
+# %%
+#| export
+def to_dict(cfg: Config) -> dict:
+    "The config as nested dicts {section: {field: value}}, TOML-compatible."
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v) -> str:
+    "A TOML literal for a bool, int, float, str or list of them."
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):  # a basic string: quote and backslash escaped, control characters as \uXXXX
+        return '"' + "".join("\\" + c if c in '"\\' else f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7f
+                             else c for c in v) + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(map(_toml_value, v)) + "]"
+    raise TypeError(f"cannot write {v!r} ({type(v).__name__}) as TOML: only bool, int, float, str and lists")
+
+
+def dump_toml(cfg: Config) -> str:
+    "The config as a TOML document that `load_config` reads back to an equal `Config`."
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines += [f"[{section}]", *(f"{k} = {_toml_value(v)}" for k, v in values.items()), ""]
+    return "\n".join(lines)
+
+# %%
+for v in [True, 0, -3, 3e-3, 1e-8, 1e300, 0.1 + 0.2, float("inf"), "", 'a "b" \\ c\n\t\x00\x7f é', [1, [2.5, "x"]]]:
+    back = tomllib.loads(f"v = {_toml_value(v)}")["v"]
+    assert back == v and type(back) is type(v), (v, back)
+assert math.isnan(tomllib.loads(f"v = {_toml_value(float('nan'))}")["v"])
+print(dump_toml(Config()))
+
+# %% [markdown]
+# ## Loading
+#
+# `load_config` puts the layers together: defaults ← TOML file ← overrides, then `validate`. A missing file
+# names the path it looked for, relative to where the command runs. The default config file,
+# `configs/tiny.toml`, writes out every default, so loading it must give exactly `Config()`.
+
+# %%
+#| export
+def read_toml(path: str | None) -> dict:
+    "The parsed TOML file at `path` ({} for None)."
+    if path is None:
+        return {}
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {str(path)!r} not found (relative to {os.getcwd()}); "
+                          f"pass the path of a TOML file, e.g. configs/tiny.toml")
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as e:  # re-raised with the file's name
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = (), world_size: int | None = None) -> Config:
+    "Defaults ← the TOML file at `path` ← `section.field=value` overrides, then `validate(cfg, world_size)`."
+    return validate(from_dict(read_toml(path), overrides), world_size)
+
+# %%
+CONFIGS = Path("../../configs")
+tiny = load_config(CONFIGS / "tiny.toml", world_size=1)
+assert tiny == Config(), "configs/tiny.toml must spell out exactly the defaults"
+c = load_config(CONFIGS / "tiny.toml", ["train.lr=1e-3", "parallel.dp=2", "train.global_batch=32"], world_size=2)
+assert (c.train.lr, c.parallel.dp, c.num_micro_batches) == (1e-3, 2, 4) and c.train.steps == 300
+with tempfile.TemporaryDirectory() as tmp:  # round trip: what a run saves, it loads back unchanged
+    (Path(tmp) / "used.toml").write_text(dump_toml(c))
+    assert load_config(Path(tmp) / "used.toml", world_size=2) == c
+    (Path(tmp) / "bad.toml").write_text("[train]\nlr = \n")
+    print(raises(load_config, Path(tmp) / "bad.toml").replace(tmp, "TMP"))
+print(raises(load_config, "configs/tiyn.toml"))
+for f in sorted(CONFIGS.glob("*.toml")):
+    cf = load_config(f)
+    print(f"{f.name:28} world size {cf.world_size}, {cf.num_micro_batches} micro-batches, "
+          f"{cf.tokens_per_step} tokens/step, {cf.model.num_hidden_layers} layers of width {cf.model.hidden_size}")
+    validate(cf, cf.world_size)
+
+# %% [markdown]
+# ## The command line
+#
+# `parse_args` reads `[config.toml] [--set section.field=value ...]` and the world size from torchrun's
+# `WORLD_SIZE` (1 without torchrun). `--help` lists every field of every section, `[model]` included, for the
+# model family in force (the config file and overrides are read first to find it). An invalid config ends the
+# program with argparse's usage line and the validation message (exit status 2).
+#
+# `python -m pith_lit.train.config [config.toml] [--set ...]` prints the resolved config as TOML, which is a
+# quick way to check a config file before launching it.
+
+# %%
+#| export
+def _field_lines(cfg: Config) -> list[str]:
+    "One line per field: `section.field  (type, default X)  doc`, aligned."
+    rows = []
+    for s in fields(Config):
+        section = getattr(cfg, s.name)
+        types = get_type_hints(type(section))
+        for f in fields(section):
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            rows.append((f"{s.name}.{f.name}", f"({_type_name(types[f.name])}, default {_toml_value(default)})",
+                         f.metadata.get("help", "")))
+    w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
+    return [f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    "The command line: an optional config file, repeatable --set, and a --help that lists the fields."
+    parser = argparse.ArgumentParser(add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="Run config: defaults <- TOML file <- --set overrides, validated.")
+    parser.add_argument("config", nargs="?", help="TOML config file (default: the built-in defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override one field; the value is a TOML literal or plain text; repeatable")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help, with every field, and exit")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    "The validated `Config` from the command line (`argv`, default sys.argv[1:]) and WORLD_SIZE."
+    parser = arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.help:  # list the fields of the model family that the file and overrides select
+            model_type = [s for s in args.set if s.partition("=")[0].strip() == "model.model_type"]
+            fields_of = from_dict(read_toml(args.config), model_type)
+            parser.epilog = "fields (set with --set section.field=value):\n" + "\n".join(_field_lines(fields_of))
+            parser.print_help()
+            parser.exit()
+        return load_config(args.config, args.set, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:  # argparse's way out: usage line, the message, exit status 2
+        parser.error(str(e))
+
+
+def main():
+    "Print the resolved config as TOML."
+    print(dump_toml(parse_args()), end="")
+
+
+if __name__ == "__main__" and __spec__ is not None:
+    main()
+
+# %%
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+    parse_args(["--help"])
+print(out.getvalue())
+for s in fields(Config):
+    for f in fields(getattr(Config(), s.name)):
+        assert f"  {s.name}.{f.name} " in out.getvalue(), f"{s.name}.{f.name} missing from --help"
+assert parse_args([str(CONFIGS / "tiny.toml"), "--set", "train.steps=5", "--set", "log.every=1"]).train.steps == 5

@@ -1,0 +1,257 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Load balance
+#
+# A router that sends most tokens to a few experts wastes the rest of them, and under expert parallelism it
+# also makes the rank that owns the popular experts the straggler every other rank waits for. The usual
+# remedy (Switch Transformer, GShard, Qwen3-MoE) is an auxiliary loss added to the language-model loss:
+#
+# $$\mathcal{L}_{\text{aux}} = E \sum_{i=1}^{E} f_i\, P_i, \qquad
+#   f_i = \frac{\#\{(t, j) : \text{ids}_{t,j} = i\}}{T\,k}, \qquad P_i = \frac{1}{T} \sum_t \text{probs}_{t,i}$$
+#
+# for $T$ tokens, $E$ experts and top-$k$ routing. $f_i$ is the fraction of the $T k$ (token, expert)
+# assignments that went to expert $i$; it comes from a top-k, so it has no gradient. $P_i$ is the mean router
+# probability of expert $i$; it carries the gradient, which pushes probability away from the experts that
+# received more than their share. With this normalisation perfectly uniform routing ($f_i = P_i = 1/E$) gives
+# exactly 1.0, whatever $E$ and $k$, so the number is readable as "how many times worse than uniform".
+#
+# **Micro or global.** The loss can be measured on each micro-batch alone (*micro*), or with $f$ taken from a
+# larger batch (*global*, Qiu et al. 2025, "Demons in the Detail"). Micro-batch balance asks every micro-batch
+# (often a handful of sequences from one document domain) to spread over all experts, which fights
+# specialisation: a code micro-batch *should* mostly go to the code experts. What costs compute is imbalance of
+# the whole batch that an optimizer step processes across all ranks, and that can be balanced while each
+# micro-batch is specialised. So *global* takes $f$ from the counts of the whole step, all-reduced over the
+# data/expert-parallel group, and keeps $P$ per micro-batch (the gradient still flows only through this
+# micro-batch's router probabilities).
+#
+# "The whole step" needs care: with gradient accumulation, micro-batch 1 runs its backward before micro-batch 2
+# has been routed, so its $f$ cannot include later micro-batches. Here **global means a running accumulation**:
+# the $f$ used for micro-batch $m$ counts the assignments of micro-batches $1..m$ of the current step on every
+# rank of the group. The last micro-batch sees the exact step-level $f$; the first sees only itself, summed
+# over ranks. `start_step()` resets the counts.
+#
+# The class keeps per-layer state keyed by the caller's layer key (the absolute layer index), so a pipeline
+# stage that holds any subset of layers works unchanged.
+#
+# **Scale.** `loss` returns `coef` times the auxiliary loss of one layer and one micro-batch. The trainer adds it
+# to that micro-batch's language-model loss and scales it the same way: since the token-weighted loss of
+# `43_optim` makes gradients add up over micro-batches and data-parallel ranks, the auxiliary term is divided by
+# the number of micro-batches times ranks so the step sees its mean, and averaged over the MoE layers. Hugging Face's Qwen3-MoE divides the counts
+# by $T$ rather than $T k$, so its loss is $k$ times this one: its `router_aux_loss_coef` corresponds to
+# `lb_coef = k · router_aux_loss_coef` here.
+
+# %%
+#| default_exp train.load_balance
+
+# %%
+#| export
+import torch
+import torch.distributed as dist
+
+# %%
+#| export
+class LoadBalance:
+    """The auxiliary load-balance loss `coef · E · Σ_i f_i P_i` for every MoE layer, plus step-level statistics.
+
+    `level="micro"`: f from this micro-batch. `level="global"`: f from the counts of all micro-batches of the
+    current optimizer step so far (this one included), all-reduced over `group` when one is given. P is always
+    this micro-batch's mean router probability. Call `start_step()` before the first micro-batch of each step,
+    `loss(layer_key, probs, ids)` once per MoE layer per micro-batch (the key is the absolute layer index), and
+    `stats()` after the last one.
+    With a group, every rank of the group must make the same `loss` and `stats` calls in the same order
+    (they are collectives).
+    """
+
+    def __init__(self, num_experts: int, coef: float, level: str, group: dist.ProcessGroup | None = None):
+        if level not in ("micro", "global"):
+            raise ValueError(f"load-balance level must be 'micro' or 'global', got {level!r} (set train.lb_level)")
+        if coef < 0:
+            raise ValueError(f"load-balance coefficient must be >= 0 (0 disables the loss), got {coef} "
+                             "(set train.lb_coef)")
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        self.num_experts, self.coef, self.level, self.group = num_experts, coef, level, group
+        self.start_step()
+
+    def start_step(self):
+        "Forget the previous step: per layer, assignment counts and the sum of router probabilities."
+        self.counts: dict = {}     # layer_key -> (E,) float64, this rank's assignments so far this step
+        self.prob_sum: dict = {}   # layer_key -> (E,) float64, this rank's Σ_t probs[t, :] so far this step
+
+    def loss(self, layer_key, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        "`coef · E · Σ_i f_i P_i` for one layer and one micro-batch: `probs (T, E)` with grad, `ids (T, k)` int64."
+        T, E = probs.shape
+        if E != self.num_experts or ids.dim() != 2 or ids.shape[0] != T:
+            raise ValueError(f"expected probs (T, {self.num_experts}) and ids (T, k) with the same T, got probs "
+                             f"{tuple(probs.shape)} and ids {tuple(ids.shape)}")
+        # scatter_add rather than bincount: bincount on CUDA reads the max id back to the host.
+        counts = torch.zeros(E, dtype=torch.float64, device=ids.device)
+        counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.float64, device=ids.device))
+        psum = probs.detach().sum(0, dtype=torch.float64)
+        if layer_key in self.counts:
+            self.counts[layer_key] += counts
+            self.prob_sum[layer_key] += psum
+        else:
+            self.counts[layer_key], self.prob_sum[layer_key] = counts, psum
+        if self.coef == 0:
+            return torch.zeros((), dtype=probs.dtype, device=probs.device)
+        if self.level == "global":
+            counts = self.counts[layer_key].clone()
+            if self.group is not None:
+                dist.all_reduce(counts, group=self.group)
+        f = (counts / counts.sum()).to(probs.dtype)  # counts.sum() = T·k assignments (summed over what f covers)
+        return self.coef * E * (f * probs.mean(0)).sum()
+
+    def stats(self) -> dict:
+        """The step's balance `E · Σ_i f_i P_i` per layer from the whole step's counts and mean probabilities
+        (over the group when one is given), and their mean. 1.0 is perfectly balanced. For logging only."""
+        if not self.counts:
+            raise RuntimeError("LoadBalance.stats() found no routing this step: call loss() for every MoE layer "
+                               "of every micro-batch before stats(), and start_step() only at the start of a step")
+        keys = sorted(self.counts)   # the same order on every rank of the group
+        # One (layers, 2, E) tensor, one collective. A token's probabilities sum to 1, so Σ_i prob_sum = #tokens.
+        both = torch.stack([torch.stack([self.counts[k], self.prob_sum[k]]) for k in keys])
+        if self.group is not None:
+            dist.all_reduce(both, group=self.group)
+        f = both[:, 0] / both[:, 0].sum(-1, keepdim=True)
+        P = both[:, 1] / both[:, 1].sum(-1, keepdim=True)
+        balance = (self.num_experts * (f * P).sum(-1)).tolist()
+        out = {f"lb/layer{k}": v for k, v in zip(keys, balance)}
+        out["lb/mean"] = sum(balance) / len(balance)
+        return out
+
+# %% [markdown]
+# `P` in `stats()` is the sum of probabilities divided by its own total, which is the number of tokens because
+# each token's softmax sums to one; this avoids storing a token count that can be derived.
+#
+# ### Checks
+# Uniform routing: every expert receives the same number of assignments and the probabilities are flat, so the
+# loss (with `coef = 1`) is exactly 1.0, and the statistic too.
+
+# %%
+E, k, T = 8, 2, 16
+ids = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1)   # each expert gets 2T/E assignments
+probs = torch.full((T, E), 1 / E, requires_grad=True)
+lb = LoadBalance(E, coef=1.0, level="micro")
+uniform = lb.loss(0, probs, ids)
+assert abs(uniform.item() - 1.0) < 1e-6, uniform
+assert abs(lb.stats()["lb/mean"] - 1.0) < 1e-12
+uniform.item()
+
+# %% [markdown]
+# The gradient reaches only `probs`, and equals the hand-written derivative
+# $\partial \mathcal{L}/\partial\,\text{probs}_{t,i} = \text{coef} \cdot E \cdot f_i / T$ for every token $t$.
+# The value is compared with the formula computed independently with `bincount` in float64.
+
+# %%
+torch.manual_seed(0)
+T, E, k, coef = 12, 6, 2, 0.01
+logits = torch.randn(T, E, dtype=torch.float64)
+probs = logits.softmax(-1).requires_grad_()
+ids = probs.detach().topk(k, -1).indices
+lb = LoadBalance(E, coef, "micro")
+out = lb.loss("a", probs, ids)
+out.backward()
+f_ref = torch.bincount(ids.flatten(), minlength=E).double() / (T * k)
+assert torch.allclose(out, coef * E * (f_ref * probs.detach().mean(0)).sum(), rtol=1e-12)
+assert torch.allclose(probs.grad, (coef * E * f_ref / T).expand(T, E), rtol=1e-12)
+probs.grad[0]
+
+# %% [markdown]
+# `torch.autograd.gradcheck` in float64 agrees with the analytic gradient by finite differences (a fresh
+# `LoadBalance` per call, so `f` stays fixed while `probs` is perturbed).
+
+# %%
+assert torch.autograd.gradcheck(lambda p: LoadBalance(E, coef, "micro").loss(0, p, ids),
+                                (probs.detach().clone().requires_grad_(),))
+
+# %% [markdown]
+# **Global within a step.** Two micro-batches, each routed to one half of the experts: each is as unbalanced as
+# it can be on its own, and together they are perfectly balanced. The first micro-batch's `global` loss equals
+# its `micro` loss (it is all the step has seen); the second's uses the counts of both, so it drops to the
+# perfectly-balanced value, while `micro` keeps penalising the specialisation. The step statistic says the
+# step was balanced. After `start_step()` the counts start again.
+
+# %%
+T, E, k = 8, 4, 2
+def half(lo):   # every token picks experts lo and lo+1, with probability 1/2 each
+    ids = torch.tensor([[lo, lo + 1]] * T)
+    probs = torch.zeros(T, E)
+    probs[:, lo:lo + 2] = 0.5
+    return probs.requires_grad_(), ids
+
+micro, glob = LoadBalance(E, 1.0, "micro"), LoadBalance(E, 1.0, "global")
+l_micro = [micro.loss(0, *half(lo)).item() for lo in (0, 2)]
+l_glob = [glob.loss(0, *half(lo)).item() for lo in (0, 2)]
+print("micro", l_micro, "global", l_glob, "step balance", glob.stats())
+assert l_micro == [2.0, 2.0] and l_glob == [2.0, 1.0]
+assert glob.stats() == {"lb/layer0": 1.0, "lb/mean": 1.0}
+glob.start_step()
+assert glob.loss(0, *half(2)).item() == 2.0
+
+# %% [markdown]
+# `coef = 0` turns the loss off: it returns a zero that is not connected to the graph (no backward work),
+# while the counts are still kept so the statistic can be logged.
+
+# %%
+off = LoadBalance(E, 0.0, "global")
+z = off.loss(0, *half(0))
+assert z.item() == 0.0 and z.grad_fn is None and not z.requires_grad
+off.loss(1, *half(2))
+assert off.stats() == {"lb/layer0": 2.0, "lb/layer1": 2.0, "lb/mean": 2.0}
+
+# %% [markdown]
+# Bad arguments name the setting to change.
+
+# %%
+for args, msg in [((E, 1.0, "batch"), "must be 'micro' or 'global'"), ((E, -1.0, "micro"), "must be >= 0")]:
+    try:
+        LoadBalance(*args)
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert msg in str(e), e
+
+# %% [markdown]
+# ### Across ranks
+# With a process group, `global` all-reduces the accumulated counts, so every rank uses the `f` of all ranks'
+# micro-batches so far. The worker below runs in each of several processes: rank `r` routes its own share of
+# every micro-batch, and checks that its loss, gradient (which is `coef · E · f / T`, so it exposes `f`) and
+# step statistics equal those of a single-process `LoadBalance` that sees all ranks' shares of each micro-batch
+# as one micro-batch. It is exported because spawned processes must import it; `tests/test_lb_optim.py` runs
+# it in two gloo processes.
+
+# %%
+#| export
+def check_across_ranks(rank: int, world_size: int, init_method: str, seed: int = 0):
+    "Worker for a multi-process check of `LoadBalance(level='global', group=...)` against one process (gloo)."
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    T, E, k, coef, micro_batches, layers = 6, 8, 2, 0.1, 3, (3, 5)
+    g = torch.Generator().manual_seed(seed)   # the same data on every rank: all ranks' shares of all steps
+    logits = torch.randn(micro_batches, len(layers), world_size, T, E, dtype=torch.float64, generator=g)
+    logits[..., 0] += 2.0                     # an unbalanced router, so f is not uniform
+    mine, ref = LoadBalance(E, coef, "global", group=dist.group.WORLD), LoadBalance(E, coef, "global")
+    for m in range(micro_batches):
+        for l, key in enumerate(layers):
+            probs = logits[m, l].softmax(-1)                      # (world, T, E)
+            ids = probs.topk(k, -1).indices
+            p_mine = probs[rank].clone().requires_grad_()
+            out = mine.loss(key, p_mine, ids[rank])
+            out.backward()
+            p_all = probs.reshape(-1, E).clone().requires_grad_()
+            out_ref = ref.loss(key, p_all, ids.reshape(-1, k))
+            out_ref.backward()
+            f_mine, f_ref = p_mine.grad[0] * T / (coef * E), p_all.grad[0] * world_size * T / (coef * E)
+            assert torch.allclose(f_mine, f_ref, rtol=1e-12, atol=0), (rank, m, key, f_mine, f_ref)
+            total = out.detach().clone()
+            dist.all_reduce(total)                # P of the whole micro-batch is the mean of the ranks' P
+            assert torch.allclose(total / world_size, out_ref, rtol=1e-12), (rank, m, key)
+    s_mine, s_ref = mine.stats(), ref.stats()
+    assert s_mine.keys() == s_ref.keys() and all(abs(s_mine[x] - s_ref[x]) < 1e-12 for x in s_ref), (s_mine, s_ref)
+    dist.destroy_process_group()

@@ -1,0 +1,87 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # v01 · Training validation
+#
+# Trains the configured model for `steps` steps and checks three things: the loss falls by at least `min_drop`
+# (in nats, first step against the mean of the last `tail` steps); the load-balance metric stays within
+# `max_balance` of perfect (1.0); and a run stopped halfway and resumed from its checkpoint repeats the straight
+# run's losses (exactly on the CPU in float32; within `resume_rtol` on a GPU, where kernels need not be
+# bitwise deterministic). It draws the loss and load-balance curves into `out_dir/v01_training.png` and ends
+# with PASS or FAIL.
+#
+# CPU (the defaults): `papermill` with no parameters. One H200, the bench shape:
+# `-p config ../../configs/bench-qwen3-30b-a3b.toml -p steps 30 -p min_drop 1.0 -p resume_rtol 1e-2`.
+
+# %% tags=["parameters"]
+config = "../../configs/tiny.toml"  # a path relative to this notebook's folder, or absolute
+steps = 60
+overrides = ["train.warmup=10", "log.sample_tokens=0", "log.tensorboard=false"]
+min_drop = 1.0
+max_balance = 1.5
+tail = 5
+resume_rtol = 0.0
+out_dir = "."
+
+# %%
+import math
+import shutil
+from pathlib import Path
+
+import matplotlib
+import matplotlib.pyplot as plt
+
+from pith_lit.train.config import load_config
+from pith_lit.train.trainer import train
+
+matplotlib.use("Agg")
+out = Path(out_dir)
+runs = out / "v01_runs"
+shutil.rmtree(runs, ignore_errors=True)
+
+# %% [markdown]
+# ## The straight run, then the same run stopped at half and resumed
+
+# %%
+common = [f"train.steps={steps}", *overrides]
+straight = train(load_config(config, common + [f"run.dir={runs}/straight"]), quiet=True)["history"]
+half = steps // 2
+split_cfg = load_config(config, common + [f"run.dir={runs}/split"])
+split = train(split_cfg, until=half, quiet=True)["history"] + train(split_cfg, quiet=True)["history"]
+loss = [r["loss"] for r in straight]
+bal = [r["balance"] for r in straight]
+print(f"loss {loss[0]:.3f} -> {sum(loss[-tail:]) / tail:.3f}; balance last {bal[-1]:.3f}; "
+      f"{sum(r['tokens_per_s'] for r in straight[1:]) / max(len(straight) - 1, 1):,.0f} tokens/s")
+
+# %%
+fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+a.plot(range(1, steps + 1), loss, label="straight")
+a.plot(range(1, steps + 1), [r["loss"] for r in split], "--", label=f"stopped at {half}, resumed")
+a.set(xlabel="step", ylabel="loss (nats/token)", title="loss"); a.legend()
+b.plot(range(1, steps + 1), bal); b.axhline(1.0, color="gray", lw=0.8)
+b.set(xlabel="step", ylabel="E·Σ f·P (1 = balanced)", title="load balance")
+fig.tight_layout(); fig.savefig(out / "v01_training.png", dpi=110)
+
+# %% [markdown]
+# ## Verdict
+
+# %%
+drop = loss[0] - sum(loss[-tail:]) / tail
+checks = {
+    f"loss falls by ≥ {min_drop} (fell {drop:.3f})": drop >= min_drop,
+    f"balance ≤ {max_balance} at the end (is {bal[-1]:.3f})": bal[-1] <= max_balance,
+    "all losses finite": all(math.isfinite(l) for l in loss),
+    f"resumed run repeats the straight run (rtol {resume_rtol})": all(
+        abs(s["loss"] - r["loss"]) <= resume_rtol * abs(r["loss"]) for s, r in zip(split, straight))
+        and len(split) == len(straight),
+}
+for name, ok in checks.items():
+    print(("ok   " if ok else "FAIL ") + name)
+assert all(checks.values()), "FAIL"
+print("PASS")

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs nbs/validate/v01_training through papermill; prints PASS or FAIL last and exits 0 or 1.
+#   bash skills/validate-correctness/check.sh [--gpu]
+set -uo pipefail
+cd "$(git rev-parse --show-toplevel)"
+fail() { echo "$1"; echo FAIL; exit 1; }
+python -c "import pith_lit, jupytext, papermill" 2>/dev/null || fail 'pith_lit, jupytext or papermill missing: pip install -e ".[dev]"'
+python scripts/sync_check.py >/dev/null || fail "notebooks and package disagree: python scripts/sync_check.py says what to run"
+params=()
+if [ "${1:-}" = "--gpu" ]; then
+  python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || fail "--gpu asked for, but no CUDA device is visible"
+  params=(-p config ../../configs/bench-qwen3-30b-a3b.toml -p steps 30 -p min_drop 1.0 -p resume_rtol 0.01 -p max_balance 3.0)
+fi
+out=$PWD/out/validate
+mkdir -p "$out"
+jupytext --to ipynb nbs/validate/v01_training.py -o - 2>/dev/null |
+  papermill - "$out/v01.out.ipynb" --cwd nbs/validate -p out_dir "$out" "${params[@]}" --no-progress-bar --log-output \
+  > "$out/v01.log" 2>&1
+rc=$?
+grep -E '^(ok|FAIL) ' "$out/v01.log" | sed 's/^.*papermill.*- //' || true
+[ $rc -eq 0 ] && grep -q PASS "$out/v01.out.ipynb" && { echo PASS; exit 0; }
+tail -20 "$out/v01.log"
+echo FAIL; exit 1
