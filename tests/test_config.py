@@ -82,7 +82,7 @@ def test_negative_and_out_of_range():
         validate(c)
     assert error(["train.beta2=1.0"]) == "train.beta2 = 1.0: must be in [0, 1)"
     assert error(["train.decay_frac=1.5"]) == "train.decay_frac = 1.5: must be in [0, 1]"
-    assert validate(from_dict({}, ["train.decay_frac=1", "train.grad_clip=0", "ckpt.every=0", "log.sample_tokens=0"]))
+    assert validate(from_dict({}, ["train.decay_frac=1", "train.warmup=0", "train.grad_clip=0", "ckpt.every=0", "log.sample_tokens=0"]))
 
 
 def test_world_size():
@@ -319,6 +319,17 @@ def test_cli_help_lists_every_field():
 
 
 def test_cli_prints_resolved_config():
-    proc = cli("configs/qwen3-30b-a3b.toml", "--set", "train.steps=7", WORLD_SIZE=8)
+    proc = cli("configs/qwen3-30b-a3b.toml", "--set", "train.steps=700", WORLD_SIZE=8)
     assert proc.returncode == 0, proc.stderr
-    assert "num_hidden_layers = 48" in proc.stdout and "ep = 4" in proc.stdout and "steps = 7" in proc.stdout
+    assert "num_hidden_layers = 48" in proc.stdout and "ep = 4" in proc.stdout and "steps = 700" in proc.stdout
+
+
+def test_warmup_longer_than_run():
+    assert error(["train.steps=10", "train.warmup=20"]) == (
+        "train.warmup = 20: longer than train.steps = 10; use at most 10 warmup steps")
+
+
+def test_warmup_overlaps_wsd_decay():
+    msg = error(["train.steps=100", "train.warmup=90", "train.decay_frac=0.2"])
+    assert msg.startswith("train.warmup = 90: overlaps the wsd decay") and "use warmup <= 80" in msg
+    assert load_config(overrides=["train.steps=100", "train.warmup=90", "train.schedule=cosine"]).train.warmup == 90

@@ -65,7 +65,8 @@ def group_swiglu():
     assert _rel(y, swiglu_ref(x64)) < 1e-6 and _rel(x.grad, x64.grad) < 1e-6
     # forward saves only its input: silu is recomputed in backward
     x = torch.randn(7, 24, requires_grad=True)
-    saved = SwiGLUFunction.apply(x).grad_fn.saved_tensors
+    y = SwiGLUFunction.apply(x)
+    saved = y.grad_fn.saved_tensors
     assert len(saved) == 1 and saved[0] is x, [t.shape for t in saved]
     # impl=None follows the device; bad input names the problem
     assert torch.equal(swiglu(x), swiglu(x, impl="triton" if x.is_cuda else "torch"))

@@ -8,13 +8,12 @@ import torch
 
 from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
 
-torch.set_num_threads(1)
-
 
 def assert_close(a, b, rel, what=""):
     "max |a - b| within `rel` of max |b|: a tolerance that does not depend on the size of the values."
     err, scale = (a - b).abs().max().item(), b.abs().max().item()
     assert err <= rel * scale, f"{what} max difference {err:.3g} > {rel:g} x max {scale:.3g}"
+
 
 # Every layer choice at once: a dense layer from mlp_only_layers and one from the sparse step (layer 0),
 # unnormalised top-3 of 6 experts, attention biases, a tied head, MQA-like grouping (4 query heads per KV head).

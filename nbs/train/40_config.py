@@ -447,6 +447,13 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
               f"train.global_batch = {t.global_batch}: gives {cfg.num_micro_batches} micro-batches per step "
               f"(global_batch / (micro_batch × dp)), but DualPipeV with {why} needs at least 2·pp = {2 * p.pp}; "
               f"use global_batch >= {2 * p.pp * per_step} or a smaller micro_batch")
+    _need(t.warmup <= t.steps, f"train.warmup = {t.warmup}: longer than train.steps = {t.steps}; use at most "
+          f"{t.steps} warmup steps")
+    decay = round(t.decay_frac * t.steps)
+    if t.schedule == "wsd":
+        _need(t.warmup + decay <= t.steps,
+              f"train.warmup = {t.warmup}: overlaps the wsd decay (decay_frac {t.decay_frac} × {t.steps} steps = "
+              f"{decay} steps); use warmup <= {t.steps - decay} or a smaller train.decay_frac")
     if p.cp > 1:
         _need(t.seq_len % (2 * p.cp) == 0,
               f"train.seq_len = {t.seq_len}: not divisible by 2 × parallel.cp = {2 * p.cp} (context parallelism "

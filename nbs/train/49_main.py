@@ -65,6 +65,7 @@ assert bad.returncode == 2 and "train.stepz" in bad.stderr and "train.steps" in 
 # %%
 run_dir = tempfile.mkdtemp()
 ok = subprocess.run([sys.executable, "-m", "pith_lit.train", "--set", f"run.dir={run_dir}", "--set", "train.steps=3",
+                     "--set", "train.warmup=1",
                      "--set", "log.sample_tokens=0", "--set", "log.tensorboard=false"], capture_output=True, text=True)
 assert ok.returncode == 0, ok.stderr[-3000:]
 print([json.loads(l)["loss"] for l in open(f"{run_dir}/metrics.jsonl")])
