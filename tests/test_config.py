@@ -276,7 +276,7 @@ def test_real_and_bench_shapes():
     t = bench.train
     assert (t.seq_len, t.micro_batch, t.global_batch, t.steps, t.lb_coef, t.dtype) == \
         (4096, 2, 8, 30, 0.001, "bfloat16")
-    assert (bench.log.every, bench.ckpt.every, bench.log.sample_tokens) == (5, 0, 0)
+    assert (bench.log.every, bench.ckpt.every, bench.log.sample_tokens) == (5, -1, 0)
     assert (bench.data.corpus, bench.data.tokenizer) == ("stdlib", "bytes")
 
 

@@ -64,8 +64,10 @@ def swiglu_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # ## Tiles
 #
 # Both kernels walk the `(N, I)` output in tiles of `BLOCK_M` rows × `BLOCK_N` columns. A tile of 4096 output
-# elements keeps each thread streaming several 16-byte vectors, enough in flight to cover memory latency; the
-# column tile stays at most 256 wide so that `I = 768` splits into three full tiles with no masked lanes.
+# elements gives each of the 256 threads (8 warps) two 16-byte bf16 vectors per half, enough in flight to cover
+# memory latency; the column tile stays at most 256 wide so that `I = 768` splits into three full tiles with no
+# masked lanes. On the H200 (2026-11-29), tiles from 512 to 8192 elements with 2 to 16 warps all ran between
+# 3.5 and 4.3 TB/s; this one was within 5% of the best for every pass of both variants.
 # The interpreter runs the same tiles (it executes each program as numpy arrays), so the CPU checks exercise
 # the real masking.
 
@@ -447,7 +449,12 @@ def bench(n: int = 131072, i: int = 768) -> dict:
 # %% [markdown]
 # The GPU cell checks bf16 at the target size against an fp32 reference on the same bf16 inputs (bf16 output
 # rounding gives about 2⁻⁹ relative error), then benchmarks. Targets: fwd+bwd at ≥ 85% of the copy ceiling and
-# ≥ 2× faster than eager.
+# ≥ 2× faster than eager. Measured on the H200 (2026-11-29, torch 2.11, Triton 3.6; N = 131072, I = 768, bf16):
+#
+# | | fwd | bwd | fwd+bwd | % of copy | eager fwd+bwd | speed-up |
+# |---|---|---|---|---|---|---|
+# | swiglu | 0.145 ms | 0.244 ms | 0.389 ms | 96% | 1.43 ms | 3.7× |
+# | clamped_swiglu | 0.145 ms | 0.246 ms | 0.391 ms | 96% | 4.34 ms | 11× |
 
 # %%
 #| cuda

@@ -134,12 +134,14 @@ for T, k, E, pad_to in [(7, 2, 5, 1), (7, 2, 5, 4), (1, 1, 3, 1), (1, 3, 4, 8), 
 print("sort_by_expert matches the loop")
 
 # %% [markdown]
-# Bad input says what to change:
+# Bad input says what to change. (On CUDA, an id out of range fails as a device-side assert with the same
+# message, which ends the process; so this check uses CPU tensors.)
 
 # %%
+cpu = lambda v: torch.tensor(v, device="cpu")   # on CUDA the range check is a device assert, fatal to the process
 for bad, msg in [(lambda: sort_by_expert(torch.zeros(4, 2, dtype=torch.int32), 4), "int64"),
-                 (lambda: sort_by_expert(torch.tensor([[0, 4]]), 4), "[0, 4)"),
-                 (lambda: sort_by_expert(torch.tensor([[0, 1]]), 4, pad_to=0), "pad_to")]:
+                 (lambda: sort_by_expert(cpu([[0, 4]]), 4), "[0, 4)"),
+                 (lambda: sort_by_expert(cpu([[0, 1]]), 4, pad_to=0), "pad_to")]:
     try:
         bad()
     except (ValueError, RuntimeError) as e:
@@ -159,12 +161,14 @@ for bad, msg in [(lambda: sort_by_expert(torch.zeros(4, 2, dtype=torch.int32), 4
 # `src = -1`) and stores it. No arithmetic, so bf16 passes through bit-exact.
 #
 # **Backward** is a scatter-add: `grad_x[src[n]] += grad_out[n]`. Which rows collide is only known from the
-# data, so the choices are `index_add_` or atomics. We use an **fp32 atomic-add kernel**: each grouped row
-# is read once in its own dtype, converted to fp32 and atomically added into an fp32 (T, H) buffer (the k
-# adds per token hit L2), then one cast writes the bf16 gradient. `index_add_` would have to run in fp32 on
-# an fp32 copy of `grad_out` (an extra N×H×4 B write and read) to get the same accuracy. The price of atomics:
-# the order of the ≤ k fp32 adds per element is not fixed, so the result is not bitwise reproducible run to
-# run (it is exact to fp32 rounding, then rounded once to bf16). Padding rows (`src = -1`) are skipped.
+# data, so the obvious choices are `index_add_` or an atomic-add kernel. On CUDA both add in an order that is
+# not fixed (not bitwise reproducible), and both are slow here: `index_add_` in bf16 rounds after every add, and
+# a first version of this kernel with fp32 atomics into a zeroed (T, H) buffer, then a cast, ran at only 26%
+# of the copy ceiling on the H200 (268M atomics, plus the zeroing and the cast pass). So we turn the scatter
+# into a **gather**: sort `src_token` once (N integers, ~0.1% of the N × H values moved) and find each
+# token's range of rows with `searchsorted`; then one program per (token, column block) sums its rows in fp32,
+# in row order, and stores the token's gradient once in its dtype. No atomics, no fp32 buffer, no cast pass,
+# deterministic; it moves N + T rows. Padding rows (`src = -1`) sort first and belong to no token's range.
 
 # %%
 #| export
@@ -189,13 +193,15 @@ def _gather_rows_kernel(x_ptr, src_ptr, out_ptr, H, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _scatter_add_rows_kernel(g_ptr, src_ptr, acc_ptr, H, BLOCK_H: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _sum_rows_kernel(g_ptr, order_ptr, start_ptr, out_ptr, H, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    src = tl.load(src_ptr + row)
-    mask = cols < tl.where(src >= 0, H, 0)     # padding rows add nothing
-    g = tl.load(g_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.atomic_add(acc_ptr + tl.maximum(src, 0) * H + cols, g, mask=mask, sem="relaxed")
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for i in range(tl.load(start_ptr + t), tl.load(start_ptr + t + 1)):   # this token's rows, in row order
+        r = tl.load(order_ptr + i)
+        acc += tl.load(g_ptr + r * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -214,11 +220,12 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, grad_out):
         (src_token,), (T, H) = ctx.saved_tensors, ctx.x_shape
         grad_out = grad_out.contiguous()
-        acc = torch.zeros(T, H, dtype=torch.float32, device=grad_out.device)
-        if src_token.numel() and H:
-            _scatter_add_rows_kernel[(src_token.numel(), triton.cdiv(H, _BLOCK_H))](
-                grad_out, src_token, acc, H, BLOCK_H=_BLOCK_H)
-        return acc.to(ctx.x_dtype), None
+        sorted_src, order = torch.sort(src_token, stable=True)          # rows grouped by token, -1 first
+        start = torch.searchsorted(sorted_src, torch.arange(T + 1, device=src_token.device))
+        grad_x = torch.empty(T, H, dtype=ctx.x_dtype, device=grad_out.device)
+        if T and H:
+            _sum_rows_kernel[(T, triton.cdiv(H, _BLOCK_H))](grad_out, order, start, grad_x, H, BLOCK_H=_BLOCK_H)
+        return grad_x, None
 
 # %% [markdown]
 # Which implementation runs is decided here, in sight: Triton on CUDA, the reference elsewhere. `impl=`
@@ -246,7 +253,7 @@ def gather_rows(x: Tensor, src_token: Tensor, impl: str | None = None) -> Tensor
 # Check: Triton (under the interpreter on CPU) against the float64 reference, forward and backward, with
 # padding rows, an expert with no rows, a width that is not a multiple of the block, one token, zero tokens.
 # The float64 reference gradient is exact; the kernels accumulate in fp32. bf16 must pass through the
-# forward bit-exact.
+# forward bit-exact, and the backward must be deterministic (bitwise equal on a second run).
 
 # %%
 def check_gather(T, k, E, H, pad_to, dtype=torch.float32):
@@ -265,6 +272,8 @@ def check_gather(T, k, E, H, pad_to, dtype=torch.float32):
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(x.grad.double(), x64.grad, rtol=tol, atol=tol)
         assert (out[src < 0] == 0).all()
+        if impl == "triton":
+            assert torch.equal(torch.autograd.grad(gather_rows(x, src, impl="triton"), x, g)[0], x.grad)
 
 for T, k, E, H, pad_to in [(13, 3, 6, 1500, 4), (13, 3, 6, 7, 1), (1, 1, 2, 5, 1), (1, 2, 4, 33, 8), (0, 2, 4, 9, 1)]:
     check_gather(T, k, E, H, pad_to)
@@ -407,9 +416,10 @@ print("weighted_gather: triton and torch match float64, forward and backward")
 # `bench()` times the permute and un-permute, forward and backward, against the eager reference at
 # Qwen3-30B-A3B's shape, with `triton.testing.do_bench`. Bytes are counted as the kernel must move them,
 # read plus written, so they compare directly with the 4.3 TB/s copy ceiling: the gather reads and writes N
-# rows; the weighted gather reads N rows and writes T; the gather's backward reads N rows and writes T
-# fp32 rows by atomics, then casts (read T×4, write T×2); the weighted gather's backward reads T rows k
-# times (counted once) and N rows of `y`, and writes N rows. `python -m pith_lit.ops.bench` prints the table.
+# rows; the weighted gather reads N rows and writes T; the gather's backward reads N rows and writes T; the
+# weighted gather's backward reads T rows (each k times, counted once) and N rows of `y`, and writes N rows.
+# The gather can exceed 100% of the ceiling: each row of `x` is read k times, and the re-reads partly hit the
+# 60 MB L2. `python -m pith_lit.ops.bench` prints the table.
 
 # %%
 #| export
@@ -438,7 +448,7 @@ def bench(T: int = 16384, H: int = 2048, E: int = 128, k: int = 8) -> dict:
                        2 * N * H * 2),
         "gather bwd": (fwd_bwd(lambda a, s: gather_rows(a, s, impl="triton"), x, src, grad=gN),
                        fwd_bwd(lambda a, s: gather_rows(a, s, impl="torch"), x, src, grad=gN),
-                       N * H * 2 + T * H * (4 + 4 + 2)),
+                       (N + T) * H * 2),
         "weighted_gather fwd": (lambda: weighted_gather(y, row_index, w, impl="triton"),
                                 lambda: weighted_gather(y, row_index, w, impl="torch"), (N + T) * H * 2),
         "weighted_gather bwd": (

@@ -213,13 +213,16 @@ for c in cases:
 print("loop and F.grouped_mm (CPU) match the float64 reference; empty experts get zero gradient")
 
 # %% [markdown]
-# Zero rows in total, and input errors that say what to change:
+# Zero rows in total, and input errors that say what to change. (The counts-sum check is a device-side assert
+# on CUDA, which ends the process; so these checks use CPU tensors.)
 
 # %%
+cpu = dict(device="cpu")
 y = grouped_linear(torch.zeros(0, 8), torch.zeros(3, 16, 8, requires_grad=True), torch.zeros(3, dtype=torch.int64))
 assert y.shape == (0, 16)
 for bad, msg in [
-        (lambda: grouped_linear(torch.zeros(4, 8), torch.zeros(2, 16, 8), torch.tensor([1, 2])), "sum to the 4"),
+        (lambda: grouped_linear(torch.zeros(4, 8, **cpu), torch.zeros(2, 16, 8, **cpu), torch.tensor([1, 2], **cpu)),
+         "sum to the 4"),
         (lambda: grouped_linear(torch.zeros(4, 8), torch.zeros(2, 16, 8), torch.tensor([1, 3], dtype=torch.int32)),
          "int64"),
         (lambda: grouped_linear(torch.zeros(4, 7), torch.zeros(2, 16, 8), torch.tensor([1, 3])), "w (E, out, in)"),

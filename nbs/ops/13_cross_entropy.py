@@ -175,9 +175,10 @@ assert _ce_rows_triton(torch.randn(3, 5000), bad, -100).isnan().tolist() == [Tru
 #
 # The default chunk is 4096 tokens. The weight-gradient update reads and writes the fp32 `(V, H)` accumulator
 # (8 bytes per element) for `2·chunk` flops per element, so at 4096 it does 1024 flops per byte, far above the
-# H200's ridge of about 180 (789 TFLOP/s over 4.3 TB/s); smaller chunks would make that update memory-bound.
-# The chunk's logits then take 4096 × 151936 × 2 B = 1.2 GB, a quarter of the bf16 logits and a tiny fraction of
-# eager's peak.
+# H200's ridge of about 180 (789 TFLOP/s over 4.3 TB/s); chunks below about 700 tokens would make that update
+# memory-bound. The chunk's logits then take 4096 × 151936 × 2 B = 1.2 GB, a quarter of the bf16 logits. On the
+# H200 at 16K tokens, chunks of 2048, 4096 and 8192 took 50.6, 51.2 and 51.7 ms for fwd+bwd (within run-to-run
+# noise) with peaks of 2.6, 3.8 and 6.3 GB.
 #
 # Gradients are computed only for inputs that need them, and not at all under `torch.no_grad()` (evaluation).
 
@@ -361,7 +362,16 @@ def bench(T: int = 16384, H: int = 2048, V: int = 151936, chunk_size: int | None
 
 # %% [markdown]
 # The GPU cell checks bf16 at the real vocabulary against an fp32 reference on the same bf16 inputs, then
-# benchmarks. Targets: peak memory ≤ 1/4 of eager's, and no slower.
+# benchmarks. Targets: peak memory ≤ 1/4 of eager's, and no slower. Measured on the H200 (2026-11-29, torch 2.11,
+# Triton 3.6; T = 16384, H = 2048, V = 151936, bf16, every 50th label ignored):
+#
+# | | fwd+bwd | TFLOP/s | % of matmul | peak above inputs |
+# |---|---|---|---|---|
+# | linear_cross_entropy | 49.6 ms | 617 | 78% | 3.8 GB |
+# | eager reference | 71.6 ms | 427 | 54% | 29.9 GB |
+#
+# 1.45× faster at 0.13 of the memory. The row kernel alone streams a 4096-row chunk (three passes of 1.24 GB) in
+# 0.94 ms, about 4.0 TB/s; the rest is the three matmuls.
 
 # %%
 #| cuda

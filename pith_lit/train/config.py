@@ -82,7 +82,7 @@ class DataConfig:
 @dataclass
 class CkptConfig:
     "When to save, and what to keep."
-    every: int = cfg(100, "steps between checkpoints (0 = only at the end)")
+    every: int = cfg(100, "steps between checkpoints (0 = only at the end; -1 = never, for benchmarks)")
     keep: int = cfg(2, "most recent checkpoints kept")
     resume: bool = cfg(True, "continue from the newest checkpoint in run.dir if there is one")
 
@@ -271,13 +271,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         v = getattr(getattr(cfg, sec), name)
         _need(v > 0, f"{sec}.{name} = {v!r}: must be > 0")
     for sec, name in [("train", "warmup"), ("train", "weight_decay"), ("train", "grad_clip"),
-                      ("train", "lb_coef"), ("ckpt", "every"), ("log", "sample_tokens"), ("model", "num_experts")]:
+                      ("train", "lb_coef"), ("log", "sample_tokens"), ("model", "num_experts")]:
         v = getattr(getattr(cfg, sec), name)
         _need(v >= 0, f"{sec}.{name} = {v!r}: must be >= 0")
     for name, v, hi in [("train.min_lr_ratio", t.min_lr_ratio, "1]"), ("train.decay_frac", t.decay_frac, "1]"),
                         ("train.beta1", t.beta1, "1)"), ("train.beta2", t.beta2, "1)"),
                         ("data.val_frac", d.val_frac, "1)")]:
         _need(0 <= v and (v <= 1 if hi == "1]" else v < 1), f"{name} = {v!r}: must be in [0, {hi}")
+    _need(cfg.ckpt.every >= -1, f"ckpt.every = {cfg.ckpt.every}: use a number of steps, 0 (only at the end) or -1 "
+          "(never)")
 
     if world_size is not None:
         _need(cfg.world_size == world_size,

@@ -127,7 +127,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     rank, world, device = setup_distributed(cfg)
     t, run_dir = cfg.train, Path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model).to(device)
+    with device:  # parameters are created and initialised where they will live
+        model = build_model(cfg.model)
     dtype = cfg.torch_dtype
     master = None
     if dtype != torch.float32:
@@ -228,7 +229,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                                     f"latest checkpoint in {run_dir / 'ckpt'} is the last good one. Lower train.lr, "
                                     "raise train.warmup or check the data, then rerun to resume from it.")
             done = step + 1
-            if stop_now or done == end or (cfg.ckpt.every and done % cfg.ckpt.every == 0):
+            every = cfg.ckpt.every
+            if every >= 0 and (stop_now or done == end or (every and done % every == 0)):
                 checkpoint.save(run_dir, done, model=model, optimizer=optimizer, extra=extra, model_config=model_cfg,
                                 keep=cfg.ckpt.keep)
             if stop_now:

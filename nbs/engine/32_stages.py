@@ -1,0 +1,485 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Five-stage execution
+#
+# With expert parallelism every MoE layer does two all-to-alls (dispatch and combine) in its forward and two more
+# in its backward. Nothing else can happen on a GPU that waits for them, unless there is other work at hand: the
+# forward of one micro-batch can compute while the all-to-all of another micro-batch's backward is in flight, and
+# the other way round. DeepSeek-V3 builds its whole pipeline schedule on this.
+#
+# Plain autograd cannot do it: `loss.backward()` runs a micro-batch's whole backward in one call. So the engine
+# runs each layer **stage by stage** (models/20_protocol: stage 1, dispatch, stage 3, combine, stage 5) and makes
+# every stage boundary a **detach point**: a stage's inputs are fresh leaves that require grad, and its outputs
+# are kept. The backward then runs one stage at a time, in reverse, handing gradients across each boundary
+# explicitly with `torch.autograd.backward(outputs, grads)`: stage 5, combine, stage 3, dispatch, stage 1. Each of
+# those ten pieces (five forward, five backward) is a **step** that runs either on the compute stream or, for
+# dispatch and combine, on a communication stream. `run_steps` interleaves the steps of two micro-batches so each
+# one's communication overlaps the other's compute.
+#
+# This notebook builds that machinery and checks it against plain autograd; engine/33_dualpipev puts it inside
+# the DualPipeV pipeline schedule.
+
+# %%
+#| default_exp engine.stages
+
+# %%
+#| export
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+# %%
+import copy
+
+import torch.nn.functional as F
+
+from pith_lit.models.protocol import LocalDispatcher, run_layers
+from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
+
+# %% [markdown]
+# ## Boundaries
+#
+# A detach point is `t.detach().requires_grad_()`: the next stage builds its graph on a new leaf, and after that
+# stage's backward the leaf's `.grad` is the gradient to hand to the stage before. `_backward` runs autograd on the
+# (output, gradient) pairs that take part: an output that does not require grad (a load-balance loss with
+# coefficient 0) or a gradient that never arrived is skipped, as autograd itself would. Parameter gradients
+# accumulate into `.grad` as usual.
+#
+# `_use` is about memory on a GPU. A tensor allocated on one stream and read on another must not be handed back to
+# the caching allocator while the reader may still be using it; `record_stream` tells the allocator to wait for
+# the reading stream's work first. Every step calls `_use` on the inputs it reads, so tensors that cross between
+# the compute and the communication stream stay valid however early Python drops them. On the CPU it does nothing.
+
+# %%
+#| export
+def _leaf(t: Tensor) -> Tensor:
+    "A stage boundary: the same values as a new leaf that requires grad."
+    return t.detach().requires_grad_()
+
+
+def _backward(outputs: list, grads: list) -> None:
+    "`torch.autograd.backward` over the (output, grad) pairs where the output requires grad and the grad exists."
+    pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _use(*tensors) -> None:
+    "Mark CUDA tensors as in use by the current stream, so their memory is not reused before it has read them."
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+# %% [markdown]
+# ## One layer, one micro-batch: `LayerRun`
+#
+# A `LayerRun` holds what a layer's backward needs between its forward and its backward. `forward(h, positions)`
+# and `backward(grad)` are **generators of steps**: each yields `(kind, fn)`, where `kind` says which stream the
+# step belongs to and `fn` does the work when called. Whoever drives the generator (`run_steps`, below) calls each
+# `fn` before asking for the next step, which is why the forward can look at `self.routing` after stage 1 to learn
+# whether the layer is dense (stage 1 did the whole layer; one step each way) or MoE (five steps each way).
+#
+# The boundaries of an MoE layer, and what crosses them:
+#
+# | step | reads (leaves) | keeps (outputs) | its backward hands back |
+# |---|---|---|---|
+# | stage 1 | `h_in` | `h`, `x`, `routing.weights`, the load-balance loss | `h_in.grad` |
+# | dispatch | `x` | `xg_out` (rows grouped by expert), `counts` | `x.grad` |
+# | stage 3 | `xg` | `y_out` (expert outputs) | `xg.grad` |
+# | combine | `y` | `yc_out` (outputs back home) | `y.grad` |
+# | stage 5 | `h1`, `yc`, `w` | `h_out` | `h1.grad`, `yc.grad`, `w.grad` |
+#
+# The router weights cross from stage 1 to stage 5 directly (as the leaf `w`), so stage 1's backward receives
+# three gradients plus the load-balance loss, whose gradient is 1: the loss `aux_fn(key, routing)` joins stage 1's
+# backward, as it would in one `loss.backward()`. Each backward step drops what the next one no longer needs.
+#
+# `wgrad_queue` is where the expert weight gradients of stage 3 are meant to go when a pipeline defers them to a
+# W slot (zero-bubble scheduling; ops/12_grouped_linear's `WeightGradQueue`). The layer protocol's
+# `stage3(x, counts)` does not take a queue yet, so today the expert weight gradients are computed inside stage 3's
+# backward and the queue stays empty; the one call that would pass it is marked below.
+
+# %%
+#| export
+COMPUTE, COMM = "compute", "comm"   # the two kinds of step: which stream a step runs on
+
+
+class LayerRun:
+    """One decoder layer on one micro-batch, cut at the five stage boundaries: its forward and backward as steps.
+
+    `forward(h, positions)` yields the forward steps; afterwards `h_out` is the layer's output. `backward(grad)`, with
+    `grad` the gradient of `h_out`, yields the backward steps; afterwards `grad_in` is the gradient of `h`.
+    A step is `(kind, fn)`: `kind` is COMPUTE or COMM, and the driver calls `fn()` before taking the next step.
+    `aux_fn(key, routing) -> Tensor` (optional) is the load-balance loss term of this layer, added to the objective
+    with gradient 1; `aux` holds it after stage 1 (None for a dense layer)."""
+
+    def __init__(self, layer, key: str, dispatcher, aux_fn=None, wgrad_queue=None):
+        self.layer, self.key, self.dispatcher, self.aux_fn = layer, key, dispatcher, aux_fn
+        self.wgrad_queue = wgrad_queue
+        self.aux = None
+
+    def forward(self, h: Tensor, positions: Tensor):
+        self.h_in, self.positions = _leaf(h), positions
+        yield COMPUTE, self._stage1
+        if self.routing is not None:
+            yield COMM, self._dispatch
+            yield COMPUTE, self._stage3
+            yield COMM, self._combine
+            yield COMPUTE, self._stage5
+
+    def backward(self, grad: Tensor):
+        self.g_out = grad
+        if self.routing is not None:
+            yield COMPUTE, self._stage5_backward
+            yield COMM, self._combine_backward
+            yield COMPUTE, self._stage3_backward
+            yield COMM, self._dispatch_backward
+        yield COMPUTE, self._stage1_backward
+
+    # forward steps
+    def _stage1(self):
+        h, x, self.routing = self.layer.stage1(self.h_in, self.positions)
+        if self.routing is None:                      # dense layer: stage 1 was the whole layer
+            self.h_out, self.s1_out = h, [h]
+            return
+        if self.aux_fn is not None:
+            self.aux = self.aux_fn(self.key, self.routing)
+        self.s1_out = [h, x, self.routing.weights, self.aux]
+        self.h1, self.x, self.w = _leaf(h), _leaf(x), _leaf(self.routing.weights)
+
+    def _dispatch(self):
+        _use(self.x)
+        self.xg_out, self.counts = self.dispatcher.dispatch(self.x, self.routing)
+        self.xg = _leaf(self.xg_out)
+
+    def _stage3(self):
+        _use(self.xg, self.counts)
+        self.y_out = self.layer.stage3(self.xg, self.counts)   # zero-bubble: pass self.wgrad_queue here
+        self.y = _leaf(self.y_out)
+
+    def _combine(self):
+        _use(self.y)
+        self.yc_out = self.dispatcher.combine(self.y, self.routing)
+        self.yc = _leaf(self.yc_out)
+
+    def _stage5(self):
+        _use(self.yc, self.routing.row_index)
+        self.h_out = self.layer.stage5(self.h1, self.yc, replace(self.routing, weights=self.w))
+
+    # backward steps, in the order they run
+    def _stage5_backward(self):
+        _backward([self.h_out], [self.g_out])
+        self.h_out = self.g_out = None
+
+    def _combine_backward(self):
+        _use(self.yc.grad)
+        _backward([self.yc_out], [self.yc.grad])
+        self.yc_out = self.yc = None
+
+    def _stage3_backward(self):
+        _use(self.y.grad)
+        _backward([self.y_out], [self.y.grad])
+        self.y_out = self.y = None
+
+    def _dispatch_backward(self):
+        _use(self.xg.grad)
+        _backward([self.xg_out], [self.xg.grad])
+        self.xg_out = self.xg = self.counts = None
+
+    def _stage1_backward(self):
+        if self.routing is None:
+            grads = [self.g_out]
+        else:
+            _use(self.x.grad)
+            one = None if self.aux is None else torch.ones_like(self.aux)
+            grads = [self.h1.grad, self.x.grad, self.w.grad, one]
+        _backward(self.s1_out, grads)
+        self.grad_in = self.h_in.grad
+        self.s1_out = self.h_in = self.g_out = self.h1 = self.x = self.w = None
+        if self.aux is not None:
+            self.aux = self.aux.detach()
+
+# %% [markdown]
+# The simplest driver calls the steps in order. One MoE layer, forward and backward step by step, must give the
+# same output, input gradient and parameter gradients as plain autograd on `run_layers` (the five calls without
+# detach points), with the load-balance loss added to the objective in both. The tiny model has a dense layer
+# (layer 1) so both kinds of layer are covered below. Everything is float64 here, so any difference is in the
+# order of additions, not in rounding of the inputs.
+
+# %%
+cfg = Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermediate_size=48, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+             mlp_only_layers=[1])
+torch.manual_seed(0)
+model = Qwen3MoeForCausalLM(cfg).double()
+dispatcher = LocalDispatcher(cfg.num_experts)
+
+def lb_loss(key, routing):
+    "A micro-batch load-balance loss, E · Σ_i f_i · P_i with coefficient 0.1 (train/42_load_balance's formula)."
+    f = torch.bincount(routing.ids.flatten(), minlength=cfg.num_experts) / routing.ids.numel()
+    return 0.1 * cfg.num_experts * (f * routing.probs.mean(0)).sum()
+
+def grads_of(m):
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+def max_rel(a: dict, b: dict) -> float:
+    "Largest max|a - b| / max|b| over the tensors of two dicts with the same keys."
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)).item() for k in a)
+
+# %%
+layer, positions = model.model.layers["0"], torch.arange(8)
+h = torch.randn(2, 8, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+g = torch.randn(2, 8, cfg.hidden_size, dtype=torch.float64)
+
+out, routings = run_layers([layer], h, positions, dispatcher)       # plain autograd through the five calls
+torch.autograd.backward([out, lb_loss("0", routings[0])], [g, None])
+ref_params, ref_h = grads_of(layer), h.grad.clone()
+layer.zero_grad(set_to_none=True)
+
+run = LayerRun(layer, "0", dispatcher, lb_loss)
+kinds = []
+for kind, fn in run.forward(h, positions):
+    fn()
+    kinds.append(kind)
+assert torch.equal(run.h_out, out) and kinds == [COMPUTE, COMM, COMPUTE, COMM, COMPUTE]
+for kind, fn in run.backward(g):
+    fn()
+print("max relative difference, parameter grads:", max_rel(grads_of(layer), ref_params),
+      " input grad:", max_rel({"h": run.grad_in}, {"h": ref_h}))
+assert max_rel(grads_of(layer), ref_params) < 1e-12 and max_rel({"h": run.grad_in}, {"h": ref_h}) < 1e-12
+model.zero_grad(set_to_none=True)
+
+# %% [markdown]
+# ## Many layers, and two micro-batches at once: `run_steps`
+#
+# `forward_layers` and `backward_layers` chain the `LayerRun`s of a stack of layers into one generator: the output
+# of one layer is the next one's input (another detach point), and the input gradient of one layer's backward is
+# the output gradient of the layer before.
+#
+# `run_steps(streams, *tasks)` drives one or two such generators (tasks). It takes steps from the first task up to
+# and including its next COMM step, then switches to the other task, and so on; a task that runs out leaves the
+# rest to the other. With a backward task `b` and a forward task `f`, one MoE layer each, the issue order is
+#
+#     b.stage5_backward  b.combine_backward | f.stage1  f.dispatch | b.stage3_backward  b.dispatch_backward |
+#     f.stage3  f.combine | b.stage1_backward  f.stage5
+#
+# so every all-to-all of one micro-batch is issued next to a compute step of the other, and across layer
+# boundaries the same rule keeps pairing them. On a GPU, COMPUTE steps run on `streams.compute` (the stream that
+# was current when `Streams` was made) and COMM steps on `streams.comm`. Within a task each step waits for the
+# task's previous step through a CUDA event (recorded after every step), so a task is a chain of dependencies
+# alternating between the streams, while the two tasks run concurrently. Autograd runs each backward op on the
+# stream of its forward op, so dispatch and combine also run their backward on the communication stream, and their
+# forward must always be issued there, overlapped or not. The first step of a task waits for everything issued
+# on the compute stream before the call (that is where its inputs come from), and when `run_steps` returns the
+# compute stream has waited for the communication stream, so the caller can use every result on the compute stream.
+# On the CPU (`Streams` of a CPU device) the same steps run in the same order, one after the other.
+
+# %%
+#| export
+def forward_layers(runs: list[LayerRun], h: Tensor, positions: Tensor):
+    "The forward steps of consecutive layers; the generator returns the last output (`h` itself if `runs` is empty)."
+    for run in runs:
+        yield from run.forward(h, positions)
+        h = run.h_out
+    return h
+
+
+def backward_layers(runs: list[LayerRun], grad: Tensor):
+    "The backward steps of `runs` in reverse; the generator returns the gradient of the first layer's input."
+    for run in reversed(runs):
+        yield from run.backward(grad)
+        grad = run.grad_in
+    return grad
+
+
+class Streams:
+    "The compute stream (current when made) and a communication stream, on a CUDA device; both None on the CPU."
+    def __init__(self, device: torch.device):
+        cuda = torch.device(device).type == "cuda"
+        self.compute = torch.cuda.current_stream(device) if cuda else None
+        self.comm = torch.cuda.Stream(device) if cuda else None
+
+
+class _Task:
+    "A generator of steps and the CUDA event of its last step."
+    def __init__(self, steps, streams: Streams):
+        self.steps = steps
+        self.event = streams.compute.record_event() if streams.compute is not None else None
+
+    def issue(self, streams: Streams, kind: str, fn) -> None:
+        if streams.compute is None:
+            fn()
+            return
+        stream = streams.comm if kind == COMM else streams.compute
+        stream.wait_event(self.event)
+        with torch.cuda.stream(stream):
+            fn()
+        self.event = stream.record_event()
+
+
+def run_steps(streams: Streams, *tasks, trace: list | None = None) -> None:
+    """Run the steps of one or two tasks, switching task after each COMM step (see above).
+    `trace`, when given, receives `(task index, step name)` in issue order."""
+    queue = [(i, _Task(t, streams)) for i, t in enumerate(tasks)]
+    while queue:
+        i, task = queue.pop(0)
+        for kind, fn in task.steps:
+            task.issue(streams, kind, fn)
+            if trace is not None:
+                trace.append((i, fn.__name__.lstrip("_")))
+            if kind == COMM:
+                queue.append((i, task))
+                break
+    if streams.comm is not None:
+        streams.compute.wait_stream(streams.comm)
+
+# %% [markdown]
+# ### The whole model, stage by stage
+#
+# The embedding and the head sit outside the layers, behind detach points of their own: the embedding output
+# `h0` is the first layer's input, and the loss is computed on a leaf copy of the last layer's output, so its
+# backward hands `h_last.grad` to the layers and the layers hand `grad_in` back to the embedding. The objective is
+# the trainer's (train/45_trainer `micro_step`): token cross-entropy summed over tokens, divided by the token
+# count, plus every MoE layer's load-balance loss. Stage by stage must match one `loss.backward()` of the plain
+# model, in float64 to 1e-12 and, for the record, in float32 to 1e-6.
+
+# %%
+def plain_step(model, ids, labels):
+    "Plain autograd: the five calls without detach points, one backward."
+    logits, routings = model(ids)
+    aux = sum(lb_loss(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / labels.numel()
+    (loss + aux).backward()
+    return loss.detach()
+
+def staged_step(model, ids, labels, streams):
+    runs = [LayerRun(layer, k, dispatcher, lb_loss) for k, layer in model.model.layers.items()]
+    h0 = model.prolog(ids)
+    run_steps(streams, forward_layers(runs, h0, torch.arange(ids.shape[1], device=ids.device)))
+    h_last = _leaf(runs[-1].h_out)
+    loss = F.cross_entropy(model.epilog(h_last).flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    (loss / labels.numel()).backward()                       # head and loss: gives h_last.grad
+    run_steps(streams, backward_layers(runs, h_last.grad))
+    h0.backward(runs[0].grad_in)                             # the embedding
+    return loss.detach() / labels.numel()
+
+cpu = Streams(torch.device("cpu"))
+ids, labels = torch.randint(0, cfg.vocab_size, (2, 2, 8))
+for dtype, tol in [(torch.float64, 1e-12), (torch.float32, 1e-6)]:
+    m = copy.deepcopy(model).to(dtype)
+    ref_loss, ref = plain_step(m, ids, labels), grads_of(m)
+    m.zero_grad(set_to_none=True)
+    loss, got = staged_step(m, ids, labels, cpu), grads_of(m)
+    print(f"{dtype}: loss {loss.item():.6f} (plain {ref_loss.item():.6f}); "
+          f"max relative grad difference {max_rel(got, ref):.2e}; bitwise equal: {all(torch.equal(got[k], ref[k]) for k in ref)}")
+    assert abs(loss - ref_loss) <= tol * abs(ref_loss) and max_rel(got, ref) <= tol
+    assert len(got) == len(list(m.parameters()))            # every parameter got a gradient
+
+# %% [markdown]
+# ### The overlapped chunk
+#
+# Now the point of it all: the forward of micro-batch A interleaved with the backward of micro-batch B. The
+# trace shows the issue order (task 0 is B's backward, task 1 is A's forward): B's combine and dispatch backward
+# sit between A's compute steps and vice versa, and the dense layer 1 (one step each way) shifts the pairing
+# without breaking it. On the CPU the result must be bitwise what running A's forward and then B's backward
+# separately gives: the same operations in the same order per micro-batch, and parameter gradients are only
+# touched by B.
+
+# %%
+def prepared_backward(model, ids, labels):
+    "B's forward and loss backward, ready for its layer backward: (runs, gradient of the last layer output, h0)."
+    runs = [LayerRun(layer, k, dispatcher, lb_loss) for k, layer in model.model.layers.items()]
+    h0 = model.prolog(ids)
+    run_steps(cpu, forward_layers(runs, h0, torch.arange(ids.shape[1])))
+    h_last = _leaf(runs[-1].h_out)
+    F.cross_entropy(model.epilog(h_last).flatten(0, 1), labels.flatten(), reduction="sum").backward()
+    return runs, h_last.grad, h0
+
+idsA, idsB = torch.randint(0, cfg.vocab_size, (2, 2, 8))
+results = []
+for overlapped in (False, True):
+    m = copy.deepcopy(model)
+    runs_b, g_b, h0_b = prepared_backward(m, idsB, labels)
+    m.zero_grad(set_to_none=True)                # only what B's layer backward adds is compared
+    runs_a = [LayerRun(layer, k, dispatcher, lb_loss) for k, layer in m.model.layers.items()]
+    trace = []
+    fwd_a = forward_layers(runs_a, m.prolog(idsA), torch.arange(8))
+    if overlapped:
+        run_steps(cpu, backward_layers(runs_b, g_b), fwd_a, trace=trace)
+    else:
+        run_steps(cpu, fwd_a)
+        run_steps(cpu, backward_layers(runs_b, g_b))
+    results.append((runs_a[-1].h_out, runs_b[0].grad_in, grads_of(m)))
+
+print(" ".join(f"{'BA'[i]}.{name}" for i, name in trace))
+(h_seq, gin_seq, g_seq), (h_ovl, gin_ovl, g_ovl) = results
+assert torch.equal(h_seq, h_ovl) and torch.equal(gin_seq, gin_ovl)
+assert g_seq.keys() == g_ovl.keys() and all(torch.equal(g_seq[k], g_ovl[k]) for k in g_seq)
+print("overlapped == forward then backward, bitwise")
+
+# %% [markdown]
+# ## On the GPU
+#
+# On CUDA the same check runs with real streams: the overlapped chunk must give the same A output, B input
+# gradient and parameter gradients as the sequential one (the same kernels on the same data; only their timing
+# differs). The profile then shows the dispatch and combine kernels (gathers, here, with one GPU) on the second
+# stream, overlapping the other micro-batch's compute. A real overlap of all-to-alls needs expert parallelism
+# across GPUs; engine/33_dualpipev measures the pipeline as a whole.
+
+# %%
+#| cuda
+def cuda_chunk(overlapped: bool, m, streams):
+    runs_b = [LayerRun(layer, k, disp, lb_loss) for k, layer in m.model.layers.items()]
+    hb = m.prolog(idsB_c)
+    run_steps(streams, forward_layers(runs_b, hb, pos_c))
+    h_last = _leaf(runs_b[-1].h_out)
+    F.cross_entropy(m.epilog(h_last).flatten(0, 1), idsA_c.flatten(), reduction="sum").backward()
+    m.zero_grad(set_to_none=True)
+    runs_a = [LayerRun(layer, k, disp, lb_loss) for k, layer in m.model.layers.items()]
+    fwd_a, bwd_b = forward_layers(runs_a, m.prolog(idsA_c), pos_c), backward_layers(runs_b, h_last.grad)
+    if overlapped:
+        run_steps(streams, bwd_b, fwd_a)
+    else:
+        run_steps(streams, fwd_a)
+        run_steps(streams, bwd_b)
+    torch.cuda.synchronize()
+    return runs_a[-1].h_out, runs_b[0].grad_in, grads_of(m)
+
+big = Config(vocab_size=1024, hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048,
+             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16,
+             num_experts_per_tok=4, mlp_only_layers=[1])
+torch.manual_seed(0)
+gpu_model = Qwen3MoeForCausalLM(big).cuda()
+cfg_saved, cfg = cfg, big                         # lb_loss reads cfg.num_experts
+disp, gpu_streams = LocalDispatcher(big.num_experts), Streams(torch.device("cuda"))
+idsA_c, idsB_c = torch.randint(0, big.vocab_size, (2, 4, 1024), device="cuda")
+pos_c = torch.arange(1024, device="cuda")
+seq = cuda_chunk(False, copy.deepcopy(gpu_model), gpu_streams)
+ovl = cuda_chunk(True, copy.deepcopy(gpu_model), gpu_streams)
+assert torch.equal(seq[0], ovl[0]) and torch.equal(seq[1], ovl[1])
+print("GPU: max relative grad difference, overlapped vs sequential:", max_rel(ovl[2], seq[2]))
+assert max_rel(ovl[2], seq[2]) < 1e-6
+
+# %%
+#| cuda
+from torch.profiler import ProfilerActivity, profile
+
+m = copy.deepcopy(gpu_model)
+cuda_chunk(True, m, gpu_streams)                  # warm-up
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda_chunk(True, m, gpu_streams)
+kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+per_stream = {}
+for e in kernels:
+    per_stream.setdefault(e.device_resource_id, []).append(e)
+print({s: len(v) for s, v in per_stream.items()}, "kernels per CUDA stream id")
+assert len(per_stream) >= 2, "expected kernels on the compute and the communication stream"
+cfg = cfg_saved

@@ -1,0 +1,731 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # GPT-OSS
+#
+# GPT-OSS (gpt-oss-20b and gpt-oss-120b) is a decoder-only mixture-of-experts transformer. Next to Qwen3-MoE it
+# differs in five places, and each gets its own section below.
+
+# %% [markdown]
+# - **attention sinks**: every query head has one learned logit that joins the softmax denominator but brings
+#   no value, so a head can attend to "nothing";
+# - **sliding windows**: the layers marked `sliding_attention` (every other one) see only the last
+#   `sliding_window` tokens (128 in the released models);
+# - **YaRN RoPE**: rotary embeddings stretched to a 32× longer context, with a matching attention temperature;
+# - **biases** on the attention projections, the router and the experts;
+# - **a clamped SwiGLU** on interleaved gate/up columns, and a router that takes the top-k *logits* first and
+#   softmaxes over only those k.
+#
+# The notebook is self-contained: it defines every piece it uses, then cuts each decoder layer into the five
+# stages of the layer protocol (models/protocol). Parameter names, shapes and layouts are those of Hugging Face
+# transformers 5.x `GptOssForCausalLM`, so its state_dict loads into this model as it is. The checks compare the
+# five-stage forward with a plain sequential one; tests/test_gpt_oss.py also compares against transformers itself.
+
+# %%
+#| default_exp models.gpt_oss
+
+# %%
+#| export
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, run_layers
+from pith_lit.ops.grouped_linear import grouped_linear
+from pith_lit.ops.permute import weighted_gather
+from pith_lit.ops.swiglu import clamped_swiglu
+
+# %% [markdown]
+# ## Config
+#
+# Field names are those of transformers 5.x `GptOssConfig`. Two of them differ from older checkpoints'
+# `config.json`: transformers 5 folds `rope_theta` and `rope_scaling` into one `rope_parameters` dict, and calls the
+# expert count `num_local_experts` (with `num_experts` as an alias, which the engine and trainer read for every
+# model family). The defaults are tiny, so the checks run in seconds, but keep GPT-OSS's RoPE, norm epsilon,
+# SwiGLU constants and alternating layer types.
+
+# %%
+#| export
+LAYER_TYPES = ("sliding_attention", "full_attention")
+ROPE_KEYS = ("rope_type", "rope_theta", "factor", "beta_fast", "beta_slow", "truncate",
+             "original_max_position_embeddings")
+
+
+@dataclass
+class Config:
+    "GPT-OSS hyper-parameters. Field names are those of Hugging Face's `GptOssConfig` (transformers 5.x)."
+    model_type: str = cfg("gpt_oss", "model family; selects the model module")
+    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)")
+    hidden_size: int = cfg(128, "model width")
+    intermediate_size: int = cfg(128, "FFN width of one routed expert")
+    num_hidden_layers: int = cfg(4, "number of decoder layers")
+    num_attention_heads: int = cfg(4, "query heads")
+    num_key_value_heads: int = cfg(2, "key/value heads (grouped-query attention); divides num_attention_heads")
+    head_dim: int = cfg(32, "width of one attention head")
+    num_local_experts: int = cfg(8, "routed experts per layer (Hugging Face's name; `num_experts` reads it)")
+    num_experts_per_tok: int = cfg(2, "experts chosen per token (top-k)")
+    sliding_window: int = cfg(16, "keys a sliding-attention layer sees: the query's own and the window - 1 before it")
+    layer_types: list = cfg([], "per layer 'sliding_attention' or 'full_attention'; [] = alternate, sliding first")
+    rope_parameters: dict = cfg(
+        {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+         "truncate": False, "original_max_position_embeddings": 4096},
+        "YaRN RoPE: base rope_theta, context stretched `factor` times beyond original_max_position_embeddings")
+    max_position_embeddings: int = cfg(131072, "longest sequence meant (factor × original length); RoPE has no table")
+    rms_norm_eps: float = cfg(1e-5, "epsilon of every RMSNorm")
+    attention_bias: bool = cfg(True, "bias on the q/k/v/o projections")
+    swiglu_limit: float = cfg(7.0, "experts' SwiGLU clamps the gate above and the up projection on both sides here")
+    swiglu_alpha: float = cfg(1.702, "sigmoid gain of the experts' SwiGLU: gate · sigmoid(alpha · gate)")
+    router_aux_loss_coef: float = cfg(0.001, "Hugging Face's load-balance weight, kept for conversion; "
+                                             "the trainer's weight is train.lb_coef")
+    tie_word_embeddings: bool = cfg(False, "share the embedding and output head weights")
+    initializer_range: float = cfg(0.02, "standard deviation of the N(0, σ) initialisation")
+
+    def __post_init__(self):
+        if not self.layer_types:  # Hugging Face's default: sliding, full, sliding, full, ...
+            self.layer_types = [LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)]
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must divide "
+                             f"num_attention_heads={self.num_attention_heads}; change one of them")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs of channels)")
+        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                             f"num_local_experts={self.num_local_experts}")
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types={self.layer_types} must hold one of {LAYER_TYPES} for each of the "
+                             f"num_hidden_layers={self.num_hidden_layers} layers; or [] to alternate them")
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (a query always sees itself)")
+        rp = self.rope_parameters
+        if sorted(rp) != sorted(ROPE_KEYS):
+            raise ValueError(f"rope_parameters has keys {sorted(rp)}; it needs exactly {sorted(ROPE_KEYS)}")
+        if rp["rope_type"] != "yarn" or rp["factor"] < 1:
+            raise ValueError(f"rope_parameters: rope_type={rp['rope_type']!r}, factor={rp['factor']}: GPT-OSS uses "
+                             f"rope_type 'yarn' with factor >= 1 (factor 1 is plain RoPE)")
+
+    @property
+    def num_experts(self) -> int:
+        "Hugging Face's alias of num_local_experts: the name the engine and trainer read for every model."
+        return self.num_local_experts
+
+# %% [markdown]
+# `layer_types` left empty alternates, sliding first, as transformers does; anything else must name every layer.
+
+# %%
+assert Config().layer_types == ["sliding_attention", "full_attention"] * 2
+assert Config(num_hidden_layers=3).layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+assert Config().num_experts == 8
+
+# %% [markdown]
+# ## RMSNorm
+#
+# `weight · x / sqrt(mean(x²) + ε)`, normalised in float32 (float64 for a float64 model). GPT-OSS multiplies by
+# the weight *before* casting back to the input's dtype (Qwen3 casts first); in bf16 that rounds once instead of
+# twice, and it is what transformers does.
+
+# %%
+#| export
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE and the router compute."
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(_compute_dtype(x.dtype))
+        return (self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+# %%
+torch.manual_seed(0)
+norm = RMSNorm(6, 1e-5)
+with torch.no_grad(): norm.weight.uniform_()
+xn = torch.randn(3, 6)
+ref = norm.weight.double() * xn.double() / (xn.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+assert torch.allclose(norm(xn).double(), ref, rtol=1e-6, atol=0)
+out_bf16 = norm.bfloat16()(xn.bfloat16())
+assert out_bf16.dtype == torch.bfloat16 and torch.allclose(out_bf16.double(), ref, rtol=1e-2, atol=0)
+
+# %% [markdown]
+# ## YaRN rotary embedding
+#
+# Plain RoPE rotates channel pair i of a head (channels i and i + d/2) by `position · θ^(-2i/d)`. A model trained
+# on sequences of length L (here `original_max_position_embeddings` = 4096) has seen every pair turn through the
+# angles that L positions give. YaRN stretches the context `factor` times by changing the pairs' frequencies
+# unevenly:
+#
+# - a pair that turns many times over L (more than `beta_fast` = 32 turns) keeps its frequency: its angles at
+#   longer distances look like ones it has seen;
+# - a pair that turns less than once over L (`beta_slow` = 1) is divided by `factor`, so positions up to
+#   factor · L map into the angles it was trained on (interpolation);
+# - the pairs in between blend the two linearly in the pair index.
+#
+# The pair index where a pair makes r turns over L is `d · ln(L / (2π r)) / (2 ln θ)`; with `truncate` the two
+# bounds are rounded outwards to whole pairs. Stretching flattens the attention logits, which YaRN corrects by
+# scaling cos and sin, and so both q and k, by `1 + 0.1 · ln(factor)`. That is transformers'
+# `_compute_yarn_parameters` for the keys GPT-OSS uses (no `mscale`), rewritten here.
+#
+# The frequencies cost d/2 numbers, so they are computed on every call, in float32 (float64 for a float64 model),
+# from the config's constants: no buffer to keep in sync with the model's dtype or device, and nothing for
+# `torch.compile` to guard on. Positions are an explicit argument, (S,) or (B, S), because context parallelism gives
+# each rank pieces of a sequence that are not contiguous.
+
+# %%
+#| export
+def yarn_inv_freq(head_dim: int, rope: dict, dtype: torch.dtype, device=None) -> tuple[Tensor, float]:
+    "YaRN's inverse frequency of each of the head_dim/2 channel pairs, in `dtype`, and its attention factor."
+    base, factor, L = rope["rope_theta"], rope["factor"], rope["original_max_position_embeddings"]
+    pair_at = lambda turns: head_dim * math.log(L / (2 * math.pi * turns)) / (2 * math.log(base))
+    low, high = pair_at(rope["beta_fast"]), pair_at(rope["beta_slow"])
+    if rope["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    i = torch.arange(head_dim // 2, device=device, dtype=dtype)
+    inv_freq = 1.0 / base ** (2 * i / head_dim)
+    ramp = ((i - low) / (high - low)).clamp(0, 1)  # 0: keep the frequency, 1: divide it by factor
+    return inv_freq * (1 - ramp) + inv_freq / factor * ramp, (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, rope: dict, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    "cos and sin of the rotation angles times YaRN's attention factor, shape `positions.shape + (head_dim/2,)`."
+    ct = _compute_dtype(dtype)
+    inv_freq, scale = yarn_inv_freq(head_dim, rope, ct, positions.device)
+    angles = positions.to(ct)[..., None] * inv_freq
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    "Rotate pairs (i, i + d/2) of `x` (B, heads, S, d) by angles for (S,) or (B, S) positions."
+    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+# %% [markdown]
+# Checks against the definition: with GPT-OSS's numbers and d = 32, pairs below index 4.05 keep θ^(-2i/d), pairs
+# above 8.70 are divided by 32, and one in between is the stated blend; the attention factor is 1 + 0.1 ln 32.
+# `factor = 1` is plain RoPE. The rotated dot product depends only on the distance between the two positions.
+
+# %%
+rope = Config().rope_parameters
+inv, att = yarn_inv_freq(32, rope, torch.float64)
+plain = 150_000.0 ** (-torch.arange(0, 32, 2, dtype=torch.float64) / 32)
+low = 32 * math.log(4096 / (2 * math.pi * 32)) / (2 * math.log(150_000))
+high = 32 * math.log(4096 / (2 * math.pi)) / (2 * math.log(150_000))
+assert 4 < low < 5 and 8 < high < 9, (low, high)
+assert torch.allclose(inv[:5], plain[:5], rtol=1e-15) and torch.allclose(inv[9:], plain[9:] / 32, rtol=1e-15)
+t = (6 - low) / (high - low)
+assert math.isclose(inv[6].item(), (1 - t) * plain[6].item() + t * plain[6].item() / 32, rel_tol=1e-14)
+assert math.isclose(att, 1 + 0.1 * math.log(32), rel_tol=1e-15)
+inv1, att1 = yarn_inv_freq(32, {**rope, "factor": 1.0}, torch.float64)
+assert torch.allclose(inv1, plain, rtol=1e-15) and att1 == 1.0
+
+q1, k1 = torch.randn(2, 1, 1, 32, dtype=torch.float64)
+def rotated_dot(pq, pk):
+    cq, sq = rope_cos_sin(torch.tensor([pq]), 32, rope, torch.float64)
+    ck, sk = rope_cos_sin(torch.tensor([pk]), 32, rope, torch.float64)
+    return (apply_rope(q1, cq, sq) * apply_rope(k1, ck, sk)).sum()
+assert torch.allclose(rotated_dot(7, 3), rotated_dot(1007, 1003))  # same distance, same product
+assert not torch.allclose(rotated_dot(7, 3), rotated_dot(7, 4))
+assert torch.allclose(rotated_dot(5, 5), att**2 * (q1 * k1).sum())  # distance 0: only the attention factor
+xr = torch.randn(2, 3, 5, 32)
+cs1, cs2 = rope_cos_sin(torch.arange(5), 32, rope, xr.dtype), rope_cos_sin(torch.arange(5).expand(2, 5), 32, rope, xr.dtype)
+assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
+
+# %% [markdown]
+# ## Attention with sinks, by SDPA
+#
+# Head h's attention of query i is `softmax([s_i1, …, s_iS, sink_h])` without its last entry: the sink is one more
+# logit in the denominator that brings no value, so the weights over the real keys sum to less than 1. The keys
+# allowed are the causal ones, and on a sliding layer only those with `i - j < sliding_window`.
+#
+# `F.scaled_dot_product_attention` (SDPA) has no sink input, and computing the scores explicitly costs S² memory
+# per head. But a sink is exactly an extra key whose score is `sink_h` for every query of head h and whose value
+# is zero. Give every head one extra channel: query h carries `sink_h / scale` there, the sink key carries 1 and
+# every real key 0. Then the sink key's scaled score is `sink_h`, the real keys' scores are unchanged, and the
+# sink's gradient flows back through the query channel, all inside one SDPA call. The extra channel is padded to
+# 8 so the head dim stays a multiple of 8 for the fused GPU kernels, and `scale` is passed explicitly (SDPA would
+# otherwise take it from the padded width).
+#
+# The cost: q and k are copied once with 8 more channels (d = 64 → 72: 12% more QK flops), every query has one
+# more key, and the mask must be given explicitly (S × (S+1) booleans, shared by batch and heads), so on CUDA
+# SDPA picks a masked kernel rather than FlashAttention's causal one, and a sliding layer computes all its S²
+# scores and masks most of them. A FlashAttention or flex-attention kernel with native sinks and block-skipping
+# windows would remove both costs; it is a later step. The mask is by place in the given sequence (a whole
+# sequence per micro-batch); context parallelism will bring its own attention.
+
+# %%
+#| export
+SINK_PAD = 8  # channels added to q and k: one carries the sink, the rest keep the head dim a multiple of 8
+
+
+def attention_mask(S: int, window: int | None, device=None) -> Tensor:
+    "(S, S) bool: query i may see key j when j <= i and, with a window, i - j < window."
+    i = torch.arange(S, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    allowed = j <= i
+    return allowed if window is None else allowed & (i - j < window)
+
+
+def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int | None) -> Tensor:
+    """Causal attention with one sink logit per query head, by one SDPA call over an extra key.
+
+    q (B, n_q, S, d), k and v (B, n_kv, S, d) with n_kv dividing n_q, sinks (n_q,) -> (B, n_q, S, d)."""
+    (B, nq, S, d), nkv, scale = q.shape, k.shape[1], q.shape[-1] ** -0.5
+    sink_q = (sinks.to(q.dtype) / scale).view(1, nq, 1, 1).expand(B, nq, S, 1)
+    q = torch.cat((q, sink_q, q.new_zeros(B, nq, S, SINK_PAD - 1)), -1)
+    sink_k = F.pad(k.new_ones(B, nkv, 1, 1), (d, SINK_PAD - 1))  # 1 in channel d, 0 elsewhere
+    k = torch.cat((sink_k, F.pad(k, (0, SINK_PAD))), 2)           # the sink is key 0, real keys have 0 in its channel
+    v = torch.cat((v.new_zeros(B, nkv, 1, d), v), 2)
+    mask = torch.cat((q.new_ones(S, 1, dtype=torch.bool), attention_mask(S, window, q.device)), 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+# %% [markdown]
+# The definition written out, which `reference_forward` uses: explicit scores, the window as a band of a
+# triangular matrix, the sink logit appended as a last column and dropped after the softmax.
+
+# %%
+#| export
+def sink_attention_reference(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int | None) -> Tensor:
+    "The same as `sink_attention`, with explicit (B, n_q, S, S) scores: for tests."
+    (B, nq, S, d), rep = q.shape, q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    keep = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        keep = keep.triu(1 - window)
+    scores = (q @ k.transpose(-1, -2) * d**-0.5).masked_fill(~keep, float("-inf"))
+    logits = torch.cat((scores, sinks.to(q.dtype).view(1, nq, 1, 1).expand(B, nq, S, 1)), -1)
+    return logits.softmax(-1)[..., :-1] @ v
+
+# %% [markdown]
+# Three checks in float64, with grouped queries and a window shorter than the sequence. The SDPA form equals the
+# explicit one, outputs and gradients (the sinks' included). A third formula: a sink only rescales plain attention,
+# `out = out_plain · σ(lse - sink)` with `lse` the log-sum-exp of the allowed scores, since the weights over real
+# keys sum to `e^lse / (e^lse + e^sink)`. And a very negative sink gives plain windowed attention.
+
+# %%
+torch.manual_seed(0)
+B, nq, nkv, S, d, W = 2, 4, 2, 11, 8, 4
+q, k, v = (torch.randn(B, n, S, d, dtype=torch.float64, requires_grad=True) for n in (nq, nkv, nkv))
+sinks = torch.randn(nq, dtype=torch.float64, requires_grad=True)
+for window in (W, None):
+    out, ref = sink_attention(q, k, v, sinks, window), sink_attention_reference(q, k, v, sinks, window)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-14), (out - ref).abs().max()
+    g, g_ref = torch.autograd.grad(out.sin().sum(), (q, k, v, sinks)), torch.autograd.grad(ref.sin().sum(), (q, k, v, sinks))
+    for a, b in zip(g, g_ref): assert torch.allclose(a, b, rtol=0, atol=1e-13), (a - b).abs().max()
+
+with torch.no_grad():
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    keep = attention_mask(S, W)
+    scores = (q @ kr.transpose(-1, -2) / math.sqrt(d)).masked_fill(~keep, float("-inf"))
+    plain_out = scores.softmax(-1) @ vr
+    lse = scores.logsumexp(-1, keepdim=True)
+    rescaled = plain_out * torch.sigmoid(lse - sinks.view(1, nq, 1, 1))
+    assert torch.allclose(sink_attention(q, k, v, sinks, W), rescaled, rtol=0, atol=1e-14)
+    no_sink = sink_attention(q, k, v, torch.full_like(sinks, -1e4), W)
+    assert torch.allclose(no_sink, plain_out, rtol=0, atol=1e-14)
+assert keep.sum(1).tolist() == [1, 2, 3] + [W] * (S - 3)  # each query sees itself and at most W - 1 before it
+
+# %% [markdown]
+# ## The projections FP8 will replace
+#
+# Every matrix a token's activations pass through in bulk is made here and nowhere else: `projection` builds the
+# attention projections, `Experts` holds the routed experts' stacked weights, and its `forward` is their only use.
+# The router and the output head stay in the model's dtype.
+#
+# transformers stores GPT-OSS's experts as `(E, in, out)`, the transpose of Qwen3's: `gate_up_proj` (E, H, 2I) with
+# the gate in the even columns and the up projection in the odd ones (interleaved), `down_proj` (E, I, H), and
+# biases `gate_up_proj_bias` (E, 2I) and `down_proj_bias` (E, H). They are kept in that layout, so checkpoints load
+# unchanged, and `grouped_linear`, which wants `(E, out, in)`, gets the transposed *view* `.mT`: no copy, and on
+# CUDA `F.grouped_mm` takes that stride pattern directly. The rows arrive grouped by expert, `counts[e]` rows for
+# expert e; each row's bias is its expert's, gathered by the row's expert index (`repeat_interleave` with the known
+# output size, so no host synchronisation). `clamped_swiglu` (ops/swiglu) is `(up + 1) · gate · σ(α · gate)` with
+# gate clamped above and up on both sides at `swiglu_limit`, a Triton kernel on CUDA; it is checked against plain
+# PyTorch in its own notebook.
+
+# %%
+#| export
+def projection(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    "A dense projection (attention q/k/v/o): the one place a lower-precision linear would be chosen."
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+class Experts(nn.Module):
+    "E clamped-SwiGLU experts with biases, stacked (E, in, out) as in transformers; rows grouped by expert."
+    def __init__(self, c: Config):
+        super().__init__()
+        E, H, I = c.num_local_experts, c.hidden_size, c.intermediate_size
+        self.limit, self.alpha = c.swiglu_limit, c.swiglu_alpha
+        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I))
+        self.down_proj = nn.Parameter(torch.empty(E, I, H))
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        "x (N, H) grouped by expert, counts (E,) -> (N, H)."
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
+        gate_up = grouped_linear(x, self.gate_up_proj.mT, counts) + self.gate_up_proj_bias[expert]
+        act = clamped_swiglu(gate_up, self.limit, self.alpha)
+        return grouped_linear(act, self.down_proj.mT, counts) + self.down_proj_bias[expert]
+
+# %% [markdown]
+# Check: grouped rows through `Experts` equal each expert's formula written out (`x @ W + b`, the activation on
+# even/odd columns), including an expert that gets no rows.
+
+# %%
+ce = Config(hidden_size=16, intermediate_size=8, num_local_experts=3)
+ex = Experts(ce).double()
+for p in ex.parameters(): nn.init.normal_(p, std=0.5)
+counts = torch.tensor([4, 0, 3])
+xe = torch.randn(7, 16, dtype=torch.float64)
+ref = []
+for e, rows in zip(range(3), xe.split(counts.tolist())):
+    gu = rows @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
+    gate, up = gu[:, 0::2].clamp(max=7.0), gu[:, 1::2].clamp(-7.0, 7.0)
+    ref.append(((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ ex.down_proj[e] + ex.down_proj_bias[e])
+with torch.no_grad():
+    assert torch.allclose(ex(xe, counts), torch.cat(ref), rtol=0, atol=1e-12)
+
+# %% [markdown]
+# ## Attention module, router
+#
+# The attention projections have biases (`attention_bias`, true for GPT-OSS), there is no norm on queries or keys,
+# and each head's sink is `self_attn.sinks[h]`. Which layers slide is `layer_types`. `qkv` is shared by the SDPA
+# forward and the reference.
+#
+# The router is a linear map with bias to E logits. It takes the top-k *logits* and softmaxes over those k only,
+# so the k weights always sum to 1; the full softmax over all E logits (float32) goes into `Routing.probs` for the
+# load-balance loss. Its parameters are `mlp.router.weight` (E, H) and `mlp.router.bias` (E,), as in transformers.
+
+# %%
+#| export
+class Attention(nn.Module):
+    def __init__(self, c: Config, layer_idx: int):
+        super().__init__()
+        self.head_dim, self.rope_parameters = c.head_dim, c.rope_parameters
+        self.sliding_window = c.sliding_window if c.layer_types[layer_idx] == "sliding_attention" else None
+        self.q_proj = projection(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias)
+        self.k_proj = projection(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
+        self.v_proj = projection(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
+        self.o_proj = projection(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
+        self.sinks = nn.Parameter(torch.empty(c.num_attention_heads))
+
+    def qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        "x (B, S, H) -> rotated q (B, n_q, S, d), rotated k and v (B, n_kv, S, d)."
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_parameters, x.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
+        o = sink_attention(*self.qkv(x, positions), self.sinks, self.sliding_window)
+        return self.o_proj(o.transpose(1, 2).flatten(2))
+
+
+class Router(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.top_k = c.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(c.num_local_experts, c.hidden_size))
+        self.bias = nn.Parameter(torch.empty(c.num_local_experts))
+
+    def forward(self, x: Tensor) -> Routing:
+        "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
+        logits = F.linear(x, self.weight, self.bias).to(_compute_dtype(x.dtype))
+        top, ids = logits.topk(self.top_k, -1)
+        return Routing(ids, top.softmax(-1).to(x.dtype), logits.softmax(-1))
+
+
+class MLP(nn.Module):
+    "Holds the router and the routed experts under transformers' names (`mlp.router`, `mlp.experts`)."
+    def __init__(self, c: Config):
+        super().__init__()
+        self.router = Router(c)
+        self.experts = Experts(c)
+
+# %%
+cr = Config(hidden_size=16, num_local_experts=6, num_experts_per_tok=3)
+router = Router(cr)
+nn.init.normal_(router.weight); nn.init.normal_(router.bias)
+xr = torch.randn(10, 16)
+r = router(xr)
+logits = xr @ router.weight.T + router.bias
+assert r.ids.shape == r.weights.shape == (10, 3) and r.probs.shape == (10, 6) and r.probs.dtype == torch.float32
+assert torch.equal(r.ids, logits.sort(-1, descending=True).indices[:, :3])
+assert torch.allclose(r.weights, logits.gather(1, r.ids).softmax(-1)) and torch.allclose(r.probs, logits.softmax(-1))
+
+# %% [markdown]
+# ## The decoder layer in five stages
+#
+# Stage 1 is everything before the experts: `h + attention(input_layernorm(h))`, then the post-attention norm and
+# the router on the T = B·S flattened tokens. Stage 3 is the experts on grouped rows. Stage 5 adds, for each token,
+# its k expert outputs weighted by the router to the residual. Stages 1 and 5 have no data-dependent shapes, no
+# host synchronisation and no Python branch on tensor values, so `torch.compile(fullgraph=True)` can take them
+# whole; the window is a Python constant per layer.
+
+# %%
+#| export
+class DecoderLayer(nn.Module):
+    def __init__(self, c: Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(c, layer_idx)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def stage1(self, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Routing]:
+        "h (B, S, H) -> (h after attention, x (B·S, H) for the experts, routing)."
+        h = h + self.self_attn(self.input_layernorm(h), positions)
+        x = self.post_attention_layernorm(h).flatten(0, 1)
+        return h, x, self.mlp.router(x)
+
+    def stage3(self, x: Tensor, counts: Tensor) -> Tensor:
+        "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
+        return self.mlp.experts(x, counts)
+
+    def stage5(self, h: Tensor, y: Tensor, routing: Routing) -> Tensor:
+        "h + Σ_j weights[t, j] · y[row_index[t, j]], back in (B, S, H)."
+        return h + weighted_gather(y, routing.row_index, routing.weights).view(h.shape)
+
+# %% [markdown]
+# ## The model
+#
+# The module tree follows transformers' `GptOssForCausalLM` (`model.embed_tokens`, `model.layers.{i}`, `model.norm`,
+# `lm_head`), so parameter names match; transformers' RoPE buffers are not persistent, so the two state_dicts hold
+# the same keys. `layers` is a `ModuleDict` keyed by the absolute layer index, so a pipeline stage can hold any
+# subset of layers under their original names.
+#
+# Initialisation, as for Qwen3: every matrix N(0, σ) with σ = `initializer_range`; the projections that write into
+# the residual stream (attention `o_proj`, the experts' `down_proj`) get σ/√(2L), so the residual's variance does
+# not grow with depth; norms start at 1 and every bias (attention, router, experts) at 0. The sinks start
+# N(0, σ) as in transformers: near 0, so at first each head gives the sink the weight of one average key.
+# `init_weights` is separate from construction so a model built on the meta device can be initialised later.
+#
+# `reference_forward` is the check for everything the engine does: the same parameters run sequentially with no
+# protocol piece, explicit-score attention, and every expert applied to every token, masked by whether the token
+# chose it, with the activation written out.
+
+# %%
+#| export
+class GptOssModel(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class GptOssForCausalLM(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        self.model = GptOssModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        c = self.config
+        std, out_std = c.initializer_range, c.initializer_range / math.sqrt(2 * c.num_hidden_layers)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+            elif isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.zero_()
+        self.model.embed_tokens.weight.normal_(0, std)
+        if not c.tie_word_embeddings:
+            self.lm_head.weight.normal_(0, std)
+        for layer in self.model.layers.values():
+            a, router, ex = layer.self_attn, layer.mlp.router, layer.mlp.experts
+            for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.sinks, router.weight, ex.gate_up_proj):
+                p.normal_(0, std)
+            a.o_proj.weight.normal_(0, out_std)
+            ex.down_proj.normal_(0, out_std)
+            for p in (router.bias, ex.gate_up_proj_bias, ex.down_proj_bias):
+                p.zero_()
+
+    def prolog(self, input_ids: Tensor) -> Tensor:
+        "input_ids (B, S) -> h (B, S, H)."
+        return self.model.embed_tokens(input_ids)
+
+    def epilog(self, h: Tensor) -> Tensor:
+        "h (B, S, H) -> logits (B, S, vocab)."
+        return self.lm_head(self.model.norm(h))
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> tuple[Tensor, list]:
+        "The five-stage forward on one rank: (logits, one Routing per layer)."
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        h, routings = run_layers(self.model.layers.values(), self.prolog(input_ids), positions,
+                                 LocalDispatcher(self.config.num_local_experts))
+        return self.epilog(h), routings
+
+    def reference_forward(self, input_ids: Tensor) -> Tensor:
+        "Plain sequential forward for tests: explicit attention, each expert on all tokens, masked; no protocol."
+        c = self.config
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers.values():
+            a, router, ex = layer.self_attn, layer.mlp.router, layer.mlp.experts
+            o = sink_attention_reference(*a.qkv(layer.input_layernorm(h), positions), a.sinks, a.sliding_window)
+            h = h + a.o_proj(o.transpose(1, 2).flatten(2))
+            x = layer.post_attention_layernorm(h)
+            logits = (x @ router.weight.T + router.bias).to(_compute_dtype(x.dtype))
+            top, ids = logits.topk(c.num_experts_per_tok, -1)
+            top = top.softmax(-1).to(x.dtype)
+            out = torch.zeros_like(x)
+            for e in range(c.num_local_experts):
+                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
+                gate_up = x @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
+                gate = gate_up[..., 0::2].clamp(max=c.swiglu_limit)
+                up = gate_up[..., 1::2].clamp(-c.swiglu_limit, c.swiglu_limit)
+                act = (up + 1) * gate * torch.sigmoid(c.swiglu_alpha * gate)
+                out = out + w_e * (act @ ex.down_proj[e] + ex.down_proj_bias[e])
+            h = h + out
+        return self.lm_head(self.model.norm(h))
+
+    def num_params(self) -> int:
+        "All parameters, a tied embedding counted once."
+        return sum(p.numel() for p in self.parameters())
+
+    def active_matmul_params(self) -> int:
+        "Matmul weights one token touches (for MFU): attention projections, router, k experts, head. No biases."
+        k, n = self.config.num_experts_per_tok, self.lm_head.weight.numel()
+        for layer in self.model.layers.values():
+            a, ex = layer.self_attn, layer.mlp.experts
+            n += sum(p.weight.numel() for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
+            n += layer.mlp.router.weight.numel() + k * (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel())
+        return n
+
+# %% [markdown]
+# ## Checks
+#
+# The five-stage forward and `reference_forward` must agree on logits and on every parameter's gradient: tightly
+# in float32 and to rounding in float64. The sequence (13 tokens) is longer than the window (5), so the sliding
+# layers (0 and 2) really cut keys off. Biases start at zero and the sinks near it, so they are set to random
+# values first; otherwise a wrong bias or sink would go unseen.
+
+# %%
+def compare(model, ids, atol):
+    logits, routings = model(ids)
+    ref = model.reference_forward(ids)
+    assert torch.allclose(logits, ref, rtol=0, atol=atol), (logits - ref).abs().max()
+    g = torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+    g_ref = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(g, g_ref))
+    return routings, worst, dict(zip([n for n, _ in model.named_parameters()], g))
+
+# %%
+torch.manual_seed(0)
+c = Config(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=5)
+model = GptOssForCausalLM(c)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if name.endswith(("bias", "sinks")):
+            p.normal_(0, 0.5)
+ids = torch.randint(0, c.vocab_size, (2, 13))
+routings, worst, grads = compare(model, ids, atol=1e-5)
+assert worst < 1e-4, worst
+assert all(r.probs.shape == (26, 4) and r.counts.sum() == 26 * 2 for r in routings)
+print(f"float32: logits within 1e-5, worst relative gradient difference {worst:.1e}")
+routings, worst, grads = compare(model.double(), ids, atol=1e-12)
+assert worst < 1e-12, worst
+print(f"float64: logits within 1e-12, worst relative gradient difference {worst:.1e}")
+
+# %% [markdown]
+# Every sink learns: each head's sink gets a nonzero gradient in every layer. The window is in effect: the same
+# model with the window widened to the whole sequence gives different logits, but only from position 5 on, the
+# first query whose window leaves a key out.
+
+# %%
+sink_grads = torch.stack([grads[f"model.layers.{i}.self_attn.sinks"] for i in range(4)])
+assert (sink_grads.abs() > 1e-8).all(), sink_grads
+wide = GptOssForCausalLM(Config(**{**c.__dict__, "sliding_window": 13})).double()
+wide.load_state_dict(model.state_dict())
+with torch.no_grad():
+    narrow_logits, wide_logits = model(ids)[0], wide(ids)[0]
+assert torch.allclose(narrow_logits[:, :5], wide_logits[:, :5], rtol=0, atol=1e-12)
+assert (narrow_logits[:, 5:] - wide_logits[:, 5:]).abs().amax(-1).min() > 1e-6
+print("sink gradients, smallest |g|:", f"{sink_grads.abs().min().item():.1e}")
+
+# %% [markdown]
+# Stages 1 and 5 compile as whole graphs. The `aot_eager` backend traces forward and backward the way
+# `torch.compile` does but skips code generation, so the check is quick on a CPU. Layer 0 slides, layer 1 does not.
+
+# %%
+model = model.float()
+h_in = torch.randn(2, 13, c.hidden_size)
+for i in ("0", "1"):
+    layer = model.model.layers[i]
+    h1, x1, r1 = torch.compile(layer.stage1, fullgraph=True, backend="aot_eager")(h_in, torch.arange(13))
+    h1e, x1e, r1e = layer.stage1(h_in, torch.arange(13))
+    assert torch.allclose(h1, h1e) and torch.allclose(x1, x1e) and torch.equal(r1.ids, r1e.ids)
+    x_g, counts = LocalDispatcher(c.num_local_experts).dispatch(x1, r1)
+    y = layer.stage3(x_g, counts)
+    h5 = torch.compile(layer.stage5, fullgraph=True, backend="aot_eager")(h1, y, r1)
+    assert torch.allclose(h5, layer.stage5(h1, y, r1))
+torch._dynamo.reset()  # drop the compiled graphs (and their teardown warnings at exit)
+
+# %% [markdown]
+# Parameter counts, against the formula from the config: per layer 2·H·(n_q + n_kv)·d attention weights plus
+# their (n_q + 2·n_kv)·d + H biases, n_q sinks, E·(H + 1) for the router, and per expert 3·H·I weights plus 2I + H
+# biases; plus embedding, head and norms. Active matmul parameters count weights only: attention, router, k experts,
+# head.
+
+# %%
+H, d, L, E, k, I = c.hidden_size, c.head_dim, c.num_hidden_layers, c.num_local_experts, c.num_experts_per_tok, c.intermediate_size
+nq, nkv = c.num_attention_heads, c.num_key_value_heads
+attn_w = 2 * H * (nq + nkv) * d
+per_layer = attn_w + (nq + 2 * nkv) * d + H + nq + E * (H + 1) + E * (3 * H * I + 2 * I + H) + 2 * H
+total = 2 * c.vocab_size * H + H + L * per_layer
+active = c.vocab_size * H + L * (attn_w + E * H + k * 3 * H * I)
+assert model.num_params() == total and model.active_matmul_params() == active
+print(f"{total:,} parameters, {active:,} active matmul parameters per token")
+
+# %% [markdown]
+# On CUDA in bf16 the experts run through `F.grouped_mm`, the attention through SDPA's masked kernel, and dispatch,
+# the clamped SwiGLU and stage 5 through Triton kernels. bf16 keeps 8 bits of mantissa and a few tokens' top-k flip,
+# so logits and gradients differ from float32 by a few percent whichever way bf16 is computed. The check: the
+# five-stage bf16 path is as close to the float32 reference as the plain sequential forward run in bf16.
+
+# %%
+#| cuda
+torch.manual_seed(0)
+cg = Config(vocab_size=1024, hidden_size=512, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=64, num_local_experts=16, num_experts_per_tok=4, sliding_window=128)
+ref_model = GptOssForCausalLM(cg).cuda()
+bf_model = GptOssForCausalLM(cg).cuda().bfloat16()
+bf_model.load_state_dict(ref_model.state_dict())
+ids = torch.randint(0, cg.vocab_size, (4, 512), device="cuda")
+ref = ref_model.reference_forward(ids)
+g_ref = torch.autograd.grad(ref.square().mean(), list(ref_model.parameters()))
+rel_err = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+errs = {}
+for name, fwd in (("five-stage", lambda: bf_model(ids)[0]), ("plain", lambda: bf_model.reference_forward(ids))):
+    out = fwd()
+    g = torch.autograd.grad(out.float().square().mean(), list(bf_model.parameters()))
+    errs[name] = [rel_err(out, ref)] + [rel_err(a, b) for a, b in zip(g, g_ref)]
+five, plain = errs["five-stage"], errs["plain"]
+print(f"bf16 vs fp32 relative error, five-stage (plain bf16): logits {five[0]:.1e} ({plain[0]:.1e}), "
+      f"worst gradient {max(five[1:]):.1e} ({max(plain[1:]):.1e})")
+assert all(f <= 1.25 * p + 1e-3 for f, p in zip(five, plain)), list(zip(five, plain))
