@@ -285,14 +285,15 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int |
     """Causal attention with one sink logit per query head, by one SDPA call over an extra key.
 
     q (B, n_q, S, d), k and v (B, n_kv, S, d) with n_kv dividing n_q, sinks (n_q,) -> (B, n_q, S, d)."""
-    (B, nq, S, d), nkv, scale = q.shape, k.shape[1], q.shape[-1] ** -0.5
+    (B, nq, S, d), rep, scale = q.shape, q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
     sink_q = (sinks.to(q.dtype) / scale).view(1, nq, 1, 1).expand(B, nq, S, 1)
     q = torch.cat((q, sink_q, q.new_zeros(B, nq, S, SINK_PAD - 1)), -1)
-    sink_k = F.pad(k.new_ones(B, nkv, 1, 1), (d, SINK_PAD - 1))  # 1 in channel d, 0 elsewhere
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # the fused kernels want equal head counts
+    sink_k = F.pad(k.new_ones(B, nq, 1, 1), (d, SINK_PAD - 1))   # 1 in channel d, 0 elsewhere
     k = torch.cat((sink_k, F.pad(k, (0, SINK_PAD))), 2)           # the sink is key 0, real keys have 0 in its channel
-    v = torch.cat((v.new_zeros(B, nkv, 1, d), v), 2)
+    v = torch.cat((v.new_zeros(B, nq, 1, d), v), 2)
     mask = torch.cat((q.new_ones(S, 1, dtype=torch.bool), attention_mask(S, window, q.device)), 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 # %% [markdown]
 # The definition written out, which `reference_forward` uses: explicit scores, the window as a band of a
@@ -352,8 +353,12 @@ assert keep.sum(1).tolist() == [1, 2, 3] + [W] * (S - 3)  # each query sees itse
 # biases `gate_up_proj_bias` (E, 2I) and `down_proj_bias` (E, H). They are kept in that layout, so checkpoints load
 # unchanged, and `grouped_linear`, which wants `(E, out, in)`, gets the transposed *view* `.mT`: no copy, and on
 # CUDA `F.grouped_mm` takes that stride pattern directly. The rows arrive grouped by expert, `counts[e]` rows for
-# expert e; each row's bias is its expert's, gathered by the row's expert index (`repeat_interleave` with the known
-# output size, so no host synchronisation). `clamped_swiglu` (ops/swiglu) is `(up + 1) · gate · σ(α · gate)` with
+# expert e. Each row's bias is added as `one_hot @ bias`, with `one_hot` (N, E) marking the row's expert (built by
+# `repeat_interleave` with the known output size, so no host synchronisation): the forward picks each bias exactly,
+# and autograd's backward, `one_hotᵀ @ dy`, sums each expert's rows in a matmul, which accumulates in float32.
+# Indexing `bias[expert]` gives the same forward, but its backward adds thousands of bf16 rows per expert in bf16:
+# on the H200 check below that made the bias gradients 5 to 8 times less accurate than the plain bf16 path's.
+# `clamped_swiglu` (ops/swiglu) is `(up + 1) · gate · σ(α · gate)` with
 # gate clamped above and up on both sides at `swiglu_limit`, a Triton kernel on CUDA; it is checked against plain
 # PyTorch in its own notebook.
 
@@ -377,10 +382,11 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         "x (N, H) grouped by expert, counts (E,) -> (N, H)."
-        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
-        gate_up = grouped_linear(x, self.gate_up_proj.mT, counts) + self.gate_up_proj_bias[expert]
+        experts = torch.arange(counts.numel(), device=x.device)
+        one_hot = (torch.repeat_interleave(experts, counts, output_size=x.shape[0])[:, None] == experts).to(x.dtype)
+        gate_up = grouped_linear(x, self.gate_up_proj.mT, counts) + one_hot @ self.gate_up_proj_bias
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return grouped_linear(act, self.down_proj.mT, counts) + self.down_proj_bias[expert]
+        return grouped_linear(act, self.down_proj.mT, counts) + one_hot @ self.down_proj_bias
 
 # %% [markdown]
 # Check: grouped rows through `Experts` equal each expert's formula written out (`x @ W + b`, the activation on

@@ -144,14 +144,15 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int |
     """Causal attention with one sink logit per query head, by one SDPA call over an extra key.
 
     q (B, n_q, S, d), k and v (B, n_kv, S, d) with n_kv dividing n_q, sinks (n_q,) -> (B, n_q, S, d)."""
-    (B, nq, S, d), nkv, scale = q.shape, k.shape[1], q.shape[-1] ** -0.5
+    (B, nq, S, d), rep, scale = q.shape, q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
     sink_q = (sinks.to(q.dtype) / scale).view(1, nq, 1, 1).expand(B, nq, S, 1)
     q = torch.cat((q, sink_q, q.new_zeros(B, nq, S, SINK_PAD - 1)), -1)
-    sink_k = F.pad(k.new_ones(B, nkv, 1, 1), (d, SINK_PAD - 1))  # 1 in channel d, 0 elsewhere
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # the fused kernels want equal head counts
+    sink_k = F.pad(k.new_ones(B, nq, 1, 1), (d, SINK_PAD - 1))   # 1 in channel d, 0 elsewhere
     k = torch.cat((sink_k, F.pad(k, (0, SINK_PAD))), 2)           # the sink is key 0, real keys have 0 in its channel
-    v = torch.cat((v.new_zeros(B, nkv, 1, d), v), 2)
+    v = torch.cat((v.new_zeros(B, nq, 1, d), v), 2)
     mask = torch.cat((q.new_ones(S, 1, dtype=torch.bool), attention_mask(S, window, q.device)), 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #11584177
 def sink_attention_reference(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int | None) -> Tensor:
@@ -184,10 +185,11 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         "x (N, H) grouped by expert, counts (E,) -> (N, H)."
-        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
-        gate_up = grouped_linear(x, self.gate_up_proj.mT, counts) + self.gate_up_proj_bias[expert]
+        experts = torch.arange(counts.numel(), device=x.device)
+        one_hot = (torch.repeat_interleave(experts, counts, output_size=x.shape[0])[:, None] == experts).to(x.dtype)
+        gate_up = grouped_linear(x, self.gate_up_proj.mT, counts) + one_hot @ self.gate_up_proj_bias
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return grouped_linear(act, self.down_proj.mT, counts) + self.down_proj_bias[expert]
+        return grouped_linear(act, self.down_proj.mT, counts) + one_hot @ self.down_proj_bias
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #47093d77
 class Attention(nn.Module):

@@ -129,6 +129,10 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     torch.manual_seed(cfg.run.seed)
     with device:  # parameters are created and initialised where they will live
         model = build_model(cfg.model)
+    if t.compile:  # stages 1 and 5 have static shapes and no host syncs by design; 2-4 stay eager
+        for layer in model.model.layers.values():
+            layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
+            layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
     dtype = cfg.torch_dtype
     master = None
     if dtype != torch.float32:

@@ -1,0 +1,686 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Expert parallelism
+#
+# With expert parallelism (EP) the E routed experts of every MoE layer are divided among the `ep` ranks of a
+# group: rank r owns the E/ep consecutive experts `[r·E/ep, (r+1)·E/ep)`, and every rank runs everything else
+# (attention, router, norms) on its own tokens. Stages 2 and 4 of the layer protocol (models/protocol) become
+# all-to-alls: **dispatch** sends each token's hidden row to the ranks that own its experts, and **combine**
+# brings the expert outputs back.
+#
+# The one idea that matters for bandwidth is **deduplication**: a token whose top-k experts include several on
+# the same rank is sent to that rank *once*; the receiving rank copies the row to each of its (token, expert)
+# pairs locally, where copies cost memory bandwidth instead of network bandwidth. With Qwen3-30B-A3B's top-8 of
+# 128 experts at ep = 2, a token has on average four experts on the other rank but needs to cross only once.
+#
+# This notebook builds `EPDispatcher(group, num_experts)`, a drop-in for `LocalDispatcher`:
+#
+# | step | where | what |
+# |---|---|---|
+# | counts exchange | dispatch | an all-to-all of (rows, pairs per expert) per rank pair; **one host sync** |
+# | rows out | dispatch | gather each token once per destination rank, all-to-all the rows (+ slot ids) |
+# | expand | dispatch | on the expert rank: copy rows to (token, expert) pairs, grouped by local expert |
+# | outputs back | combine | one row per (token, expert) pair, all-to-all to the home rank |
+# | weighting | stage 5 | the model's `weighted_gather` via `routing.row_index`, unchanged |
+#
+# and the pieces around it: `shard_experts` and `is_expert_param` (which parameters live where),
+# `all_reduce_grads` (the gradient rule), and an exported self-check that runs the tiny Qwen3-MoE on several
+# processes against a single-process run.
+
+# %%
+#| default_exp engine.ep
+
+# %%
+#| export
+import argparse
+import copy
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pith_lit.engine.mesh import build_mesh, init_distributed, run_ranked
+from pith_lit.models.protocol import LocalDispatcher, Routing, run_layers
+from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM, Router
+from pith_lit.ops.permute import gather_rows, sort_by_expert
+
+# %%
+#| hide
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+torch.manual_seed(0)
+
+# %% [markdown]
+# ## 1. The all-to-all as a pair of autograd functions
+#
+# `dist.all_to_all_single(out, x, recv_splits, send_splits, async_op=True)` sends `send_splits[i]` rows of `x`
+# to rank i and receives `recv_splits[i]` rows from it, and returns a handle at once. Its backward is the same
+# exchange in reverse (splits swapped). To let a scheduler do other work while the rows travel, the exchange is
+# two autograd functions:
+#
+# - `all_to_all_start(x, send, recv, group) -> (out, handle)`: launches the exchange; `out` is **not valid yet**.
+# - `all_to_all_wait(out, handle) -> out`: waits; from here `out` holds the received rows.
+#
+# Backward runs the mirror image: the wait's backward *launches* the reverse exchange of the gradient, and the
+# start's backward *waits* for it. Autograd runs later-created nodes first, so whatever the forward did between
+# start and wait is also what backward does while the gradient travels.
+#
+# **Handles and lifetimes.** An `A2AHandle` holds the split sizes, the group, the in-flight `work` and the two
+# buffers the collective reads and writes. The buffers stay referenced from launch to wait: on CUDA the
+# exchange runs on NCCL's own stream, and a buffer freed early could be handed to another kernel while NCCL
+# still uses it; `work.wait()` makes the current stream wait for NCCL's without blocking the host (on gloo it
+# blocks the host). One handle serves one exchange: one start and one wait in forward, then one launch and one
+# wait in backward, after which it holds nothing. Every rank of the group must make the same exchanges in the
+# same order, forward and backward: an output that receives no gradient on one rank would leave the others
+# waiting in backward.
+
+# %%
+#| export
+@dataclass(eq=False)
+class A2AHandle:
+    "One uneven all-to-all over `group`: `send[i]` rows go to rank i, `recv[i]` rows come from it."
+    send: list[int]
+    recv: list[int]
+    group: dist.ProcessGroup
+    work: object = None    # the collective in flight between a launch and its wait (a torch Work)
+    buffers: tuple = ()    # (input, output) of that collective, kept alive until the wait
+
+
+def _launch(h: A2AHandle, x: Tensor, send: list[int], recv: list[int]) -> Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    h.work = dist.all_to_all_single(out, x, recv, send, group=h.group, async_op=True)
+    h.buffers = (x, out)
+    return out
+
+
+def _finish(h: A2AHandle) -> Tensor:
+    h.work.wait()
+    out = h.buffers[1]
+    h.work, h.buffers = None, ()
+    return out
+
+
+class _A2AStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h):
+        ctx.h = h
+        return _launch(h, x, h.send, h.recv)
+
+    @staticmethod
+    def backward(ctx, _):       # the gradient arrives through the handle: launched by _A2AWait.backward
+        return _finish(ctx.h), None
+
+
+class _A2AWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, h):
+        ctx.h = h
+        _finish(h)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        _launch(ctx.h, grad, ctx.h.recv, ctx.h.send)   # the reverse exchange, waited for by _A2AStart.backward
+        return grad, None
+
+
+def all_to_all_start(x: Tensor, send: list[int], recv: list[int], group) -> tuple[Tensor, A2AHandle]:
+    "Launch the exchange of the rows of `x` (`send[i]` to rank i, `recv[i]` from it); differentiable."
+    if len(send) != group.size() or len(recv) != group.size() or sum(send) != x.shape[0]:
+        raise ValueError(f"all_to_all_start: send {send} and recv {recv} need one entry per rank of a group of "
+                         f"{group.size()}, and send must sum to the {x.shape[0]} rows of x")
+    h = A2AHandle(list(send), list(recv), group)
+    return _A2AStart.apply(x, h), h
+
+
+def all_to_all_wait(out: Tensor, h: A2AHandle) -> Tensor:
+    "Wait for the exchange `h`; returns `out`, now holding the received rows."
+    return _A2AWait.apply(out, h)
+
+# %% [markdown]
+# The checks in this notebook that need no second process run in a one-rank gloo group; the multi-rank checks
+# launch real processes (section 5).
+
+# %%
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+solo = dist.group.WORLD
+
+xa = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+out, h = all_to_all_start(xa * 2, [5], [5], solo)
+assert h.work is not None and len(h.buffers) == 2
+out = all_to_all_wait(out, h)
+assert h.work is None and h.buffers == () and torch.equal(out, xa * 2)
+g = torch.randn(5, 3, dtype=torch.float64)
+out.backward(g)
+assert torch.equal(xa.grad, 2 * g) and h.work is None and h.buffers == ()
+
+# %% [markdown]
+# ## 2. The plan: who sends what, with one host synchronisation
+#
+# Rank r holds T tokens with top-k ids `ids (T, k)`. With L = E/ep experts per rank, pair (t, j) goes to rank
+# `dest = ids // L`. Token t sends **one row to each distinct rank in `dest[t]`**: the boolean `sends (T, ep)`.
+#
+# An uneven all-to-all needs its split sizes on the host (NCCL takes them as Python ints, and the receive
+# buffer must be allocated with its size), and the receive sizes are known only to the senders. So dispatch
+# first exchanges, for every ordered pair of ranks, a fixed-size record: the number of rows, and the number of
+# (token, expert) pairs per expert of the receiver, `(ep, 1 + L)` int64 values. That exchange has equal splits
+# and needs nothing on the host. Then **one** copy to the host (`.tolist()`) brings every size this micro-batch
+# needs: rows out, rows in, pairs out and pairs in per rank. That is the only host synchronisation per layer
+# and micro-batch: combine and both backward exchanges reuse these sizes, and every index below is computed
+# with sizes already on the host (`torch.nonzero_static` instead of `nonzero`, which would sync again).
+# Without the exchange a receiver could only allocate for the worst case and pad.
+#
+# Along with each row goes its **slots**: `(k,)` int32, the receiver's local expert index for each of the
+# token's k choices that live on the receiver, and L (meaning "elsewhere") for the others. That is 4k bytes
+# per row against 2H for a bf16 row (0.8% at Qwen3-30B's H = 2048, k = 8).
+#
+# On the expert rank, the received slots are sorted by local expert with `sort_by_expert` from ops/permute (L
+# is one extra group that sorts last and is dropped): its `src_token` says which received row each grouped
+# pair copies, so the expansion to (token, expert) pairs is one `gather_rows`, whose backward is the
+# scatter-add that sums a row's gradients over its experts — deduplicated again on the way back.
+#
+# **Orders.** Every buffer on the way keeps one order, so that no extra index has to travel:
+#
+# - the send buffer is sorted by destination rank, tokens in order within a rank;
+# - the received rows are therefore in (source rank, token) order, and the grouped rows of one expert keep it;
+# - combine sends each source rank its pairs in (token, slot) order, from the received layout;
+# - so on the home rank the returned pairs are in (expert rank, token, slot) order, and `routing.row_index`
+#   is the position of each pair in that order: exactly the `row_index` of `sort_by_expert(dest, ep)`, a
+#   stable sort of the pairs by destination rank.
+
+# %%
+#| export
+@dataclass
+class Traffic:
+    "Bytes a dispatcher sent to *other* ranks in forward (backward sends the same amounts back), summed over calls."
+    dispatch: int = 0                  # hidden rows of dispatch: one per (token, destination rank)
+    dispatch_undeduplicated: int = 0   # what one row per (token, expert) pair would have been
+    dispatch_meta: int = 0             # the slot ids sent with the rows and the counts exchange
+    combine: int = 0                   # expert outputs: one row per (token, expert) pair
+    calls: int = 0
+
+
+@dataclass(eq=False)
+class EPPlan:
+    "What dispatch learned about one micro-batch's routing, kept on the Routing until combine has been waited for."
+    pairs_in: list[int]          # (token, expert) pairs received from each rank: combine sends them back
+    pairs_out: list[int]         # pairs sent to each rank: combine receives their outputs
+    back: Tensor | None = None   # (N,) grouped row of each received pair, in arrival order
+    pending: tuple = ()          # (out, handle, ...) of the exchanges launched and not yet waited for
+
+# %% [markdown]
+# ## 3. The dispatcher
+#
+# `dispatch(x, routing)` and `combine(y, routing)` keep `LocalDispatcher`'s contract; each is `*_wait` after
+# `*_start`, so a schedule can put other work between the two halves. The plan travels on the `Routing` of the
+# micro-batch (`routing.plan`), so several micro-batches can be in flight at once.
+
+# %%
+#| export
+class EPDispatcher:
+    """Stages 2 and 4 across the ranks of `group` (the ep group); rank r owns experts [r·L, (r+1)·L), L = E/size.
+
+    `dispatch(x (T, H), routing) -> (x_grouped (N, H), counts (L,))`: this rank's experts' rows, grouped by local
+    expert; sets `routing.row_index`, `routing.counts` (this rank's pairs per global expert) and `routing.plan`.
+    `combine(y (N, H), routing) -> (T·k, H)`: one row per (token, expert) pair of this rank's tokens, at
+    `routing.row_index`. `dispatch_start`/`dispatch_wait` and `combine_start`/`combine_wait` are the two halves.
+    `traffic` counts the bytes sent to other ranks."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        self.group, self.size, self.rank = group, group.size(), group.rank()
+        if num_experts % self.size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {self.size}; "
+                             "choose parallel.ep among the divisors of the model's num_experts")
+        self.num_experts, self.local = num_experts, num_experts // self.size
+        self.traffic = Traffic()
+
+    def dispatch(self, x: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
+        self.dispatch_start(x, routing)
+        return self.dispatch_wait(routing)
+
+    def combine(self, y: Tensor, routing: Routing) -> Tensor:
+        self.combine_start(y, routing)
+        return self.combine_wait(routing)
+
+    def dispatch_start(self, x: Tensor, routing: Routing) -> None:
+        "Exchange the counts (the one host sync), then launch the exchange of rows and slots."
+        W, L, ids = self.size, self.local, routing.ids
+        (T, k), dev = ids.shape, ids.device
+        dest = ids // L
+        _, routing.row_index, _ = sort_by_expert(dest, W)          # pair -> row of the combined buffer
+        flat = ids.reshape(-1)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+        routing.counts = counts
+        sends = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dest, True)
+        rows_out = sends.sum(0)
+        meta = torch.cat([rows_out[:, None], counts.view(W, L)], 1)  # to rank d: rows, then pairs per its experts
+        meta_in = torch.empty_like(meta)
+        dist.all_to_all_single(meta_in, meta, group=self.group)      # equal splits: no sizes needed on the host
+        sizes = torch.cat([rows_out, counts.view(W, L).sum(1), meta_in.flatten()]).tolist()   # the host sync
+        rows_out, pairs_out, got = sizes[:W], sizes[W:2 * W], sizes[2 * W:]
+        rows_in = got[::L + 1]
+        pairs_in = [sum(got[s * (L + 1) + 1:(s + 1) * (L + 1)]) for s in range(W)]
+
+        dest_tok = torch.nonzero_static(sends.T, size=sum(rows_out))  # (S, 2): (rank, token), by rank, then token
+        d, t = dest_tok[:, 0:1], dest_tok[:, 1]
+        slots = torch.where(dest[t] == d, ids[t] - d * L, L).to(torch.int32)
+        x_in, hx = all_to_all_start(gather_rows(x, t), rows_out, rows_in, self.group)
+        s_in, hs = all_to_all_start(slots, rows_out, rows_in, self.group)
+        routing.plan = EPPlan(pairs_in, pairs_out, pending=(x_in, hx, s_in, hs))
+
+        others = [i for i in range(W) if i != self.rank]
+        row = x.shape[1] * x.element_size()
+        tr = self.traffic
+        tr.dispatch += row * sum(rows_out[i] for i in others)
+        tr.dispatch_undeduplicated += row * sum(pairs_out[i] for i in others)
+        tr.dispatch_meta += sum(rows_out[i] for i in others) * k * slots.element_size() + (W - 1) * (1 + L) * 8
+        tr.calls += 1
+
+    def dispatch_wait(self, routing: Routing) -> tuple[Tensor, Tensor]:
+        "Wait for the rows; expand them to (token, expert) pairs grouped by local expert."
+        plan, L = routing.plan, self.local
+        x_in, hx, s_in, hs = plan.pending
+        x_in, slots = all_to_all_wait(x_in, hx), all_to_all_wait(s_in, hs).long()
+        n = sum(plan.pairs_in)
+        src_row, grouped_row, counts = sort_by_expert(slots, L + 1)   # slot L ("elsewhere") sorts last
+        mine = torch.nonzero_static(slots.flatten() < L, size=n).squeeze(1)
+        plan.back, plan.pending = grouped_row.flatten()[mine], ()
+        return gather_rows(x_in, src_row[:n]), counts[:L]
+
+    def combine_start(self, y: Tensor, routing: Routing) -> None:
+        "Launch the return of one output row per received pair, in arrival order."
+        plan = routing.plan
+        out, h = all_to_all_start(gather_rows(y, plan.back), plan.pairs_in, plan.pairs_out, self.group)
+        plan.pending = (out, h)
+        self.traffic.combine += y.shape[1] * y.element_size() * sum(
+            plan.pairs_in[i] for i in range(self.size) if i != self.rank)
+
+    def combine_wait(self, routing: Routing) -> Tensor:
+        "Wait for this rank's pairs; `routing.row_index` points into the result. Drops the plan."
+        out, h = routing.plan.pending
+        routing.plan = None
+        return all_to_all_wait(out, h)
+
+# %% [markdown]
+# ### Check: one rank, against `LocalDispatcher`
+#
+# With one rank every pair stays home, and the dispatcher must reproduce the local permutation exactly: the
+# same grouped rows, counts and row index, and the same gradients through dispatch, a stand-in expert
+# computation, combine and the weighted sum of stage 5. (The multi-rank checks follow in section 5.)
+
+# %%
+from pith_lit.ops.permute import weighted_gather
+
+T, H, E, k = 12, 6, 4, 3
+ids = torch.randn(T, E).topk(k, -1).indices
+w = torch.rand(T, k, dtype=torch.float64)
+xs = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+scale = torch.randn(1, H, dtype=torch.float64)
+
+def through(dispatcher):
+    r = Routing(ids, w, None)
+    xg, c = dispatcher.dispatch(xs, r)
+    y = dispatcher.combine(xg * scale + c.repeat_interleave(c)[:, None], r)   # an "expert" that sees its counts
+    out = weighted_gather(y, r.row_index, w)
+    g, = torch.autograd.grad(out.square().sum(), xs)
+    return xg, c, r.counts, out, g
+
+ep1 = EPDispatcher(solo, E)
+for a, b in zip(through(ep1), through(LocalDispatcher(E))):
+    assert torch.equal(a, b)
+assert ep1.traffic == Traffic(calls=1)   # nothing crossed to another rank
+
+# %% [markdown]
+# ## 4. Which parameters live where, and how their gradients are summed
+#
+# `shard_experts(model, ep_rank, ep_size)` replaces the stacked expert parameters of every module named
+# `experts` (`gate_up_proj (E, 2I, H)`, `down_proj (E, H, I)`) by this rank's slice of E/ep experts, as new
+# parameters (a copy, so the full tensor can be freed). A model built with the same seed on every rank and then
+# sharded therefore holds exactly the single-process model's weights. `is_expert_param(name)` names them.
+#
+# The gradient rule, for a loss that is a **sum** over tokens divided by the global token count:
+#
+# - a non-expert parameter is replicated on every rank of `dense` (dp × cp × ep) and each rank's gradient
+#   covers its own tokens: sum over `dense`;
+# - an expert's gradient already includes every token of the ep group that chose it (they came through the
+#   all-to-all, and their output gradients went back through it), so sum only over the replicas of that expert,
+#   `expert` (dp × cp).
+#
+# `all_reduce_grads` does that with one flat all-reduce per group and dtype. A parameter without a gradient
+# gets zeros first, so that every rank contributes the same flat buffer.
+
+# %%
+#| export
+def is_expert_param(name: str) -> bool:
+    "True for parameters of a routed-experts module (a module named `experts`), which EP shards."
+    return "experts" in name.split(".")
+
+
+@torch.no_grad()
+def shard_experts(model: nn.Module, ep_rank: int, ep_size: int) -> nn.Module:
+    "Keep experts [ep_rank·E/ep_size, (ep_rank+1)·E/ep_size) of every `experts` module; in place, returns `model`."
+    for name, module in model.named_modules():
+        if name.split(".")[-1] != "experts":
+            continue
+        for pname, p in list(module.named_parameters(recurse=False)):
+            E = p.shape[0]
+            if E % ep_size:
+                raise ValueError(f"{name}.{pname} stacks {E} experts, not divisible by the expert-parallel size "
+                                 f"{ep_size}; choose parallel.ep among the divisors of {E}")
+            n = E // ep_size
+            setattr(module, pname, nn.Parameter(p[ep_rank * n:(ep_rank + 1) * n].clone(), p.requires_grad))
+    return model
+
+
+def all_reduce_grads(model: nn.Module, dense: dist.ProcessGroup, expert: dist.ProcessGroup) -> None:
+    "Sum gradients: expert parameters over `expert` (dp × cp), all others over `dense` (dp × cp × ep)."
+    for group, experts in ((dense, False), (expert, True)):
+        params = [p for n, p in model.named_parameters() if p.requires_grad and is_expert_param(n) == experts]
+        if group.size() == 1 or not params:
+            continue
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for dtype in sorted({p.grad.dtype for p in params}, key=str):   # same order on every rank
+            grads = [p.grad for p in params if p.grad.dtype == dtype]
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat, group=group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+
+# %%
+tiny = Qwen3MoeForCausalLM(Config(vocab_size=32, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4))
+full = copy.deepcopy(tiny)
+shard_experts(tiny, 1, 2)
+for (name, p), (_, q) in zip(tiny.named_parameters(), full.named_parameters()):
+    if is_expert_param(name):
+        assert p.shape[0] == 2 and torch.equal(p, q[2:4]), name
+    else:
+        assert torch.equal(p, q), name
+assert sum(is_expert_param(n) for n, _ in tiny.named_parameters()) == 4      # 2 layers × (gate_up, down)
+assert not is_expert_param("model.layers.0.mlp.shared_experts.gate_proj.weight")
+try:
+    shard_experts(copy.deepcopy(full), 0, 3)
+    raise AssertionError("expected a ValueError")
+except ValueError as err:
+    assert "stacks 4 experts, not divisible by the expert-parallel size 3" in str(err)
+
+# %% [markdown]
+# ## 5. The self-check: several processes against one
+#
+# `selfcheck` runs on every rank of an ep group: it builds the tiny Qwen3-MoE with the same seed as every
+# other rank, computes the single-process reference on the **whole** batch (loss and gradients, with
+# `LocalDispatcher`; no collective involved), then shards the experts, runs its own slice of the batch through
+# `EPDispatcher`, sums the gradients with `all_reduce_grads`, and compares: the summed loss with the reference
+# loss, every non-expert gradient with the reference, and its expert slice with the reference's slice.
+#
+# The cases cover what breaks all-to-all code: random routing; **top-k larger than the experts per rank**
+# (every rank receives several pairs per token, and sends rows to itself); **every token to one expert** (k =
+# 1; all ranks but the last receive nothing, and all experts but one are empty); and **every token to one
+# rank** (all other ranks receive nothing at all). The skewed routings are forced through the weights: the
+# embedding gets a large constant channel 0, which dominates every token's normalised hidden state, and the
+# router's weights on that channel rank the favoured experts first (distinct values, so there are no ties to
+# break differently). Each case asserts that the forced routing really happened.
+#
+# float32 must agree within 1e-5 relative to the largest magnitude, float64 within 1e-12 on CPU (CUDA
+# kernels accumulate in fp32, so float64 there is held to 1e-5). Each process prints one JSON line.
+
+# %%
+#| export
+def _force_routing(model: Qwen3MoeForCausalLM, favoured: list[int]) -> None:
+    "Make every token of every MoE layer rank the `favoured` experts first, in that order."
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 4.0     # dominates the normalised hidden state of every token
+        for layer in model.model.layers.values():
+            if hasattr(layer.mlp, "gate"):
+                w = layer.mlp.gate.weight
+                w[:, 0] = -1.0
+                w[favoured, 0] = torch.linspace(1.0, 0.5, len(favoured), dtype=w.dtype, device=w.device)
+
+
+def _loss_sum(model, inputs: Tensor, labels: Tensor, dispatcher) -> tuple[Tensor, list]:
+    positions = torch.arange(inputs.shape[1], device=inputs.device)
+    h, routings = run_layers(model.model.layers.values(), model.prolog(inputs), positions, dispatcher)
+    logits = model.epilog(h)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"), routings
+
+
+def _max_rel_err(a: Tensor, b: Tensor) -> float:
+    "max |a - b| / max |b| (0 when both are zero)."
+    err, scale = (a - b).abs().max().item(), b.abs().max().item()
+    return err / scale if scale else err
+
+
+def selfcheck(group, dense, expert, case: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """One case (`random`, `wide` (top-k > experts per rank), `one_expert`, `one_rank`) on the ranks of `group`
+    (the ep group), against the single-process reference; raises AssertionError on a mismatch."""
+    W, r, E = group.size(), group.rank(), 8
+    L = E // W
+    top_k = {"random": 2, "wide": L + 1, "one_expert": 1, "one_rank": L}[case]
+    c = Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermediate_size=48, num_hidden_layers=3,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=E, num_experts_per_tok=top_k,
+               mlp_only_layers=[1])
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(c).to(device, dtype)
+    if case == "one_expert":
+        _force_routing(model, [E - 1])
+    elif case == "one_rank":
+        _force_routing(model, list(range(L)))
+    B, S = 2, 8
+    tokens = torch.randint(0, c.vocab_size, (W * B, S + 1), generator=torch.Generator().manual_seed(1)).to(device)
+    inputs, labels, n = tokens[:, :-1], tokens[:, 1:], W * B * S
+
+    ref = copy.deepcopy(model)
+    ref_loss, _ = _loss_sum(ref, inputs, labels, LocalDispatcher(E))
+    (ref_loss / n).backward()
+
+    shard_experts(model, r, W)
+    dispatcher = EPDispatcher(group, E)
+    mine = slice(r * B, (r + 1) * B)
+    loss, routings = _loss_sum(model, inputs[mine], labels[mine], dispatcher)
+    (loss / n).backward()
+    all_reduce_grads(model, dense, expert)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=dense)
+
+    moe_ids = [ro.ids for ro in routings if ro is not None]
+    if case == "one_expert":
+        assert all(bool((i == E - 1).all()) for i in moe_ids), "routing was not forced to the last expert"
+    if case == "one_rank":
+        assert all(bool((i < L).all()) for i in moe_ids), "routing was not forced to rank 0's experts"
+    tol = 1e-12 if dtype == torch.float64 and device.type == "cpu" else 1e-5
+    errs = {"loss": _max_rel_err(total, ref_loss.detach())}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        want = q.grad[r * L:(r + 1) * L] if is_expert_param(name) else q.grad
+        errs[name] = _max_rel_err(p.grad, want)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= tol, f"{case} {dtype}: {worst} differs by {errs[worst]:.3g} relative (> {tol:g})"
+    return {"case": case, "dtype": str(dtype).removeprefix("torch."), "top_k": top_k, "max_rel_err": errs[worst],
+            "worst": worst, "traffic": asdict(dispatcher.traffic)}
+
+# %% [markdown]
+# ## 6. The saving at Qwen3-30B-A3B's shape
+#
+# Qwen3-30B-A3B routes each token to 8 of 128 experts at hidden 2048, in bf16 (4 KiB a row). `qwen3_routing`
+# gives the router outputs this measurement uses: a Qwen3 router initialised as the model initialises it
+# (N(0, 0.02) weights) on N(0, 1) hidden states (what RMSNorm produces), T tokens per rank, reproducible
+# from the rank. A trained router is not uniform: its tokens cluster on related experts, which puts more of
+# a token's experts on the same rank, so deduplication saves at least as much there as measured here on a
+# random one.
+#
+# `traffic` dispatches these rows through `EPDispatcher` for each ep size that divides the world, with an
+# identity "expert", combines, checks that every (token, expert) pair got its own row back, and returns the
+# dispatcher's byte counters summed over all ranks.
+
+# %%
+#| export
+def qwen3_routing(rank: int, tokens: int, hidden: int = 2048, num_experts: int = 128,
+                  top_k: int = 8) -> tuple[Tensor, Routing]:
+    "bf16 hidden states and the routing of a freshly initialised Qwen3 router, for `tokens` tokens of `rank`."
+    router = Router(Config(hidden_size=hidden, num_experts=num_experts, num_experts_per_tok=top_k))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(0)) * 0.02)
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1000 + rank))
+        return x.bfloat16(), router(x)
+
+
+def traffic(tokens: int, device: torch.device, timeout_s: float) -> dict:
+    "Dispatcher byte counters summed over the world, for each ep size in (2, 4, 8) that divides it."
+    world, rank, out = dist.get_world_size(), dist.get_rank(), {}
+    x, routing = qwen3_routing(rank, tokens)
+    x, routing.ids = x.to(device), routing.ids.to(device)
+    for ep in (2, 4, 8):
+        if world % ep:
+            continue
+        mesh = build_mesh(1, world // ep, 1, ep, device.type, timeout_s)
+        d = EPDispatcher(mesh.ep, 128)
+        r = Routing(routing.ids, routing.weights, None)
+        xg, _ = d.dispatch(x, r)
+        back = d.combine(xg, r)                      # identity experts: each pair must get its token's row
+        assert torch.equal(back[r.row_index], x[:, None].expand(-1, r.ids.shape[1], -1)), f"ep={ep}: rows lost"
+        sums = torch.tensor(list(asdict(d.traffic).values()), device=device)
+        dist.all_reduce(sums)
+        out[ep] = dict(zip(asdict(d.traffic), sums.tolist()))
+    return out
+
+# %% [markdown]
+# ### The command line
+#
+# `python -m torch.distributed.run --nproc-per-node N -m pith_lit.engine.ep [--device cuda] [--tokens T]` runs
+# every self-check case in float32 and float64 with ep = N, then the traffic measurement, and rank 0 prints
+# one JSON object. On CUDA the same code runs over NCCL (the split sizes are Python ints, as NCCL requires).
+# An exception on any rank ends the job with its traceback (`run_ranked`).
+
+# %%
+#| export
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="EP self-check against a single process, and dispatch traffic")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank for the traffic measurement")
+    p.add_argument("--timeout-s", type=float, default=120)
+    a = p.parse_args(argv)
+    rank, world, device = init_distributed(a.timeout_s, a.device)
+    mesh = build_mesh(1, 1, 1, world, a.device, a.timeout_s)
+    checks = [selfcheck(mesh.ep, mesh.dense, mesh.expert, case, dtype, device)
+              for case, dtype in [("random", torch.float32), ("random", torch.float64), ("wide", torch.float32),
+                                  ("wide", torch.float64), ("one_expert", torch.float64),
+                                  ("one_rank", torch.float32)]]
+    result = {"world": world, "checks": checks, "traffic": traffic(a.tokens, device, a.timeout_s)}
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and __spec__ is not None:
+    run_ranked(main)
+
+# %% [markdown]
+# ### Check: two processes
+#
+# Two gloo processes on the CPU, every case, compared with the single-process run inside the worker. The
+# worker raises (and the job exits non-zero) on any mismatch; here we also look at the numbers.
+
+# %%
+dist.destroy_process_group()
+root = Path.cwd().parents[1]   # nbdev_test runs a notebook in its folder
+env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       "-m", "pith_lit.engine.ep", "--tokens", "1024"], cwd=root, env=env, capture_output=True,
+                      text=True, timeout=300)
+assert proc.returncode == 0, proc.stderr[-4000:]
+two = json.loads(proc.stdout.strip().splitlines()[-1])
+for c in two["checks"]:
+    print(f"{c['case']:>10} {c['dtype']:>7} top-{c['top_k']}: max relative error {c['max_rel_err']:.2e}")
+assert len(two["checks"]) == 6
+
+# %% [markdown]
+# ### The saving, counted two ways
+#
+# First from the router outputs alone: for each rank's tokens, the rows a deduplicated dispatch sends to other
+# ranks are the distinct destination ranks of each token other than its own, and an undeduplicated one sends
+# every pair whose expert is elsewhere. Rank g of the world is rank g mod ep of its ep group (ep innermost).
+# This count uses nothing of the dispatcher; the two-process run's counters must equal it at ep = 2.
+
+# %%
+ROW = 2048 * 2   # bytes of one bf16 row at hidden 2048
+dests = {g: qwen3_routing(g, 1024)[1].ids for g in range(8)}   # router outputs of 8 ranks × 1024 tokens
+
+def counted(world: int, ep: int) -> tuple[int, int]:
+    "Bytes sent to other ranks by all `world` ranks, (deduplicated, one row per pair), from the router alone."
+    dedup = undedup = 0
+    for g in range(world):
+        home = g % ep
+        for row in (dests[g] // (128 // ep)).tolist():
+            dedup += len(set(row) - {home})
+            undedup += sum(d != home for d in row)
+    return dedup * ROW, undedup * ROW
+
+want = counted(2, 2)
+got = two["traffic"]["2"]
+assert (got["dispatch"], got["dispatch_undeduplicated"]) == want, (got, want)
+assert got["combine"] == want[1]          # every pair's output comes back, one row each
+print(f"ep=2, 2×1024 tokens: {got['dispatch'] / 2**20:.1f} MiB deduplicated vs "
+      f"{got['dispatch_undeduplicated'] / 2**20:.1f} MiB, metadata {got['dispatch_meta'] / 2**10:.0f} KiB")
+
+# %% [markdown]
+# Per token, from the router outputs of 8 ranks × 1024 tokens (ep = 2, 4, 8 over the same 8 ranks):
+
+# %%
+print("| ep | rows out / token, dedup | rows out / token, no dedup | KiB / token, dedup | KiB / token, no dedup | saving |")
+print("|---|---|---|---|---|---|")
+saving = {}
+for ep in (2, 4, 8):
+    dd, nd = (b / (8 * 1024) for b in counted(8, ep))
+    saving[ep] = nd / dd
+    print(f"| {ep} | {dd / ROW:.2f} | {nd / ROW:.2f} | {dd / 2**10:.2f} | {nd / 2**10:.2f} | {saving[ep]:.2f}× |")
+assert saving[2] > saving[4] > saving[8] > 1   # more ranks, fewer of a token's experts share one
+
+# %% [markdown]
+# And from the dispatcher's counters, with 8 CPU processes (ep = 2, 4, 8 over the same world; too slow for
+# CI on two cores, so the cell is marked `slow`; run with `nbdev_test --flags slow`). Recorded on a 1-core CPU
+# container, 2026-11-29, `--tokens 1024`:
+#
+# | ep | dispatch MiB (dedup) | dispatch MiB (no dedup) | metadata MiB | combine MiB | saving | = router count |
+# |---|---|---|---|---|---|---|
+# | 2 | 31.9 | 127.1 | 0.25 | 127.1 | 3.99× | True |
+# | 4 | 87.0 | 192.1 | 0.69 | 192.1 | 2.21× | True |
+# | 8 | 149.6 | 224.8 | 1.18 | 224.8 | 1.50× | True |
+#
+# (bytes sent to other ranks by all 8 ranks together for one MoE layer's forward; backward sends the same
+# amounts in the other direction.) Dispatch bytes are 1.00, 2.72 and 4.67 rows per token instead of 3.97,
+# 6.00 and 7.02: with 8 choices among ep ranks, a token's experts share ranks less as ep grows. The slot ids and
+# counts add 0.8% to dispatch. Combine, as the layer protocol defines it, returns one row per remote pair, and
+# stage 5 weights and sums them on the home rank; summing a token's weighted outputs on the expert rank first
+# would cut combine the same way, but needs the router weights there and their gradient sent back (not done).
+
+# %%
+#| slow
+proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                       "-m", "pith_lit.engine.ep", "--tokens", "1024"], cwd=root, env=env, capture_output=True,
+                      text=True, timeout=600)
+assert proc.returncode == 0, proc.stderr[-4000:]
+eight = json.loads(proc.stdout.strip().splitlines()[-1])
+print("| ep | dispatch MiB (dedup) | dispatch MiB (no dedup) | metadata MiB | combine MiB | saving | = router count |")
+print("|---|---|---|---|---|---|---|")
+for ep in (2, 4, 8):
+    t = eight["traffic"][str(ep)]
+    ok = (t["dispatch"], t["dispatch_undeduplicated"]) == counted(8, ep)
+    print(f"| {ep} | {t['dispatch'] / 2**20:.1f} | {t['dispatch_undeduplicated'] / 2**20:.1f} | "
+          f"{t['dispatch_meta'] / 2**20:.2f} | {t['combine'] / 2**20:.1f} | "
+          f"{t['dispatch_undeduplicated'] / t['dispatch']:.2f}× | {ok} |")
+    assert ok

@@ -1,0 +1,884 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # DualPipeV
+#
+# Pipeline parallelism splits the layers of a model among P ranks and streams micro-batches through them. Its cost
+# is the **bubble**: time a rank waits for work at the start and end of each step. DualPipe (DeepSeek-V3) shrinks
+# the bubble by feeding micro-batches from both ends of the pipeline and by pairing the forward of one micro-batch
+# with the backward of another, so the all-to-alls of expert parallelism hide behind compute (engine/32_stages).
+# **DualPipeV** is its "cut in half" variant: it keeps one copy of the parameters instead of two.
+#
+# The model is cut into 2P **stages**, and rank r holds stages r and 2P−1−r. A micro-batch goes down the ranks
+# through their first stage (phase 0: stage r, from rank r−1 to r+1), turns around on the last rank (stages P−1
+# and P live there, so the turn is local) and comes back up through their second stage (phase 1: from rank r+1 to
+# r−1). Rank 0 therefore holds the first stage (with the embedding) and the last stage (with the head and the
+# loss): the "V". Each rank runs a fixed sequence of actions:
+#
+# - **F** (forward of one stage for one micro-batch), **B** (its backward), **F&B** (the forward of one micro-batch
+#   overlapped with the backward of another, stage by stage, on two CUDA streams), and **W** (deferred weight
+#   gradients: a B with *zero bubble* leaves its weight gradients in a queue and a later W slot computes them, to
+#   fill a gap where the rank would otherwise wait);
+# - and the point-to-point transfers between neighbours that feed them, batched with `dist.batch_isend_irecv`.
+#
+# This notebook builds the schedule as plain data, checks it by simulating all ranks (every message matched,
+# no deadlock, the ideal bubble), then runs it: `split_model` keeps a rank's two stages, and `DualPipeV.step`
+# executes one optimizer step's micro-batches and records a timeline. The checks compare against one process
+# running the whole model with plain autograd. tests/test_pipeline.py repeats them with 2 CPU processes.
+
+# %%
+#| default_exp engine.dualpipev
+
+# %%
+#| export
+import argparse
+import copy
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from pith_lit.engine.stages import COMPUTE, LayerRun, Streams, _leaf, backward_layers, forward_layers, run_steps
+from pith_lit.models.protocol import LocalDispatcher, run_layers
+from pith_lit.ops.grouped_linear import WeightGradQueue
+
+# %%
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+# %% [markdown]
+# ## Cutting the model
+#
+# `stage_layers` divides L layers among the 2P stages in order. When they do not divide evenly, the extra layers go
+# to the stages farthest from the ends of the model: the edge stages (0 and 2P−1, both on rank 0) also run the
+# embedding and the head with the loss, so they get fewer layers. Stage 0 (the cheap embedding) is served before
+# stage 2P−1 (the head, a large matmul).
+
+# %%
+#| export
+def stage_layers(num_layers: int, pp_size: int) -> list[list[int]]:
+    "The layer indices of each of the 2·pp_size stages, in order; the middle stages get the extra layers first."
+    n = 2 * pp_size
+    sizes = [num_layers // n] * n
+    for s in sorted(range(n), key=lambda s: (-min(s, n - 1 - s), s))[:num_layers % n]:
+        sizes[s] += 1
+    starts = [sum(sizes[:s]) for s in range(n)]
+    return [list(range(a, a + k)) for a, k in zip(starts, sizes)]
+
+# %%
+assert stage_layers(4, 2) == [[0], [1], [2], [3]]
+assert stage_layers(6, 2) == [[0], [1, 2], [3, 4], [5]]
+assert stage_layers(7, 2) == [[0, 1], [2, 3], [4, 5], [6]]
+assert stage_layers(5, 1) == [[0, 1, 2], [3, 4]]
+for L, P in [(48, 4), (27, 4), (61, 8)]:
+    s = stage_layers(L, P)
+    assert sum(s, []) == list(range(L)) and max(map(len, s)) - min(map(len, s)) <= 1
+print("48 layers on 4 ranks:", [len(x) for x in stage_layers(48, 4)], "· 27 layers:", [len(x) for x in stage_layers(27, 4)])
+
+# %% [markdown]
+# `split_model` keeps what rank r needs and drops the rest from the model itself, so `model.parameters()`,
+# `model.state_dict()` (with the same Hugging Face names as the full model), the optimizer and the gradient
+# all-reduce all see this rank's parameters only. Rank 0 keeps the embedding, the final norm and the head (the
+# model protocol's `prolog` and `epilog`); the others drop them. It returns the two `StagePart`s: the layers of
+# the stage, keyed by absolute layer index, and what the stage does at the ends of the model.
+
+# %%
+#| export
+@dataclass
+class StagePart:
+    "One pipeline stage of one rank: `layers` keyed by absolute index; `prolog` on stage 0; the loss on the last."
+    index: int                      # 0 .. 2·pp − 1
+    layers: dict                    # {"7": layer, ...} in order
+    prolog: Callable | None         # input_ids -> h, on stage 0 only
+    is_last: bool                   # stage 2·pp − 1: its output goes to the loss
+    hidden_size: int                # width of the hidden states sent between ranks
+
+    def dtype(self) -> torch.dtype:
+        "dtype of the hidden states: that of the stage's parameters (what receive buffers are allocated in)."
+        return next(next(iter(self.layers.values())).parameters()).dtype
+
+
+def split_model(model, pp_rank: int, pp_size: int) -> tuple[StagePart, StagePart]:
+    """Keep rank `pp_rank`'s stages (pp_rank and 2·pp_size − 1 − pp_rank) in `model`, drop every other layer, and
+    drop the embedding, final norm and head unless pp_rank is 0. Returns (first-phase part, second-phase part)."""
+    keys = list(model.model.layers.keys())
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank={pp_rank} must be in [0, pp_size={pp_size})")
+    if len(keys) < 2 * pp_size:
+        raise ValueError(f"DualPipeV cuts the model into 2·pp = {2 * pp_size} stages of at least one layer, but it "
+                         f"has {len(keys)} layers; use parallel.pp <= {len(keys) // 2}")
+    stages = stage_layers(len(keys), pp_size)
+    mine = (pp_rank, 2 * pp_size - 1 - pp_rank)
+    keep = {keys[i] for s in mine for i in stages[s]}
+    for key in keys:
+        if key not in keep:
+            del model.model.layers[key]
+    if pp_rank != 0:
+        del model.model.embed_tokens, model.model.norm, model.lm_head
+    return tuple(StagePart(s, {keys[i]: model.model.layers[keys[i]] for i in stages[s]},
+                           model.prolog if s == 0 else None, s == 2 * pp_size - 1, model.config.hidden_size)
+                 for s in mine)
+
+# %% [markdown]
+# ## The schedule, as data
+#
+# `dualpipev_schedule(rank, P, M)` lists what one rank does in one step with M micro-batches, as tuples with the
+# micro-batch numbers filled in:
+# `("F", phase, m)`, `("B", phase, m, zero_bubble)`, `("FB", (phase, m), (phase, m))` (forward, backward),
+# `("W", phase, m)`, and the transfers `("recv_f" | "send_f" | "recv_b" | "send_b", phase, m)` (f: activations
+# going forward, b: gradients going back). Transfers to or from a neighbour that does not exist (rank 0 in phase 0
+# receives token ids from the data, the last rank turns phase 0 into phase 1 locally) are left out.
+#
+# It follows the step structure of DeepSeek's DualPipeV, in eight parts (for rank r):
+#
+# 1. `2(P−r−1)` forwards of phase 0: the pipeline fills; deeper ranks start later;
+# 2. `r+1` pairs of forwards, phase 0 then phase 1 (the first micro-batches turn around and come back up);
+# 3. `P−r−1` times: B of phase 1 with zero bubble, W, F of phase 1: the W fills the wait for the next input;
+# 4. the steady state, `M−2P+r+1` times: F&B (forward phase 0, backward phase 1), F&B (forward phase 1, backward
+#    phase 0). On the last rank the first pair runs F and B one after the other: F needs no transfer there, so it
+#    runs while B's gradient is on its way;
+# 5. `P−r−1` times: B of phase 1, F&B (forward phase 1, backward phase 0);
+# 6. `r+1` pairs of backwards, phase 1 then phase 0; the second half of them defer their weight gradients;
+# 7. `P−r−1` times: W, then B of phase 0 with zero bubble;
+# 8. `r+1` W slots: the deferred weight gradients.
+#
+# The steady state needs at least one iteration on every rank, so M ≥ 2P. Every F, B and W is counted below.
+#
+# **Transfers.** A transfer is queued, and all queued transfers start together (one `batch_isend_irecv`) and are
+# waited for just before the next compute action. So a rank's sends go out together with the receives of its next
+# action, and a rank never waits on a receive while holding back a send its neighbour needs. NCCL (and gloo, with
+# one tag) pair the sends from A to B with B's receives from A by **order alone**, and every message here has the
+# same shape: a schedule that sent two messages in a different order than the neighbour receives them would swap
+# activations silently. The simulation below checks the order of every pair of neighbours.
+
+# %%
+#| export
+def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
+    "The actions of pipeline rank `rank` of `P` for one step of `M` micro-batches, in order (see above)."
+    if M < 2 * P:
+        raise ValueError(f"DualPipeV with pp = {P} needs at least 2·pp = {2 * P} micro-batches per step, got {M}; "
+                         "raise train.global_batch or lower train.micro_batch")
+    first, last = rank == 0, rank == P - 1
+    acts, n = [], {}        # n[(name, phase)]: how many of that kind were planned so far = the next micro-batch
+
+    def add(name, phase, *rest):
+        m = n.get((name, phase), 0)
+        n[name, phase] = m + 1
+        acts.append((name, phase, m, *rest))
+
+    def recv_f(p):
+        if not (first and p == 0 or last and p == 1): add("recv_f", p)
+    def send_f(p):
+        if not (first and p == 1 or last and p == 0): add("send_f", p)
+    def recv_b(p):
+        if not (first and p == 1 or last and p == 0): add("recv_b", p)
+    def send_b(p):
+        if not (first and p == 0 or last and p == 1): add("send_b", p)
+
+    deferred = []           # (phase, m) of zero-bubble backwards whose W has not been planned yet
+    def fwd(p, recv=True, send=True):
+        if recv: recv_f(p)
+        add("F", p)
+        if send: send_f(p)
+    def bwd(p, zb=False, recv=True, send=True):
+        if recv: recv_b(p)
+        add("B", p, zb)
+        if zb: deferred.append(acts[-1][1:3])
+        if send: send_b(p)
+    def fwd_bwd(pf, pb, recv=True):
+        if recv: recv_f(pf)
+        recv_b(pb)
+        mf, mb = n.get(("F", pf), 0), n.get(("B", pb), 0)
+        n["F", pf], n["B", pb] = mf + 1, mb + 1
+        acts.append(("FB", (pf, mf), (pb, mb)))
+        send_f(pf)
+        send_b(pb)
+    def weights():
+        acts.append(("W", *deferred.pop(0)))
+
+    for _ in range(2 * (P - rank - 1)):                      # 1
+        fwd(0)
+    recv_f(0)                                                 # 2
+    for i in range(rank + 1):
+        fwd(0, recv=False, send=last)
+        recv_f(0)
+        fwd(1, send=not last or i < rank)
+        if not last:
+            send_f(0)
+    for _ in range(P - rank - 1):                             # 3
+        bwd(1, zb=True)
+        recv_f(1)
+        weights()
+        fwd(1, recv=False)
+    for i in range(M - 2 * P + rank + 1):                     # 4
+        if i == 0 and last:
+            fwd(0, recv=False, send=False)
+            send_f(1)
+            bwd(1, send=False)
+            send_f(0)
+            send_b(1)
+        else:
+            fwd_bwd(0, 1, recv=i > 0)
+        fwd_bwd(1, 0)
+    for _ in range(P - rank - 1):                             # 5
+        bwd(1)
+        fwd_bwd(1, 0)
+    zb = False                                                # 6
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            zb = True
+        bwd(1, zb=zb)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            zb = True
+        bwd(0, zb=zb)
+    for _ in range(P - rank - 1):                             # 7
+        weights()
+        bwd(0, zb=True)
+    for _ in range(rank + 1):                                 # 8
+        weights()
+    return acts
+
+# %%
+acts = dualpipev_schedule(1, 2, 4)
+print("rank 1 of 2, 4 micro-batches:\n ", "\n  ".join(map(str, acts)))
+
+# %% [markdown]
+# ## Simulating all ranks
+#
+# `simulate` runs the schedules of all P ranks against each other, with a given duration per compute action and
+# instantaneous transfers, and returns each rank's timeline as `(kind, micro, start, end)` events, the same
+# format `DualPipeV` records (kind `"F0"`, `"B1"`, `"F1&B0"`, `"W"`, …). It is also the schedule's test:
+#
+# - for every pair of neighbours, the i-th message A sends to B is the i-th one B receives from A (same direction,
+#   phase and micro-batch), so order-matched transfers deliver the right data;
+# - a rank's batch of transfers completes when every partner has reached the batch holding the matching
+#   transfer (as with NCCL: a send needs its receive posted); if at some point no rank can move, the schedule
+#   deadlocks and `simulate` raises;
+# - every micro-batch gets its F and B in both phases on every rank, each W follows its B, and every F reads an
+#   input that an earlier transfer (or the V's local turn) delivered.
+#
+# The bubble fraction is the idle share of P × (step time).
+
+# %%
+#| export
+def _kind(action) -> tuple[str, object]:
+    "The timeline label of a compute action: (kind, micro)."
+    match action:
+        case ("F", p, m):
+            return f"F{p}", m
+        case ("W", p, m):
+            return "W", m
+        case ("B", p, m, _):
+            return f"B{p}", m
+        case ("FB", (pf, mf), (pb, mb)):
+            return f"F{pf}&B{pb}", (mf, mb)
+
+
+def _peer(name: str, phase: int, rank: int) -> int:
+    "The neighbour a transfer goes to or comes from: activations flow down in phase 0 and up in phase 1."
+    down = (name in ("send_f", "recv_b")) == (phase == 0)
+    return rank + 1 if down else rank - 1
+
+
+def _inputs_arrive(r: int, P: int, actions: list[tuple]) -> None:
+    "Assert that every F and B of rank r finds its input (activations or gradient) delivered before it runs."
+    have = set()     # ("f" | "b", phase, m) delivered so far, by a receive or by the V's turn
+    for a in actions:
+        if a[0] in ("recv_f", "recv_b"):
+            have.add((a[0][-1], a[1], a[2]))
+        fwd = {"F": a[1:3], "FB": a[1]}.get(a[0])      # (phase, m) of a forward, if a has one
+        bwd = {"B": a[1:3], "FB": a[2]}.get(a[0])      # (phase, m) of a backward
+        if fwd is not None:
+            assert (r == 0 and fwd[0] == 0) or ("f", *fwd) in have, f"rank {r}: F{fwd} before its input arrived"
+            if r == P - 1 and fwd[0] == 0:
+                have.add(("f", 1, fwd[1]))
+        if bwd is not None:
+            assert (r == 0 and bwd[0] == 1) or ("b", *bwd) in have, f"rank {r}: B{bwd} before its gradient arrived"
+            if r == P - 1 and bwd[0] == 1:
+                have.add(("b", 0, bwd[1]))
+
+
+def simulate(P: int, M: int, duration: Callable[[tuple], float]) -> list[list[tuple]]:
+    "Every rank's timeline `[(kind, micro, start, end)]` under `duration(action)`; raises on a mismatch or deadlock."
+    batches = []   # per rank: [(transfers, compute action or None)]
+    for r in range(P):
+        actions = dualpipev_schedule(r, P, M)
+        _inputs_arrive(r, P, actions)
+        rank_batches, pending = [], []
+        for a in actions:
+            if a[0] in ("recv_f", "send_f", "recv_b", "send_b"):
+                pending.append(a)
+            else:
+                rank_batches.append((pending, a))
+                pending = []
+        batches.append(rank_batches + [(pending, None)])
+    # pair sends and receives between each pair of neighbours, in order
+    sent, received = {}, {}
+    for r in range(P):
+        for k, (transfers, _) in enumerate(batches[r]):
+            for name, p, m in transfers:
+                peer = _peer(name, p, r)
+                book = sent if name.startswith("send") else received
+                pair = (r, peer) if name.startswith("send") else (peer, r)
+                book.setdefault(pair, []).append(((name[-1], p, m), (r, k)))
+    partners = {}
+    for pair in sent.keys() | received.keys():
+        s, rcv = sent.get(pair, []), received.get(pair, [])
+        if [x for x, _ in s] != [x for x, _ in rcv]:
+            raise RuntimeError(f"P={P} M={M}: rank {pair[0]} sends {[x for x, _ in s]} to rank {pair[1]}, "
+                               f"which receives {[x for x, _ in rcv]}")
+        for (_, a), (_, b) in zip(s, rcv):
+            partners.setdefault(a, []).append(b)
+            partners.setdefault(b, []).append(a)
+    # advance every rank as far as its transfers allow
+    posted = [[0.0] + [None] * len(b) for b in batches]   # posted[r][k]: when rank r reaches its batch k
+    events, at, done = [[] for _ in range(P)], [0] * P, set()
+    while any(at[r] < len(batches[r]) for r in range(P)):
+        moved = False
+        for r in range(P):
+            k = at[r]
+            if k == len(batches[r]) or any(posted[q][j] is None for q, j in partners.get((r, k), [])):
+                continue
+            start = max([posted[r][k]] + [posted[q][j] for q, j in partners.get((r, k), [])])
+            action = batches[r][k][1]
+            end = start if action is None else start + duration(action)
+            if action is not None:
+                events[r].append((*_kind(action), start, end))
+                if action[0] == "B" and action[3]:
+                    done.add((r, action[1], action[2]))
+                if action[0] == "W":
+                    assert (r, action[1], action[2]) in done, f"rank {r}: W before its B"
+            posted[r][k + 1] = end
+            at[r], moved = k + 1, True
+        if not moved:
+            raise RuntimeError(f"P={P} M={M}: deadlock, ranks stopped at batches {at}")
+    for r in range(P):
+        kinds = [k for k, _, _, _ in events[r]]
+        for x in ("F0", "F1", "B0", "B1"):
+            count = sum(x in k.split("&") for k in kinds)
+            assert count == M, f"rank {r}: {count} × {x}, expected {M}"
+    return events
+
+
+def bubble_fraction(events: list[list[tuple]]) -> float:
+    "Idle share of P × step time: everything that is not an F, B, F&B or W action (waits and transfers count)."
+    t0 = min(e[2] for ev in events for e in ev)
+    t1 = max(e[3] for ev in events for e in ev)
+    busy = sum(e[3] - e[2] for ev in events for e in ev if e[0] != "comm")
+    return 1 - busy / (len(events) * (t1 - t0))
+
+# %% [markdown]
+# Every schedule from 1 to 8 ranks with 2P to 3P+1 micro-batches passes. For the ideal picture take the units of
+# the DualPipe paper: F = 1, B = 2 (input gradient 1 + weight gradient 1), so a zero-bubble B costs 1 and its W 1,
+# and an F&B pair costs 3.
+
+# %%
+#| export
+def unit_duration(action) -> float:
+    "Idealised costs: F 1, B 2 (1 with zero bubble, then W 1), F&B 3."
+    match action:
+        case ("F", *_): return 1.0
+        case ("B", _, _, zb): return 1.0 if zb else 2.0
+        case ("W", *_): return 1.0
+        case ("FB", *_): return 3.0
+
+# %%
+for P in range(1, 9):
+    for M in range(2 * P, 3 * P + 2):
+        simulate(P, M, unit_duration)
+try:
+    dualpipev_schedule(0, 4, 7)
+    raise AssertionError("expected a ValueError")
+except ValueError as e:
+    print("M < 2P:", e)
+for P, M in [(4, 8), (4, 16), (8, 16), (8, 32)]:
+    print(f"P={P} M={M}: ideal bubble fraction {bubble_fraction(simulate(P, M, unit_duration)):.3f}")
+
+# %% [markdown]
+# The timeline of a step is drawn one row per rank: F in blue (light: phase 0, dark: phase 1), B in green, an
+# overlapped F&B pair as a half-blue half-green box, W in orange, and waiting for transfers in grey. Numbers are
+# micro-batches.
+
+# %%
+#| export
+COLORS = {"F0": "#9ecae1", "F1": "#3182bd", "B0": "#a1d99b", "B1": "#31a354", "W": "#fdae6b", "comm": "#d9d9d9"}
+
+
+def draw_timeline(ax, events: list[list[tuple]], title: str = "") -> None:
+    "Draw per-rank events `(kind, micro, start, end)` on a matplotlib axis, rank 0 at the top."
+    for r, ev in enumerate(events):
+        for kind, micro, start, end in ev:
+            parts = kind.split("&")
+            h = 0.8 / len(parts)
+            for i, part in enumerate(parts):          # F&B: upper half forward, lower half backward
+                ax.broken_barh([(start, end - start)], (r - 0.4 + i * h, h), color=COLORS[part],
+                               edgecolor="white", linewidth=0.5)
+            if micro is not None and kind != "comm":
+                label = "|".join(map(str, micro)) if isinstance(micro, (list, tuple)) else str(micro)
+                ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(events)), [f"rank {r}" for r in range(len(events))])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+
+# %%
+fig, ax = plt.subplots(figsize=(10, 2.2))
+draw_timeline(ax, simulate(4, 10, unit_duration), "ideal DualPipeV, P = 4, M = 10 (F = 1, B = 2, zero-bubble B = W = 1)")
+plt.show()
+
+# %% [markdown]
+# ## Running a stage: `StageRun`
+#
+# `StageRun` is `LayerRun` (engine/32_stages) one level up: one stage on one micro-batch, as generators of steps.
+# Around the layers it adds the embedding (stage 0: the input is token ids) and the loss (the last stage: the
+# loss is computed on a leaf copy of the last hidden states, so its backward is a step of its own that hands
+# `h_last.grad` to the layers). `loss_fn(h, labels)` returns the summed token loss; the backward scales it by
+# `loss_scale` (the trainer's 1 / tokens in the global batch). Each `StageRun` owns a `WeightGradQueue` that its
+# layers' expert weight gradients go to (see 32_stages: the models' stage 3 does not take it yet, so it stays empty);
+# the schedule drains it right after the B, or later in a W slot for a zero-bubble B.
+
+# %%
+#| export
+class StageRun:
+    "One `StagePart` on one micro-batch: the embedding, the layers' `LayerRun`s and the loss, as steps."
+
+    def __init__(self, part: StagePart, dispatcher, aux_fn=None):
+        self.part, self.wgrad = part, WeightGradQueue()
+        self.runs = [LayerRun(layer, key, dispatcher, aux_fn, self.wgrad) for key, layer in part.layers.items()]
+        self.loss = self.output = self.grad_in = None
+
+    def forward(self, x: Tensor, positions: Tensor, labels: Tensor | None = None, loss_fn=None):
+        "x: token ids on stage 0, hidden states elsewhere. Afterwards `output` (or `loss` on the last stage)."
+        if self.part.prolog is not None:
+            self.ids = x
+            yield COMPUTE, self._embed
+            x = self.h0
+        h = yield from forward_layers(self.runs, x, positions)
+        if self.part.is_last:
+            self.h_last, self.labels, self.loss_fn = _leaf(h), labels, loss_fn
+            yield COMPUTE, self._loss
+        else:
+            self.output = h
+
+    def backward(self, grad: Tensor | None, loss_scale=1.0):
+        "grad: of `output` (None on the last stage). Afterwards `grad_in`, the input's gradient (None on stage 0)."
+        if self.part.is_last:
+            self.loss_scale = loss_scale
+            yield COMPUTE, self._loss_backward
+            grad = self.h_last.grad
+        grad = yield from backward_layers(self.runs, grad)
+        if self.part.prolog is not None:
+            self.g0 = grad
+            yield COMPUTE, self._embed_backward
+        else:
+            self.grad_in = grad
+
+    def aux(self) -> Tensor | float:
+        "Sum of this micro-batch's load-balance loss terms over the stage's layers (detached)."
+        return sum(r.aux.detach() for r in self.runs if r.aux is not None)
+
+    def _embed(self):
+        self.h0 = self.part.prolog(self.ids)
+
+    def _loss(self):
+        self.loss = self.loss_fn(self.h_last, self.labels)
+
+    def _loss_backward(self):
+        (self.loss * self.loss_scale).backward()
+        self.loss, self.h_last = self.loss.detach(), self.h_last.detach()
+
+    def _embed_backward(self):
+        self.h0.backward(self.g0)
+        self.h0 = self.g0 = None
+
+# %% [markdown]
+# ## Timelines
+#
+# `Timeline` records the start and end of every action of a step: the host clock on the CPU, and CUDA events on
+# the compute stream on a GPU (so a span is the time the compute stream spent on it, and a `comm` span the time it
+# waited for transfers). Reading them (`events()`) synchronises the GPU once, after the step.
+
+# %%
+#| export
+class Timeline:
+    "Spans `(kind, micro, start, end)` in seconds from `reset()`: host clock on CPU, CUDA events on a GPU."
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def reset(self):
+        self.spans, self.origin = [], self._now()
+
+    @contextmanager
+    def span(self, kind: str, micro):
+        start = self._now()
+        yield
+        self.spans.append((kind, micro, start, self._now()))
+
+    def events(self) -> list[tuple]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [(k, m, self.origin.elapsed_time(s) / 1e3, self.origin.elapsed_time(e) / 1e3)
+                    for k, m, s, e in self.spans]
+        return [(k, m, s - self.origin, e - self.origin) for k, m, s, e in self.spans]
+
+# %% [markdown]
+# ## The executor: `DualPipeV`
+#
+# `DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device)` runs this rank's schedule. `group` is the pipeline
+# process group (None, or a group of one, for a single pipeline rank). `step(micro_batches, loss_scale)` takes the
+# step's micro-batches as `(input_ids, labels)` pairs (every pipeline rank passes the same list; only rank 0 reads
+# the tokens, the others need their shape), accumulates gradients into the parameters' `.grad` like
+# `loss.backward()` would, and returns `(loss_sum, aux_sum)`: the sum of `loss_fn` over the micro-batches (on rank
+# 0; zero elsewhere) and the sum of this rank's load-balance terms.
+#
+# State lives in dictionaries keyed by `(phase, micro)`, filled and emptied as the schedule says: received inputs,
+# outputs waiting to be sent, output gradients (received, or handed over locally at the V's turn), input gradients
+# waiting to be sent, the `StageRun`s between their F and B, and the weight-gradient queues between a zero-bubble B
+# and its W. A missing key is a schedule bug, and fails loudly. Receive buffers are allocated with the micro-batch's
+# `(batch, seq, hidden)` shape in the dtype of the stage's parameters.
+#
+# With P = 1 (`parallel.overlap`) the same code runs with no transfers at all: rank 0 holds both stages, and in
+# the steady state every action is an F&B pair of two micro-batches.
+
+# %%
+#| export
+class DualPipeV:
+    """DualPipeV for one pipeline rank: `step(micro_batches, loss_scale) -> (loss_sum, aux_sum)`.
+
+    `parts`: this rank's two `StagePart`s from `split_model`. `group`: the pipeline process group, or None for one
+    rank. `dispatcher`: stages 2 and 4 (`LocalDispatcher` or an expert-parallel one). `loss_fn(h, labels)`: summed
+    token loss from the last hidden states. `aux_fn(layer_key, routing)`: the load-balance term added to the
+    objective (optional). After a step, `timeline.events()` lists its actions."""
+
+    def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu"):
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.size = 1 if group is None else dist.get_world_size(group)
+        if tuple(p.index for p in parts) != (self.rank, 2 * self.size - 1 - self.rank):
+            raise ValueError(f"pipeline rank {self.rank} of {self.size} runs stages {self.rank} and "
+                             f"{2 * self.size - 1 - self.rank}, got parts of stages {[p.index for p in parts]}; "
+                             "split the model with split_model(model, pp_rank, pp_size) of this group")
+        self.parts, self.group, self.dispatcher = parts, group, dispatcher
+        self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
+        self.streams, self.timeline = Streams(self.device), Timeline(self.device)
+
+    def step(self, micro_batches: list, loss_scale=1.0) -> tuple[Tensor, Tensor]:
+        shapes = {tuple(ids.shape) for ids, _ in micro_batches}
+        if len(shapes) != 1:
+            raise ValueError(f"every micro-batch of a step needs the same (batch, seq) shape, because pipeline "
+                             f"receive buffers are allocated from it; got {sorted(shapes)}")
+        schedule = dualpipev_schedule(self.rank, self.size, len(micro_batches))   # checks M >= 2P
+        (B, S), = shapes
+        self.batches, self.loss_scale = micro_batches, loss_scale
+        self.buffer = dict(size=(B, S, self.parts[0].hidden_size), dtype=self.parts[0].dtype(), device=self.device)
+        self.positions = torch.arange(S, device=self.device)
+        self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads = ({} for _ in range(6))
+        self.ops = []
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.aux_sum = torch.zeros((), device=self.device)
+        self.timeline.reset()
+        for action in schedule:
+            match action:
+                case ("recv_f", p, m):
+                    self.inputs[p, m] = self._recv(p == 0)
+                case ("recv_b", p, m):
+                    self.out_grads[p, m] = self._recv(p == 1)
+                case ("send_f", p, m):
+                    self._send(self.outputs.pop((p, m)), p == 0)
+                case ("send_b", p, m):
+                    self._send(self.in_grads.pop((p, m)), p == 1)
+                case ("F", p, m):
+                    self._commit()
+                    with self.timeline.span(f"F{p}", m):
+                        run_steps(self.streams, self._forward(p, m))
+                case ("B", p, m, zero_bubble):
+                    self._commit()
+                    with self.timeline.span(f"B{p}", m):
+                        run_steps(self.streams, self._backward(p, m))
+                        if not zero_bubble:
+                            self.wgrads.pop((p, m)).drain()
+                case ("FB", (pf, mf), (pb, mb)):
+                    self._commit()
+                    with self.timeline.span(f"F{pf}&B{pb}", (mf, mb)):
+                        run_steps(self.streams, self._backward(pb, mb), self._forward(pf, mf))
+                        self.wgrads.pop((pb, mb)).drain()
+                case ("W", p, m):
+                    self._commit()
+                    with self.timeline.span("W", m):
+                        self.wgrads.pop((p, m)).drain()
+        self._commit()
+        left = [self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads]
+        assert not any(left), f"the schedule left work behind: {left}"
+        return self.loss_sum, self.aux_sum
+
+    def _forward(self, p: int, m: int):
+        "Steps of F for stage `p` on micro-batch `m`, then where its output goes."
+        part, (ids, labels) = self.parts[p], self.batches[m]
+        run = StageRun(part, self.dispatcher, self.aux_fn)
+        x = ids if part.prolog is not None else self.inputs.pop((p, m))
+        yield from run.forward(x, self.positions, labels if part.is_last else None, self.loss_fn)
+        self.runs[p, m] = run
+        self.aux_sum += run.aux()
+        if part.is_last:
+            self.loss_sum += run.loss.detach()
+        elif p == 0 and self.rank == self.size - 1:
+            self.inputs[1, m] = run.output             # the V's turn: stage P-1 feeds stage P on the same rank
+        else:
+            self.outputs[p, m] = run.output.detach()
+
+    def _backward(self, p: int, m: int):
+        "Steps of B for stage `p` on micro-batch `m`, then where its input gradient goes."
+        run = self.runs.pop((p, m))
+        grad = None if run.part.is_last else self.out_grads.pop((p, m))
+        yield from run.backward(grad, self.loss_scale)
+        self.wgrads[p, m] = run.wgrad
+        if run.part.prolog is None:
+            if p == 1 and self.rank == self.size - 1:
+                self.out_grads[0, m] = run.grad_in     # the V's turn, backwards
+            else:
+                self.in_grads[p, m] = run.grad_in
+
+    def _recv(self, from_above: bool) -> Tensor:
+        "Queue a receive from rank − 1 (`from_above`) or rank + 1 into a new buffer."
+        buf = torch.empty(**self.buffer)
+        peer = self.rank - 1 if from_above else self.rank + 1
+        self.ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
+        return buf
+
+    def _send(self, t: Tensor, downwards: bool) -> None:
+        "Queue a send to rank + 1 (`downwards`) or rank − 1."
+        peer = self.rank + 1 if downwards else self.rank - 1
+        self.ops.append(dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=peer))
+
+    def _commit(self) -> None:
+        "Start every queued transfer together and wait for all of them."
+        if self.ops:
+            with self.timeline.span("comm", None):
+                for work in dist.batch_isend_irecv(self.ops):
+                    work.wait()
+            self.ops = []
+
+# %% [markdown]
+# ### One rank: the overlapped schedule against plain autograd
+#
+# With P = 1 the check runs in this process. The tiny model has five layers (layer 2 dense), split 3 + 2 into the
+# two stages; `loss_fn` is the trainer's summed token cross-entropy, scaled by 1 / tokens, and the load-balance
+# loss is a micro-batch one (the trainer passes its `LoadBalance`). The reference runs the same micro-batches one
+# after the other through `run_layers` with one `backward()` each. Loss and gradients must agree to 1e-6 / 1e-5
+# relative in float32 (here they are equal to rounding).
+
+# %%
+#| export
+def _tiny(seed: int = 0, dtype=torch.float32):
+    "The tiny Qwen3-MoE of the checks: 5 layers, layer 2 dense, 4 experts top-2."
+    from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
+    cfg = Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermediate_size=48, num_hidden_layers=5,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                 mlp_only_layers=[2])
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(cfg).to(dtype)
+
+
+def _loss_fn(model):
+    "Summed token cross-entropy from the last hidden states, through the model's epilog (norm and head)."
+    return lambda h, labels: F.cross_entropy(model.epilog(h).flatten(0, 1).float(), labels.flatten(),
+                                             reduction="sum")
+
+
+def _aux_fn(num_experts: int, coef: float = 0.1):
+    "A micro-batch load-balance term E · Σ_i f_i · P_i (train/42_load_balance's formula, without its bookkeeping)."
+    def aux(key, routing):
+        f = torch.bincount(routing.ids.flatten(), minlength=num_experts) / routing.ids.numel()
+        return coef * num_experts * (f * routing.probs.mean(0)).sum()
+    return aux
+
+
+def _micro_batches(M: int, vocab: int, seed: int = 1, shape=(2, 8)):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(0, vocab, shape, generator=g) for _ in range(2)) for _ in range(M)]
+
+
+def reference_step(model, micro_batches, loss_scale, aux_fn) -> tuple[Tensor, Tensor]:
+    "Plain autograd, one micro-batch after the other: (summed loss, summed load-balance terms); fills `.grad`."
+    loss_fn, loss_sum, aux_sum = _loss_fn(model), 0.0, 0.0
+    for ids, labels in micro_batches:
+        h, routings = run_layers(model.model.layers.values(), model.prolog(ids), torch.arange(ids.shape[1]),
+                                 LocalDispatcher(model.config.num_experts))
+        loss = loss_fn(h, labels)
+        aux = sum(aux_fn(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None)
+        (loss * loss_scale + aux).backward()
+        loss_sum, aux_sum = loss_sum + loss.detach(), aux_sum + aux.detach()
+    return loss_sum, aux_sum
+
+
+def compare(model, ref, loss, ref_loss, what: str) -> float:
+    "Check `model`'s gradients against `ref`'s (same names) and the losses; returns the worst relative difference."
+    refs = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        r = refs[name].grad
+        worst = max(worst, ((p.grad - r).abs().max() / r.abs().max()).item())
+    assert worst <= 1e-5, f"{what}: gradients differ by {worst:.2e} relative (limit 1e-5)"
+    if ref_loss is not None:
+        rel = (abs(loss - ref_loss) / abs(ref_loss)).item()
+        assert rel <= 1e-6, f"{what}: loss {loss.item()} vs {ref_loss.item()} ({rel:.2e} relative, limit 1e-6)"
+    return worst
+
+# %%
+for M in (2, 3, 5):
+    ref, model = _tiny(), _tiny()
+    batches, scale, aux_fn = _micro_batches(M, 64), 1 / (M * 16), _aux_fn(4)
+    ref_loss, ref_aux = reference_step(ref, batches, scale, aux_fn)
+    parts = split_model(model, 0, 1)
+    pipe = DualPipeV(parts, None, LocalDispatcher(4), _loss_fn(model), aux_fn)
+    loss, aux = pipe.step(batches, scale)
+    worst = compare(model, ref, loss, ref_loss, f"P=1 M={M}")
+    assert abs(aux - ref_aux) <= 1e-6 * abs(ref_aux)
+    print(f"P=1, M={M}: loss {loss.item():.6f} (reference {ref_loss.item():.6f}), worst grad difference {worst:.1e};",
+          "actions:", " ".join(k for k, *_ in pipe.timeline.events() if k != "comm"))
+
+try:
+    pipe.step(batches[:1], scale)
+    raise AssertionError("expected a ValueError")
+except ValueError as e:
+    print("one micro-batch:", e)
+
+# %% [markdown]
+# ## Several ranks
+#
+# Multi-process code runs as CPU processes over gloo, launched by `torchrun` on this module (`main`, below). Each
+# rank builds the same tiny model from the same seed, keeps a full copy as the single-process reference, splits the
+# other, and checks one step per micro-batch count: the loss on rank 0, the load-balance sum over ranks, and every
+# gradient of the rank's parameters against the reference's. With `--timeline` it then runs a few steps of a
+# larger model and writes every rank's timeline of the last one.
+
+# %%
+#| export
+def check_pipeline(micro_counts=(4, 5, 6), seed: int = 0) -> None:
+    "Worker: DualPipeV over the default group against a single-process reference, one step per count."
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for M in micro_counts:
+        ref, model = _tiny(seed), _tiny(seed)
+        batches, scale, aux_fn = _micro_batches(M, 64, seed + M), 1 / (M * 16), _aux_fn(4)
+        ref_loss, ref_aux = reference_step(ref, batches, scale, aux_fn)
+        parts = split_model(model, rank, size)
+        pipe = DualPipeV(parts, dist.group.WORLD, LocalDispatcher(4), _loss_fn(model) if rank == 0 else None,
+                         aux_fn)
+        loss, aux = pipe.step(batches, scale)
+        worst = compare(model, ref, loss, ref_loss if rank == 0 else None, f"rank {rank}, pp={size}, M={M}")
+        dist.all_reduce(aux)
+        assert abs(aux - ref_aux) <= 1e-6 * abs(ref_aux), (aux, ref_aux)
+        layers = [list(p.layers) for p in parts]
+        print(f"rank {rank}: pp={size} M={M} layers {layers} OK (worst grad difference {worst:.1e})", flush=True)
+
+
+def record_timeline(path: str, M: int, steps: int = 3) -> None:
+    "Worker: run `steps` steps of a wider model and write every rank's timeline of the last one to `path` (JSON)."
+    from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cfg = Config(vocab_size=256, hidden_size=128, moe_intermediate_size=128, num_hidden_layers=4 * size,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    parts = split_model(model, rank, size)
+    pipe = DualPipeV(parts, dist.group.WORLD, LocalDispatcher(cfg.num_experts), _loss_fn(model) if rank == 0
+                     else None, _aux_fn(cfg.num_experts))
+    batches = _micro_batches(M, cfg.vocab_size, shape=(2, 64))
+    for _ in range(steps):
+        dist.barrier()
+        pipe.step(batches, 1 / (M * 128))
+    events = [None] * size
+    dist.all_gather_object(events, pipe.timeline.events())
+    if rank == 0:
+        Path(path).write_text(json.dumps({"P": size, "M": M, "events": events}))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="DualPipeV checks on CPU processes; launch with torchrun")
+    ap.add_argument("--micro", type=int, nargs="*", default=[4, 5, 6], help="micro-batch counts to check")
+    ap.add_argument("--timeline", help="also record a timeline and write it to this JSON file")
+    ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    check_pipeline(args.micro)
+    if args.timeline:
+        record_timeline(args.timeline, args.timeline_micro)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and __spec__ is not None:
+    main()
+
+# %% [markdown]
+# Two ranks, with 2P, 2P+1 and 3P micro-batches; then the timeline of a step with 8 micro-batches of a wider
+# model (8 layers, hidden 128, sequences of 64 tokens). The processes share this machine's cores, so the measured
+# durations are noisy.
+
+# %%
+root = Path.cwd().parents[1]          # notebooks run in their own folder
+out = Path(tempfile.mkdtemp()) / "timeline.json"
+env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       "-m", "pith_lit.engine.dualpipev", "--micro", "4", "5", "6", "--timeline", str(out)],
+                      capture_output=True, text=True, env=env, cwd=root, timeout=300)
+print("\n".join(sorted(l for l in proc.stdout.splitlines() if l.startswith("rank"))))
+assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+# %% [markdown]
+# ### Measured and predicted
+#
+# The measured timeline is drawn above the schedule `simulate` predicts from the measured median duration of each
+# kind of action (F, B, zero-bubble B, F&B, W): the prediction assumes free transfers, so the difference between
+# the two bubble fractions is what the transfers and the waiting for them cost on this machine.
+
+# %%
+run = json.loads(out.read_text())
+measured = [[tuple(e) for e in ev] for ev in run["events"]]
+P, M = run["P"], run["M"]
+
+def median_durations(events):
+    "Median duration of each action kind, from a measured timeline; zero-bubble Bs are matched by schedule."
+    by = {}
+    for r, ev in enumerate(events):
+        actions = [a for a in dualpipev_schedule(r, P, M) if a[0] in ("F", "B", "FB", "W")]
+        spans = [e for e in ev if e[0] != "comm"]
+        assert [_kind(a)[0] for a in actions] == [e[0] for e in spans]
+        for a, e in zip(actions, spans):
+            key = ("B", a[3]) if a[0] == "B" else (a[0],)
+            by.setdefault(key, []).append(e[3] - e[2])
+    med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+    return lambda a: med[("B", a[3]) if a[0] == "B" else (a[0],)]
+
+predicted = simulate(P, M, median_durations(measured))
+fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
+draw_timeline(axes[0], measured, f"measured, P = {P}, M = {M}: bubble {bubble_fraction(measured):.1%}")
+draw_timeline(axes[1], predicted, f"predicted from the measured durations: bubble {bubble_fraction(predicted):.1%}")
+axes[1].set_xlabel("seconds")
+plt.tight_layout()
+plt.show()
+print(f"bubble fraction: measured {bubble_fraction(measured):.3f}, predicted {bubble_fraction(predicted):.3f}")
