@@ -94,7 +94,7 @@ def test_world_size():
 
 def test_experts_divisible_by_ep():
     assert error(["parallel.ep=3"], world_size=3) == \
-        "parallel.ep = 3: model.num_experts = 8 is not divisible by it; use one of [1, 2, 4, 8]"
+        "parallel.ep = 3: the model's 8 routed experts are not divisible by it; use one of [1, 2, 4, 8]"
 
 
 def test_global_batch_divisible():
@@ -131,7 +131,7 @@ def test_top_k_at_most_experts():
     c.model.num_experts_per_tok = 9  # changed after construction: validate's own check
     with pytest.raises(ConfigError) as e:
         validate(c)
-    assert str(e.value) == "model.num_experts_per_tok = 9: more than model.num_experts = 8; use at most 8"
+    assert str(e.value) == "model.num_experts_per_tok = 9: more than the model's 8 routed experts; use at most 8"
     assert validate(from_dict({}, ["model.num_experts=0"]))  # 0 experts: a dense model, top-k unused
 
 

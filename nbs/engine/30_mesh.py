@@ -20,7 +20,7 @@
 # |---|---|
 # | `launch_env()` | rank, world size, local rank and rendezvous address from torchrun's or SLURM's variables |
 # | `init_distributed(timeout_s, device_type)` | the default process group (NCCL on CUDA, gloo on CPU) |
-# | `build_mesh(pp, dp, cp, ep, device_type, timeout_s)` | a `Mesh`: one group per axis plus the three products the trainer needs |
+# | `build_mesh(pp, dp, cp, ep, device_type, timeout_s)` | a `Mesh`: a group per axis, and three products |
 # | `run_ranked(fn)` | run `fn`; on an exception print it with the rank and end the process at once |
 
 # %%
@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 # %%
 #| export
 def first_host(nodelist: str) -> str:
-    "The first host of a SLURM node list: `gpu[003-006,010],cpu1` -> `gpu003` (what `scontrol show hostnames` lists first)."
+    "The first host of a SLURM node list, as `scontrol show hostnames` lists it: `gpu[003-006,010],cpu1` -> `gpu003`."
     head = re.match(r"[^,\[]*", nodelist).group()
     rest = nodelist[len(head):]
     if not rest.startswith("["):

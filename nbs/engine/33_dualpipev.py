@@ -43,6 +43,8 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -50,6 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from pith_lit.engine.mesh import run_ranked
 from pith_lit.engine.stages import COMPUTE, LayerRun, Streams, _leaf, backward_layers, forward_layers, run_steps
 from pith_lit.models.protocol import LocalDispatcher, run_layers
 from pith_lit.ops.grouped_linear import WeightGradQueue
@@ -59,7 +62,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 
@@ -481,7 +483,7 @@ class StageRun:
         if self.part.is_last:
             self.loss_scale = loss_scale
             yield COMPUTE, self._loss_backward
-            grad = self.h_last.grad
+            grad, self.h_last = self.h_last.grad, None
         grad = yield from backward_layers(self.runs, grad)
         if self.part.prolog is not None:
             self.g0 = grad
@@ -501,7 +503,7 @@ class StageRun:
 
     def _loss_backward(self):
         (self.loss * self.loss_scale).backward()
-        self.loss, self.h_last = self.loss.detach(), self.h_last.detach()
+        self.loss = self.loss.detach()
 
     def _embed_backward(self):
         self.h0.backward(self.g0)
@@ -824,10 +826,10 @@ def main(argv=None) -> None:
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    check_pipeline(args.micro)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    run_ranked(check_pipeline, args.micro)        # a failing rank ends the job at once, with its traceback
     if args.timeline:
-        record_timeline(args.timeline, args.timeline_micro)
+        run_ranked(record_timeline, args.timeline, args.timeline_micro)
     dist.destroy_process_group()
 
 

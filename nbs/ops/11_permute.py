@@ -220,8 +220,9 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, grad_out):
         (src_token,), (T, H) = ctx.saved_tensors, ctx.x_shape
         grad_out = grad_out.contiguous()
-        sorted_src, order = torch.sort(src_token, stable=True)          # rows grouped by token, -1 first
-        start = torch.searchsorted(sorted_src, torch.arange(T + 1, device=src_token.device))
+        # rows grouped by token, padding (-1) first; int32 keys halve the radix sort's passes
+        sorted_src, order = torch.sort(src_token.to(torch.int32), stable=True)
+        start = torch.searchsorted(sorted_src, torch.arange(T + 1, dtype=torch.int32, device=src_token.device))
         grad_x = torch.empty(T, H, dtype=ctx.x_dtype, device=grad_out.device)
         if T and H:
             _sum_rows_kernel[(T, triton.cdiv(H, _BLOCK_H))](grad_out, order, start, grad_x, H, BLOCK_H=_BLOCK_H)

@@ -62,6 +62,9 @@ def build_model(model_cfg) -> torch.nn.Module:
         case "qwen3_moe":
             from pith_lit.models.qwen3_moe import Qwen3MoeForCausalLM
             return Qwen3MoeForCausalLM(model_cfg)
+        case "deepseek_v2":
+            from pith_lit.models.deepseek_v2 import DeepseekV2ForCausalLM
+            return DeepseekV2ForCausalLM(model_cfg)
         case other:
             raise ConfigError(f"model.model_type = {other!r}: no model class for it")
 
@@ -70,19 +73,13 @@ def build_model(model_cfg) -> torch.nn.Module:
 #
 # Model FLOPs per token are 6 × the active matmul parameters (2 for the forward multiply-add, 4 for the two
 # backward products), plus attention's score and value products: 12 · S · heads · head_dim per layer for full
-# attention, counted as half of that for a causal mask. MFU divides achieved model FLOP/s by the dense bf16 peak
+# attention, counted as half of that for a causal mask. Each model computes this (`model.flops_per_token`),
+# since attention's widths differ between families. MFU divides achieved model FLOP/s by the dense bf16 peak
 # of the GPU (989 TFLOP/s for an H100/H200 SXM). The convention is stated wherever MFU is shown.
 
 # %%
 #| export
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12}  # dense bf16 peaks by GPU name
-
-
-def flops_per_token(model, model_cfg, seq_len: int) -> float:
-    "Training FLOPs per token: 6 × active matmul params + causal attention (half of 12·S·heads·head_dim a layer)."
-    c = model_cfg
-    attn = 6 * seq_len * c.num_attention_heads * c.head_dim * c.num_hidden_layers
-    return 6 * model.active_matmul_params() + attn
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -213,8 +210,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     optimizer = build_optimizer(stepped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps)
     data, _ = build_dataset(cfg.data.corpus, cfg.data.tokenizer, run_dir.parent / "cache", t.seq_len, cfg.run.seed,
                             rank, world, cfg.model.vocab_size, cfg.data.val_frac)
-    lb = LoadBalance(cfg.model.num_experts, t.lb_coef, t.lb_level, group=dist.group.WORLD if world > 1 else None)
-    dispatcher = LocalDispatcher(cfg.model.num_experts)
+    lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dist.group.WORLD if world > 1 else None)
+    dispatcher = LocalDispatcher(cfg.model.routed_experts)
     model_cfg = to_dict(cfg)["model"]
     extra = {"master": master} if master is not None else {}
 
@@ -227,7 +224,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
         (run_dir / "config.toml").write_text(dump_toml(cfg))
     end = t.steps if until is None else min(until, t.steps)
 
-    fpt, peak = flops_per_token(model, cfg.model, t.seq_len), peak_flops(device)
+    fpt, peak = model.flops_per_token(t.seq_len), peak_flops(device)
     writer = None
     if rank == 0 and cfg.log.tensorboard:
         from torch.utils.tensorboard import SummaryWriter

@@ -12,6 +12,8 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -19,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from .mesh import run_ranked
 from .stages import COMPUTE, LayerRun, Streams, _leaf, backward_layers, forward_layers, run_steps
 from ..models.protocol import LocalDispatcher, run_layers
 from ..ops.grouped_linear import WeightGradQueue
@@ -318,7 +321,7 @@ class StageRun:
         if self.part.is_last:
             self.loss_scale = loss_scale
             yield COMPUTE, self._loss_backward
-            grad = self.h_last.grad
+            grad, self.h_last = self.h_last.grad, None
         grad = yield from backward_layers(self.runs, grad)
         if self.part.prolog is not None:
             self.g0 = grad
@@ -338,7 +341,7 @@ class StageRun:
 
     def _loss_backward(self):
         (self.loss * self.loss_scale).backward()
-        self.loss, self.h_last = self.loss.detach(), self.h_last.detach()
+        self.loss = self.loss.detach()
 
     def _embed_backward(self):
         self.h0.backward(self.g0)
@@ -594,10 +597,10 @@ def main(argv=None) -> None:
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    check_pipeline(args.micro)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    run_ranked(check_pipeline, args.micro)        # a failing rank ends the job at once, with its traceback
     if args.timeline:
-        record_timeline(args.timeline, args.timeline_micro)
+        run_ranked(record_timeline, args.timeline, args.timeline_micro)
     dist.destroy_process_group()
 
 

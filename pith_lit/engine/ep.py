@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .mesh import build_mesh, init_distributed, run_ranked
+from .mesh import Mesh, build_mesh, init_distributed, run_ranked
 from ..models.protocol import LocalDispatcher, Routing, run_layers
 from ..models.qwen3_moe import Config, Qwen3MoeForCausalLM, Router
 from ..ops.permute import gather_rows, sort_by_expert
@@ -135,8 +135,8 @@ class EPDispatcher:
         dest = ids // L
         _, routing.row_index, _ = sort_by_expert(dest, W)          # pair -> row of the combined buffer
         flat = ids.reshape(-1)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-        routing.counts = counts
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=dev)
+        routing.counts = counts.scatter_add_(0, flat, torch.ones_like(flat))   # not bincount: that syncs on CUDA
         sends = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dest, True)
         rows_out = sends.sum(0)
         meta = torch.cat([rows_out[:, None], counts.view(W, L)], 1)  # to rank d: rows, then pairs per its experts
@@ -250,12 +250,13 @@ def _max_rel_err(a: Tensor, b: Tensor) -> float:
     return err / scale if scale else err
 
 
-def selfcheck(group, dense, expert, case: str, dtype: torch.dtype, device: torch.device) -> dict:
-    """One case (`random`, `wide` (top-k > experts per rank), `one_expert`, `one_rank`) on the ranks of `group`
-    (the ep group), against the single-process reference; raises AssertionError on a mismatch."""
-    W, r, E = group.size(), group.rank(), 8
+def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """One case (`random`, `wide` (top-k > experts per rank), `one_expert`, `one_rank`) on this rank of `mesh`
+    (pp = cp = 1), against the single-process reference; raises AssertionError on a mismatch. Each rank of
+    `mesh.batch` (dp × ep) takes its own shard of the batch."""
+    W, r, E = mesh.ep.size(), mesh.ep.rank(), 8
     L = E // W
-    top_k = {"random": 2, "wide": L + 1, "one_expert": 1, "one_rank": L}[case]
+    top_k = {"random": 2, "wide": min(L + 1, E), "one_expert": 1, "one_rank": L}[case]
     c = Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermediate_size=48, num_hidden_layers=3,
                num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=E, num_experts_per_tok=top_k,
                mlp_only_layers=[1])
@@ -265,22 +266,22 @@ def selfcheck(group, dense, expert, case: str, dtype: torch.dtype, device: torch
         _force_routing(model, [E - 1])
     elif case == "one_rank":
         _force_routing(model, list(range(L)))
-    B, S = 2, 8
-    tokens = torch.randint(0, c.vocab_size, (W * B, S + 1), generator=torch.Generator().manual_seed(1)).to(device)
-    inputs, labels, n = tokens[:, :-1], tokens[:, 1:], W * B * S
+    B, S, shards = 2, 8, mesh.batch.size()
+    tokens = torch.randint(0, c.vocab_size, (shards * B, S + 1), generator=torch.Generator().manual_seed(1))
+    inputs, labels, n = tokens[:, :-1].to(device), tokens[:, 1:].to(device), shards * B * S
 
     ref = copy.deepcopy(model)
     ref_loss, _ = _loss_sum(ref, inputs, labels, LocalDispatcher(E))
     (ref_loss / n).backward()
 
     shard_experts(model, r, W)
-    dispatcher = EPDispatcher(group, E)
-    mine = slice(r * B, (r + 1) * B)
+    dispatcher = EPDispatcher(mesh.ep, E)
+    mine = slice(mesh.batch.rank() * B, (mesh.batch.rank() + 1) * B)
     loss, routings = _loss_sum(model, inputs[mine], labels[mine], dispatcher)
     (loss / n).backward()
-    all_reduce_grads(model, dense, expert)
+    all_reduce_grads(model, mesh.dense, mesh.expert)
     total = loss.detach().clone()
-    dist.all_reduce(total, group=dense)
+    dist.all_reduce(total, group=mesh.dense)
 
     moe_ids = [ro.ids for ro in routings if ro is not None]
     if case == "one_expert":
@@ -294,8 +295,8 @@ def selfcheck(group, dense, expert, case: str, dtype: torch.dtype, device: torch
         errs[name] = _max_rel_err(p.grad, want)
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"{case} {dtype}: {worst} differs by {errs[worst]:.3g} relative (> {tol:g})"
-    return {"case": case, "dtype": str(dtype).removeprefix("torch."), "top_k": top_k, "max_rel_err": errs[worst],
-            "worst": worst, "traffic": asdict(dispatcher.traffic)}
+    return {"dp": mesh.dp.size(), "ep": W, "case": case, "dtype": str(dtype).removeprefix("torch."),
+            "top_k": top_k, "max_rel_err": errs[worst], "worst": worst, "traffic": asdict(dispatcher.traffic)}
 
 # %% ../../nbs/engine/31_ep.ipynb #317c0deb
 def qwen3_routing(rank: int, tokens: int, hidden: int = 2048, num_experts: int = 128,
@@ -335,11 +336,13 @@ def main(argv=None) -> None:
     p.add_argument("--timeout-s", type=float, default=120)
     a = p.parse_args(argv)
     rank, world, device = init_distributed(a.timeout_s, a.device)
-    mesh = build_mesh(1, 1, 1, world, a.device, a.timeout_s)
-    checks = [selfcheck(mesh.ep, mesh.dense, mesh.expert, case, dtype, device)
-              for case, dtype in [("random", torch.float32), ("random", torch.float64), ("wide", torch.float32),
-                                  ("wide", torch.float64), ("one_expert", torch.float64),
-                                  ("one_rank", torch.float32)]]
+    checks = []
+    for dp in (1, 2) if world % 4 == 0 else (1,):    # ep = world; and dp = 2 × ep = world/2 where it fits
+        mesh = build_mesh(1, dp, 1, world // dp, a.device, a.timeout_s)
+        checks += [selfcheck(mesh, case, dtype, device)
+                   for case, dtype in [("random", torch.float32), ("random", torch.float64), ("wide", torch.float32),
+                                       ("wide", torch.float64), ("one_expert", torch.float64),
+                                       ("one_rank", torch.float32)]]
     result = {"world": world, "checks": checks, "traffic": traffic(a.tokens, device, a.timeout_s)}
     if rank == 0:
         print(json.dumps(result), flush=True)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # %% ../../nbs/engine/30_mesh.ipynb #70a3b8f8
 def first_host(nodelist: str) -> str:
-    "The first host of a SLURM node list: `gpu[003-006,010],cpu1` -> `gpu003` (what `scontrol show hostnames` lists first)."
+    "The first host of a SLURM node list, as `scontrol show hostnames` lists it: `gpu[003-006,010],cpu1` -> `gpu003`."
     head = re.match(r"[^,\[]*", nodelist).group()
     rest = nodelist[len(head):]
     if not rest.startswith("["):

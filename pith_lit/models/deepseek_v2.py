@@ -89,6 +89,11 @@ class Config:
                 raise ValueError(f"rope_scaling={self.rope_scaling} is not valid: use {{}} for plain RoPE or a YaRN "
                                  f"dict with type='yarn', a factor, and only the keys {', '.join(YARN_KEYS)}")
 
+    @property
+    def routed_experts(self) -> int:
+        "Routed experts per MoE layer, under the name every model family's Config shares (the engine reads it)."
+        return self.n_routed_experts
+
     def is_moe_layer(self, i: int) -> bool:
         "Hugging Face's rule: the first `first_k_dense_replace` layers are dense, the rest MoE."
         return i >= self.first_k_dense_replace
@@ -379,3 +384,10 @@ class DeepseekV2ForCausalLM(nn.Module):
                 ex = layer.mlp.experts
                 n += layer.mlp.gate.weight.numel() + k * (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel())
         return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 × active matmul parameters, plus attention's QKᵀ (qk head width
+        qk_nope + qk_rope) and PV (v_head_dim) products, ×3 with backward, counted at half for the causal mask."""
+        c = self.config
+        qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+        return 6 * self.active_matmul_params() + 3 * seq_len * c.num_attention_heads * (qk + v) * c.num_hidden_layers

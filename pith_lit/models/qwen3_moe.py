@@ -54,6 +54,11 @@ class Config:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
                              f"num_experts={self.num_experts}")
 
+    @property
+    def routed_experts(self) -> int:
+        "Routed experts per MoE layer, under the name every model family's Config shares (the engine reads it)."
+        return self.num_experts
+
     def is_moe_layer(self, i: int) -> bool:
         "Hugging Face's rule: layer i is MoE unless listed in mlp_only_layers or off the sparse step."
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
@@ -288,3 +293,9 @@ class Qwen3MoeForCausalLM(nn.Module):
                 ex = layer.mlp.experts
                 n += layer.mlp.gate.weight.numel() + k * (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel())
         return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 × active matmul parameters, plus attention's two products (QKᵀ and PV,
+        2·2·S·heads·head_dim forward, ×3 with backward) counted at half for the causal mask."""
+        c = self.config
+        return 6 * self.active_matmul_params() + 6 * seq_len * c.num_attention_heads * c.head_dim * c.num_hidden_layers

@@ -17,7 +17,7 @@ from typing import Literal, Sequence, get_args, get_origin, get_type_hints
 
 import torch
 
-from ..models import qwen3_moe
+from ..models import deepseek_v2, qwen3_moe
 from ..models.protocol import cfg
 
 # %% ../../nbs/train/40_config.ipynb #77fb08a2
@@ -99,7 +99,7 @@ class ConfigError(ValueError):
     "An invalid run config. The message names the field, the value, and what would be valid."
 
 
-MODEL_TYPES = ("qwen3_moe",)  # the cases of `model_class`, for its error message
+MODEL_TYPES = ("qwen3_moe", "deepseek_v2")  # the cases of `model_class`, for its error message
 
 
 def model_class(model_type: str) -> type:
@@ -107,6 +107,8 @@ def model_class(model_type: str) -> type:
     match model_type:
         case "qwen3_moe":
             return qwen3_moe.Config
+        case "deepseek_v2":
+            return deepseek_v2.Config
         case _:
             raise ConfigError(f"model.model_type = {model_type!r}: unknown model family; "
                               f"valid: {', '.join(map(repr, MODEL_TYPES))}")
@@ -116,7 +118,7 @@ def model_class(model_type: str) -> type:
 class Config:
     "A whole run: defaults ← TOML file ← `--set` overrides. Build it with `load_config` or `parse_args`."
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": RunConfig.__doc__})
-    model: qwen3_moe.Config = field(default_factory=qwen3_moe.Config,
+    model: qwen3_moe.Config | deepseek_v2.Config = field(default_factory=qwen3_moe.Config,
                                     metadata={"help": "the model family's own config, chosen by model_type"})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": ParallelConfig.__doc__})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": TrainConfig.__doc__})
@@ -265,13 +267,16 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     positive = [("parallel", n) for n in ("pp", "dp", "cp", "ep", "timeout_s")]
     positive += [("train", n) for n in ("steps", "global_batch", "micro_batch", "seq_len", "lr", "eps")]
     positive += [("ckpt", "keep"), ("log", "every")]
-    positive += [("model", f.name) for f in fields(m) if f.name != "num_experts"
-                 and (_accepts(int, getattr(m, f.name)) or _accepts(float, getattr(m, f.name)))]
+    # numbers of the model section: a count of experts or a low rank may be 0 (none); everything else > 0
+    may_be_zero = {"num_experts", "n_routed_experts", "n_shared_experts", "q_lora_rank", "first_k_dense_replace"}
+    numbers = [f.name for f in fields(m) if _accepts(int, getattr(m, f.name)) or _accepts(float, getattr(m, f.name))]
+    positive += [("model", n) for n in numbers if n not in may_be_zero]
     for sec, name in positive:
         v = getattr(getattr(cfg, sec), name)
         _need(v > 0, f"{sec}.{name} = {v!r}: must be > 0")
     for sec, name in [("train", "warmup"), ("train", "weight_decay"), ("train", "grad_clip"),
-                      ("train", "lb_coef"), ("log", "sample_tokens"), ("model", "num_experts")]:
+                      ("train", "lb_coef"), ("log", "sample_tokens")] + [
+                      ("model", n) for n in numbers if n in may_be_zero]:
         v = getattr(getattr(cfg, sec), name)
         _need(v >= 0, f"{sec}.{name} = {v!r}: must be >= 0")
     for name, v, hi in [("train.min_lr_ratio", t.min_lr_ratio, "1]"), ("train.decay_frac", t.decay_frac, "1]"),
@@ -285,9 +290,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _need(cfg.world_size == world_size,
               f"parallel: pp × dp × cp × ep = {p.pp} × {p.dp} × {p.cp} × {p.ep} = {cfg.world_size}, "
               f"but the world size is {world_size}; choose sizes whose product is {world_size}")
-    _need(m.num_experts % p.ep == 0,  # 0 experts (dense) also passes
-          f"parallel.ep = {p.ep}: model.num_experts = {m.num_experts} is not divisible by it; use one of "
-          f"{[k for k in range(1, m.num_experts + 1) if m.num_experts % k == 0]}")
+    _need(m.routed_experts % p.ep == 0,  # 0 experts (dense) also passes
+          f"parallel.ep = {p.ep}: the model's {m.routed_experts} routed experts are not divisible by it; use one of "
+          f"{[k for k in range(1, m.routed_experts + 1) if m.routed_experts % k == 0]}")
     per_step = t.micro_batch * p.dp
     _need(t.global_batch % per_step == 0,
           f"train.global_batch = {t.global_batch}: not divisible by train.micro_batch × parallel.dp = "
@@ -309,9 +314,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _need(t.seq_len % (2 * p.cp) == 0,
               f"train.seq_len = {t.seq_len}: not divisible by 2 × parallel.cp = {2 * p.cp} (context parallelism "
               f"cuts each sequence into 2·cp chunks); use a multiple of {2 * p.cp}")
-    _need(m.num_experts == 0 or m.num_experts_per_tok <= m.num_experts,
-          f"model.num_experts_per_tok = {m.num_experts_per_tok}: more than model.num_experts = {m.num_experts}; "
-          f"use at most {m.num_experts}")
+    _need(m.routed_experts == 0 or m.num_experts_per_tok <= m.routed_experts,
+          f"model.num_experts_per_tok = {m.num_experts_per_tok}: more than the model's {m.routed_experts} routed "
+          f"experts; use at most {m.routed_experts}")
     _need(m.num_attention_heads % m.num_key_value_heads == 0,
           f"model.num_attention_heads = {m.num_attention_heads}: not divisible by model.num_key_value_heads = "
           f"{m.num_key_value_heads}; use a multiple of {m.num_key_value_heads}")
@@ -328,7 +333,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 def _toml_value(v) -> str:
-    "A TOML literal for a bool, int, float, str or list of them."
+    "A TOML literal for a bool, int, float, str, or a list or table (dict with bare-word keys) of them."
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -338,7 +343,9 @@ def _toml_value(v) -> str:
                              else c for c in v) + '"'
     if isinstance(v, list):
         return "[" + ", ".join(map(_toml_value, v)) + "]"
-    raise TypeError(f"cannot write {v!r} ({type(v).__name__}) as TOML: only bool, int, float, str and lists")
+    if isinstance(v, dict):  # an inline table, e.g. DeepSeek-V2's rope_scaling
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {v!r} ({type(v).__name__}) as TOML: only bool, int, float, str, lists, tables")
 
 
 def dump_toml(cfg: Config) -> str:
