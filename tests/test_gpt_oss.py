@@ -200,3 +200,14 @@ def test_init():
 def test_config_errors(over, message):
     with pytest.raises(ValueError, match=message):
         Config(**over)
+
+
+def test_flops_per_token():
+    "With no sliding layer, the count is every family's causal formula; a window cuts only the attention term."
+    full = make(layer_types=["full_attention"] * 4)
+    c = full.config
+    attention = 6 * S * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    assert full.flops_per_token(S) == 6 * full.active_matmul_params() + attention
+    assert make().flops_per_token(S) < full.flops_per_token(S)
+    assert make().flops_per_token(CFG["sliding_window"]) == full.flops_per_token(CFG["sliding_window"])
+    assert Config().routed_experts == Config().num_local_experts == 8

@@ -221,10 +221,14 @@ torch.manual_seed(0)
 model = Qwen3MoeForCausalLM(cfg).double()
 dispatcher = LocalDispatcher(cfg.num_experts)
 
-def lb_loss(key, routing):
+def make_lb_loss(E: int):
     "A micro-batch load-balance loss, E · Σ_i f_i · P_i with coefficient 0.1 (train/42_load_balance's formula)."
-    f = torch.bincount(routing.ids.flatten(), minlength=cfg.num_experts) / routing.ids.numel()
-    return 0.1 * cfg.num_experts * (f * routing.probs.mean(0)).sum()
+    def lb_loss(key, routing):
+        f = torch.bincount(routing.ids.flatten(), minlength=E) / routing.ids.numel()
+        return 0.1 * E * (f * routing.probs.mean(0)).sum()
+    return lb_loss
+
+lb_loss = make_lb_loss(cfg.num_experts)
 
 def grads_of(m):
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
@@ -428,22 +432,22 @@ print("overlapped == forward then backward, bitwise")
 # %% [markdown]
 # ## On the GPU
 #
-# On CUDA the same check runs with real streams: the overlapped chunk must give the same A output, B input
-# gradient and parameter gradients as the sequential one (the same kernels on the same data; only their timing
-# differs). The profile then shows the dispatch and combine kernels (gathers, here, with one GPU) on the second
-# stream, overlapping the other micro-batch's compute. A real overlap of all-to-alls needs expert parallelism
-# across GPUs; engine/33_dualpipev measures the pipeline as a whole.
+# On CUDA the same check runs with real streams, in bf16 at a moderate size: the overlapped chunk must give the
+# same A output, B input gradient and parameter gradients as the sequential one. They are the same kernels on the
+# same data, so only atomics in the scatter-adds can make them differ, by a rounding. A profile then shows where
+# the kernels ran: dispatch and combine (gathers here, with one GPU) on the second stream, beside the other
+# micro-batch's compute. A real overlap of all-to-alls needs expert parallelism across GPUs.
 
 # %%
 #| cuda
 def cuda_chunk(overlapped: bool, m, streams):
-    runs_b = [LayerRun(layer, k, disp, lb_loss) for k, layer in m.model.layers.items()]
-    hb = m.prolog(idsB_c)
-    run_steps(streams, forward_layers(runs_b, hb, pos_c))
+    "B's forward and loss backward, then A's forward and B's layer backward, overlapped or one after the other."
+    runs_b = [LayerRun(layer, k, disp, big_lb) for k, layer in m.model.layers.items()]
+    run_steps(streams, forward_layers(runs_b, m.prolog(idsB_c), pos_c))
     h_last = _leaf(runs_b[-1].h_out)
-    F.cross_entropy(m.epilog(h_last).flatten(0, 1), idsA_c.flatten(), reduction="sum").backward()
+    F.cross_entropy(m.epilog(h_last).flatten(0, 1).float(), idsA_c.flatten(), reduction="sum").backward()
     m.zero_grad(set_to_none=True)
-    runs_a = [LayerRun(layer, k, disp, lb_loss) for k, layer in m.model.layers.items()]
+    runs_a = [LayerRun(layer, k, disp, big_lb) for k, layer in m.model.layers.items()]
     fwd_a, bwd_b = forward_layers(runs_a, m.prolog(idsA_c), pos_c), backward_layers(runs_b, h_last.grad)
     if overlapped:
         run_steps(streams, bwd_b, fwd_a)
@@ -457,29 +461,32 @@ big = Config(vocab_size=1024, hidden_size=1024, moe_intermediate_size=512, inter
              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16,
              num_experts_per_tok=4, mlp_only_layers=[1])
 torch.manual_seed(0)
-gpu_model = Qwen3MoeForCausalLM(big).cuda()
-cfg_saved, cfg = cfg, big                         # lb_loss reads cfg.num_experts
-disp, gpu_streams = LocalDispatcher(big.num_experts), Streams(torch.device("cuda"))
+gpu_model = Qwen3MoeForCausalLM(big).cuda().bfloat16()
+big_lb, disp, gpu_streams = make_lb_loss(big.num_experts), LocalDispatcher(big.num_experts), Streams(torch.device("cuda"))
 idsA_c, idsB_c = torch.randint(0, big.vocab_size, (2, 4, 1024), device="cuda")
 pos_c = torch.arange(1024, device="cuda")
 seq = cuda_chunk(False, copy.deepcopy(gpu_model), gpu_streams)
 ovl = cuda_chunk(True, copy.deepcopy(gpu_model), gpu_streams)
-assert torch.equal(seq[0], ovl[0]) and torch.equal(seq[1], ovl[1])
-print("GPU: max relative grad difference, overlapped vs sequential:", max_rel(ovl[2], seq[2]))
-assert max_rel(ovl[2], seq[2]) < 1e-6
+print("GPU, overlapped vs sequential: A output equal:", torch.equal(seq[0], ovl[0]), "· B input grad equal:",
+      torch.equal(seq[1], ovl[1]), f"· max relative parameter-grad difference {max_rel(ovl[2], seq[2]):.1e}")
+assert max_rel({"h": ovl[0]}, {"h": seq[0]}) < 1e-2 and max_rel({"g": ovl[1]}, {"g": seq[1]}) < 1e-2
+assert max_rel(ovl[2], seq[2]) < 1e-2
 
 # %%
 #| cuda
+import json, tempfile
 from torch.profiler import ProfilerActivity, profile
 
 m = copy.deepcopy(gpu_model)
 cuda_chunk(True, m, gpu_streams)                  # warm-up
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     cuda_chunk(True, m, gpu_streams)
-kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+trace_file = tempfile.mktemp(suffix=".json")
+prof.export_chrome_trace(trace_file)
+kernels = [e for e in json.load(open(trace_file))["traceEvents"] if e.get("cat") == "kernel"]
 per_stream = {}
 for e in kernels:
-    per_stream.setdefault(e.device_resource_id, []).append(e)
-print({s: len(v) for s, v in per_stream.items()}, "kernels per CUDA stream id")
-assert len(per_stream) >= 2, "expected kernels on the compute and the communication stream"
-cfg = cfg_saved
+    per_stream.setdefault(e["args"]["stream"], []).append(e["name"])
+for stream, names in per_stream.items():
+    print(f"stream {stream}: {len(names)} kernels, e.g. {sorted(set(n[:40] for n in names))[:4]}")
+assert len(per_stream) >= 2, "expected kernels on both the compute and the communication stream"

@@ -556,7 +556,7 @@ class Timeline:
 # step's micro-batches as `(input_ids, labels)` pairs (every pipeline rank passes the same list; only rank 0 reads
 # the tokens, the others need their shape), accumulates gradients into the parameters' `.grad` like
 # `loss.backward()` would, and returns `(loss_sum, aux_sum)`: the sum of `loss_fn` over the micro-batches (on rank
-# 0; zero elsewhere) and the sum of this rank's load-balance terms.
+# 0; zero elsewhere) and the sum of this rank's load-balance terms, both float64.
 #
 # State lives in dictionaries keyed by `(phase, micro)`, filled and emptied as the schedule says: received inputs,
 # outputs waiting to be sent, output gradients (received, or handed over locally at the V's turn), input gradients
@@ -600,8 +600,8 @@ class DualPipeV:
         self.positions = torch.arange(S, device=self.device)
         self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads = ({} for _ in range(6))
         self.ops = []
-        self.loss_sum = torch.zeros((), device=self.device)
-        self.aux_sum = torch.zeros((), device=self.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)   # sums of detached scalars
+        self.aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.timeline.reset()
         for action in schedule:
             match action:
@@ -728,26 +728,27 @@ def reference_step(model, micro_batches, loss_scale, aux_fn) -> tuple[Tensor, Te
     "Plain autograd, one micro-batch after the other: (summed loss, summed load-balance terms); fills `.grad`."
     loss_fn, loss_sum, aux_sum = _loss_fn(model), 0.0, 0.0
     for ids, labels in micro_batches:
-        h, routings = run_layers(model.model.layers.values(), model.prolog(ids), torch.arange(ids.shape[1]),
-                                 LocalDispatcher(model.config.num_experts))
+        h, routings = run_layers(model.model.layers.values(), model.prolog(ids),
+                                 torch.arange(ids.shape[1], device=ids.device), LocalDispatcher(model.config.num_experts))
         loss = loss_fn(h, labels)
         aux = sum(aux_fn(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None)
         (loss * loss_scale + aux).backward()
-        loss_sum, aux_sum = loss_sum + loss.detach(), aux_sum + aux.detach()
+        loss_sum, aux_sum = loss_sum + loss.detach().double(), aux_sum + aux.detach().double()
     return loss_sum, aux_sum
 
 
-def compare(model, ref, loss, ref_loss, what: str) -> float:
-    "Check `model`'s gradients against `ref`'s (same names) and the losses; returns the worst relative difference."
+def compare(model, ref, loss, ref_loss, what: str, grad_tol: float = 1e-5, loss_tol: float = 1e-6) -> float:
+    """Check `model`'s gradients against `ref`'s (same names; max |difference| / max |reference| per tensor) and
+    the losses; returns the worst relative gradient difference."""
     refs = dict(ref.named_parameters())
     worst = 0.0
     for name, p in model.named_parameters():
         r = refs[name].grad
-        worst = max(worst, ((p.grad - r).abs().max() / r.abs().max()).item())
-    assert worst <= 1e-5, f"{what}: gradients differ by {worst:.2e} relative (limit 1e-5)"
+        worst = max(worst, ((p.grad.float() - r.float()).abs().max() / r.float().abs().max()).item())
+    assert worst <= grad_tol, f"{what}: gradients differ by {worst:.2e} relative (limit {grad_tol:g})"
     if ref_loss is not None:
         rel = (abs(loss - ref_loss) / abs(ref_loss)).item()
-        assert rel <= 1e-6, f"{what}: loss {loss.item()} vs {ref_loss.item()} ({rel:.2e} relative, limit 1e-6)"
+        assert rel <= loss_tol, f"{what}: loss {loss.item()} vs {ref_loss.item()} ({rel:.2e} relative, limit {loss_tol:g})"
     return worst
 
 # %%
@@ -783,6 +784,7 @@ except ValueError as e:
 def check_pipeline(micro_counts=(4, 5, 6), seed: int = 0) -> None:
     "Worker: DualPipeV over the default group against a single-process reference, one step per count."
     rank, size = dist.get_rank(), dist.get_world_size()
+    lines = []
     for M in micro_counts:
         ref, model = _tiny(seed), _tiny(seed)
         batches, scale, aux_fn = _micro_batches(M, 64, seed + M), 1 / (M * 16), _aux_fn(4)
@@ -795,10 +797,14 @@ def check_pipeline(micro_counts=(4, 5, 6), seed: int = 0) -> None:
         dist.all_reduce(aux)
         assert abs(aux - ref_aux) <= 1e-6 * abs(ref_aux), (aux, ref_aux)
         layers = [list(p.layers) for p in parts]
-        print(f"rank {rank}: pp={size} M={M} layers {layers} OK (worst grad difference {worst:.1e})", flush=True)
+        lines.append(f"rank {rank}: pp={size} M={M} layers {layers} OK (worst grad difference {worst:.1e})")
+    everyone = [None] * size
+    dist.all_gather_object(everyone, lines)
+    if rank == 0:
+        print("\n".join(sorted(sum(everyone, []))), flush=True)
 
 
-def record_timeline(path: str, M: int, steps: int = 3) -> None:
+def record_timeline(path: str, M: int, steps: int = 2) -> None:
     "Worker: run `steps` steps of a wider model and write every rank's timeline of the last one to `path` (JSON)."
     from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -811,7 +817,7 @@ def record_timeline(path: str, M: int, steps: int = 3) -> None:
                      else None, _aux_fn(cfg.num_experts))
     batches = _micro_batches(M, cfg.vocab_size, shape=(2, 64))
     for _ in range(steps):
-        dist.barrier()
+        dist.barrier()                            # so the ranks' clocks start together
         pipe.step(batches, 1 / (M * 128))
     events = [None] * size
     dist.all_gather_object(events, pipe.timeline.events())
@@ -837,16 +843,16 @@ if __name__ == "__main__" and __spec__ is not None:
     main()
 
 # %% [markdown]
-# Two ranks, with 2P, 2P+1 and 3P micro-batches; then the timeline of a step with 8 micro-batches of a wider
-# model (8 layers, hidden 128, sequences of 64 tokens). The processes share this machine's cores, so the measured
-# durations are noisy.
+# Two ranks, with 2P and 3P micro-batches (tests/test_pipeline.py adds 2P+1); then the timeline of a step with 8
+# micro-batches of a wider model (8 layers, hidden 128, sequences of 64 tokens). The processes share this
+# machine's cores, so the measured durations are noisy.
 
 # %%
 root = Path.cwd().parents[1]          # notebooks run in their own folder
 out = Path(tempfile.mkdtemp()) / "timeline.json"
 env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
 proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                       "-m", "pith_lit.engine.dualpipev", "--micro", "4", "5", "6", "--timeline", str(out)],
+                       "-m", "pith_lit.engine.dualpipev", "--micro", "4", "6", "--timeline", str(out)],
                       capture_output=True, text=True, env=env, cwd=root, timeout=300)
 print("\n".join(sorted(l for l in proc.stdout.splitlines() if l.startswith("rank"))))
 assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -884,3 +890,49 @@ axes[1].set_xlabel("seconds")
 plt.tight_layout()
 plt.show()
 print(f"bubble fraction: measured {bubble_fraction(measured):.3f}, predicted {bubble_fraction(predicted):.3f}")
+
+# %% [markdown]
+# ### On one GPU
+#
+# With P = 1 (`parallel.overlap`) on a GPU, in bf16 at a moderate size: the overlapped schedule must match the
+# plain reference to bf16 rounding (the two run their additions in different orders), and its timeline is measured
+# with CUDA events. With a local dispatcher there is no all-to-all to hide, so this shows the cost of the machinery
+# (events, stream switches, detach points) rather than a gain; the gain needs expert parallelism across GPUs.
+
+# %%
+#| cuda
+from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
+
+big = Config(vocab_size=4096, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16, num_experts_per_tok=4)
+torch.manual_seed(0)
+base = Qwen3MoeForCausalLM(big).cuda().bfloat16()
+M, shape = 8, (4, 1024)
+batches = [tuple(torch.randint(0, big.vocab_size, shape, device="cuda") for _ in range(2)) for _ in range(M)]
+scale, aux_fn = 1 / (M * shape[0] * shape[1]), _aux_fn(big.num_experts)
+ref = copy.deepcopy(base)
+ref_loss, _ = reference_step(ref, batches, scale, aux_fn)
+model = copy.deepcopy(base)
+pipe = DualPipeV(split_model(model, 0, 1), None, LocalDispatcher(big.num_experts), _loss_fn(model), aux_fn, "cuda")
+loss, _ = pipe.step(batches, scale)
+worst = compare(model, ref, loss, ref_loss, "GPU, P=1", grad_tol=3e-2, loss_tol=1e-3)
+print(f"GPU P=1: loss {loss.item():.5f} vs reference {ref_loss.item():.5f}; worst relative grad difference {worst:.1e}")
+
+def seconds(fn, n=3):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n
+
+t_ref = seconds(lambda: reference_step(ref, batches, scale, aux_fn))
+t_pipe = seconds(lambda: pipe.step(batches, scale))
+tokens = M * shape[0] * shape[1]
+print(f"step of {tokens} tokens: plain {t_ref * 1e3:.1f} ms ({tokens / t_ref:,.0f} tok/s), "
+      f"DualPipeV P=1 {t_pipe * 1e3:.1f} ms ({tokens / t_pipe:,.0f} tok/s)")
+gpu_events = [pipe.timeline.events()]
+fig, ax = plt.subplots(figsize=(11, 1.4))
+draw_timeline(ax, gpu_events, f"H200, P = 1, M = {M}: compute-stream timeline, bubble {bubble_fraction(gpu_events):.1%}")
+plt.show()

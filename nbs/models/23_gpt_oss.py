@@ -50,8 +50,8 @@ from pith_lit.ops.swiglu import clamped_swiglu
 # Field names are those of transformers 5.x `GptOssConfig`. Two of them differ from older checkpoints'
 # `config.json`: transformers 5 folds `rope_theta` and `rope_scaling` into one `rope_parameters` dict, and calls the
 # expert count `num_local_experts`. The property `routed_experts` gives that count under the name every model
-# family's Config shares, which the engine and trainer read. The defaults are tiny, so the checks run in seconds, but keep GPT-OSS's RoPE, norm epsilon,
-# SwiGLU constants and alternating layer types.
+# family's Config shares, which the engine and trainer read. The defaults are tiny, so the checks run in seconds,
+# but keep GPT-OSS's RoPE, norm epsilon, SwiGLU constants and alternating layer types.
 
 # %%
 #| export
@@ -243,7 +243,8 @@ assert torch.allclose(rotated_dot(7, 3), rotated_dot(1007, 1003))  # same distan
 assert not torch.allclose(rotated_dot(7, 3), rotated_dot(7, 4))
 assert torch.allclose(rotated_dot(5, 5), att**2 * (q1 * k1).sum())  # distance 0: only the attention factor
 xr = torch.randn(2, 3, 5, 32)
-cs1, cs2 = rope_cos_sin(torch.arange(5), 32, rope, xr.dtype), rope_cos_sin(torch.arange(5).expand(2, 5), 32, rope, xr.dtype)
+cs1 = rope_cos_sin(torch.arange(5), 32, rope, xr.dtype)
+cs2 = rope_cos_sin(torch.arange(5).expand(2, 5), 32, rope, xr.dtype)
 assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 
 # %% [markdown]
@@ -265,17 +266,17 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # heads in the same copy that pads them (`enable_gqa` would save that memory but leaves only the slow math kernel
 # when cuDNN's is unavailable).
 #
-# The cost: q, k and v are copied once, k and v at the query head count and q and k with 8 more channels (d = 64
-# → 72: 12% more QK flops); every query has one more key; and the mask must be given explicitly (S × (S+1)
-# booleans, shared by batch and heads), so SDPA cannot use FlashAttention, which skips the blocks above the
-# diagonal, and a sliding layer computes all its S² scores and masks most of them. Measured on the H200
-# (2026-11-29, torch 2.11, bf16, GPT-OSS-20B heads: 64 query and 8 key/value heads of 64, batch 2 × 4096 tokens):
-# SDPA picks cuDNN's masked kernel, 6.3 ms forward and 17.6 ms forward + backward, window or not; plain causal
-# FlashAttention without sinks takes 0.64 and 2.5 ms, the explicit-score reference 29 and 63 ms, and SDPA's
-# memory-efficient kernel 9.3 and 32 ms. So sinks by SDPA cost 7 to 10× FlashAttention without sinks, but 3.6 to
-# 4.6× less than explicit scores, and no S² memory per head. A FlashAttention or flex-attention kernel with native sinks and block-skipping
-# windows would close that gap; it is a later step. The mask is by place in the given sequence (a whole sequence
-# per micro-batch); context parallelism will bring its own attention.
+# The cost: q, k and v are copied once, k and v at the query head count and q and k with 8 more channels (d = 64 →
+# 72: 12% more QK flops); every query has one more key; and the mask must be given explicitly (S × (S+1) booleans,
+# shared by batch and heads), so SDPA cannot use FlashAttention, which skips the blocks above the diagonal, and a
+# sliding layer computes all its S² scores and masks most of them. Measured on the H200 (2026-11-29, torch 2.11,
+# bf16, GPT-OSS-20B heads: 64 query and 8 key/value heads of 64, batch 2 × 4096 tokens): SDPA picks cuDNN's masked
+# kernel, 6.3 ms forward and 17.6 ms forward + backward, window or not; plain causal FlashAttention without sinks
+# takes 0.64 and 2.5 ms, the explicit-score reference 29 and 63 ms, and SDPA's memory-efficient kernel 9.3 and 32 ms.
+# So sinks by SDPA cost 7 to 10× FlashAttention without sinks, but 3.6 to 4.6× less than explicit scores, and no S²
+# memory per head. A FlashAttention or flex-attention kernel with native sinks and block-skipping windows would close
+# that gap; it is a later step. The mask is by place in the given sequence (a whole sequence per micro-batch);
+# context parallelism will bring its own attention.
 
 # %%
 #| export
@@ -335,7 +336,8 @@ sinks = torch.randn(nq, dtype=torch.float64, requires_grad=True)
 for window in (W, None):
     out, ref = sink_attention(q, k, v, sinks, window), sink_attention_reference(q, k, v, sinks, window)
     assert torch.allclose(out, ref, rtol=0, atol=1e-14), (out - ref).abs().max()
-    g, g_ref = torch.autograd.grad(out.sin().sum(), (q, k, v, sinks)), torch.autograd.grad(ref.sin().sum(), (q, k, v, sinks))
+    g = torch.autograd.grad(out.sin().sum(), (q, k, v, sinks))
+    g_ref = torch.autograd.grad(ref.sin().sum(), (q, k, v, sinks))
     for a, b in zip(g, g_ref): assert torch.allclose(a, b, rtol=0, atol=1e-13), (a - b).abs().max()
 
 with torch.no_grad():
@@ -358,18 +360,18 @@ assert keep.sum(1).tolist() == [1, 2, 3] + [W] * (S - 3)  # each query sees itse
 # The router and the output head stay in the model's dtype.
 #
 # transformers stores GPT-OSS's experts as `(E, in, out)`, the transpose of Qwen3's: `gate_up_proj` (E, H, 2I) with
-# the gate in the even columns and the up projection in the odd ones (interleaved), `down_proj` (E, I, H), and
-# biases `gate_up_proj_bias` (E, 2I) and `down_proj_bias` (E, H). They are kept in that layout, so checkpoints load
-# unchanged, and `grouped_linear`, which wants `(E, out, in)`, gets the transposed *view* `.mT`: no copy, and on
-# CUDA `F.grouped_mm` takes that stride pattern directly. The rows arrive grouped by expert, `counts[e]` rows for
-# expert e. Each row's bias is added as `one_hot @ bias`, with `one_hot` (N, E) marking the row's expert (built by
-# `repeat_interleave` with the known output size, so no host synchronisation): the forward picks each bias exactly,
-# and autograd's backward, `one_hotᵀ @ dy`, sums each expert's rows in a matmul, which accumulates in float32.
-# Indexing `bias[expert]` gives the same forward, but its backward adds thousands of bf16 rows per expert in bf16:
-# on the H200 check below that made the bias gradients 5 to 8 times less accurate than the plain bf16 path's.
-# `clamped_swiglu` (ops/swiglu) is `(up + 1) · gate · σ(α · gate)` with
-# gate clamped above and up on both sides at `swiglu_limit`, a Triton kernel on CUDA; it is checked against plain
-# PyTorch in its own notebook.
+# the gate in the even columns and the up projection in the odd ones (interleaved), `down_proj` (E, I, H), and biases
+# `gate_up_proj_bias` (E, 2I) and `down_proj_bias` (E, H). They are kept in that layout, so checkpoints load
+# unchanged, and `grouped_linear`, which wants `(E, out, in)`, gets the transposed *view* `.mT`, not a copy (its
+# forward hands `F.grouped_mm` the transpose back, which is the stored tensor). The rows arrive grouped by expert,
+# `counts[e]` rows for expert e. Each row's bias is added as `one_hot @ bias`, with `one_hot` (N, E) marking the
+# row's expert (built by `repeat_interleave` with the known output size, so no host synchronisation): the forward
+# picks each bias exactly, and autograd's backward, `one_hotᵀ @ dy`, sums each expert's rows in a matmul, which
+# accumulates in float32. Indexing `bias[expert]` gives the same forward, but its backward adds thousands of bf16
+# rows per expert in bf16: on the H200 check at the end that made the bias gradients about 5 to 8 times less accurate
+# than the plain bf16 path's. `clamped_swiglu` (ops/swiglu) is `(up + 1) · gate · σ(α · gate)` with the gate clamped
+# above and the up projection on both sides at `swiglu_limit`, a Triton kernel on CUDA, checked against PyTorch in
+# its own notebook.
 
 # %%
 #| export
@@ -631,6 +633,14 @@ class GptOssForCausalLM(nn.Module):
             n += layer.mlp.router.weight.numel() + k * (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel())
         return n
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 × active matmul parameters, plus attention's QKᵀ and PV products
+        (2·2·heads·head_dim per key seen, ×3 with backward) over the keys a query sees on average: S/2 on a full
+        (causal) layer, as for every model, and W - W²/(2S) on a sliding layer when S > W = sliding_window."""
+        c, S, W = self.config, seq_len, self.config.sliding_window
+        keys = sum(S / 2 if kind == "full_attention" or S <= W else W - W * W / (2 * S) for kind in c.layer_types)
+        return 6 * self.active_matmul_params() + 12 * c.num_attention_heads * c.head_dim * keys
+
 # %% [markdown]
 # ## Checks
 #
@@ -708,7 +718,8 @@ torch._dynamo.reset()  # drop the compiled graphs (and their teardown warnings a
 # head.
 
 # %%
-H, d, L, E, k, I = c.hidden_size, c.head_dim, c.num_hidden_layers, c.num_local_experts, c.num_experts_per_tok, c.intermediate_size
+H, d, L, I = c.hidden_size, c.head_dim, c.num_hidden_layers, c.intermediate_size
+E, k = c.num_local_experts, c.num_experts_per_tok
 nq, nkv = c.num_attention_heads, c.num_key_value_heads
 attn_w = 2 * H * (nq + nkv) * d
 per_layer = attn_w + (nq + 2 * nkv) * d + H + nq + E * (H + 1) + E * (3 * H * I + 2 * I + H) + 2 * H
@@ -716,6 +727,18 @@ total = 2 * c.vocab_size * H + H + L * per_layer
 active = c.vocab_size * H + L * (attn_w + E * H + k * 3 * H * I)
 assert model.num_params() == total and model.active_matmul_params() == active
 print(f"{total:,} parameters, {active:,} active matmul parameters per token")
+
+# %% [markdown]
+# FLOPs per token for MFU count the attention products only over keys a query may see. The usual causal
+# convention, S/2 keys per query, is the causal mask's count with each query's own key at half weight; the same
+# count on a sliding layer's mask gives its average. Check against the masks, for sequences shorter and longer than
+# the window.
+
+# %%
+for S in (3, 5, 13, 64):
+    keys = sum((attention_mask(S, a.sliding_window).sum().item() - min(S, a.sliding_window or S) / 2) / S
+               for a in (l.self_attn for l in model.model.layers.values()))
+    assert math.isclose(model.flops_per_token(S), 6 * active + 12 * nq * d * keys, rel_tol=1e-12), S
 
 # %% [markdown]
 # On CUDA in bf16 the experts run through `F.grouped_mm`, the attention through SDPA's masked kernel, and dispatch,

@@ -84,22 +84,21 @@ def sort_by_expert(ids: Tensor, num_experts: int, pad_to: int = 1) -> tuple[Tens
     flat = ids.reshape(-1)
     torch._assert_async(((flat >= 0) & (flat < num_experts)).all(),
                         f"sort_by_expert: expert ids must lie in [0, {num_experts}); check the router's top-k")
-    sorted_ids, order = torch.sort(flat, stable=True)           # order[j] = pair at grouped position j
-    bounds = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=ids.device))
+    # int32 keys: the radix sort makes half the passes of int64 (measured ~0.06 vs ~0.11 ms for 131K ids)
+    sorted_ids, order = torch.sort(flat.to(torch.int32), stable=True)   # order[j] = pair at grouped position j
+    bounds = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, dtype=torch.int32, device=ids.device))
     counts = bounds.diff()
     rows = torch.arange(flat.numel(), device=ids.device)        # grouped row of position j (no padding)
-    if pad_to > 1:
+    if pad_to == 1:
+        src_token = order // k
+    else:
         padded = (counts + pad_to - 1) // pad_to * pad_to
         pad_start = padded.cumsum(0) - padded
         rows = rows - bounds[sorted_ids] + pad_start[sorted_ids]
         n_rows = int(padded.sum())                              # the one host sync: N sizes src_token
+        src_token = torch.full((n_rows,), -1, dtype=torch.int64, device=ids.device).scatter_(0, rows, order // k)
         counts = padded
-    else:
-        n_rows = flat.numel()
-    src_token = torch.full((n_rows,), -1, dtype=torch.int64, device=ids.device)
-    src_token[rows] = order // k
-    row_index = torch.empty_like(flat)
-    row_index[order] = rows
+    row_index = torch.empty_like(flat).scatter_(0, order, rows)
     return src_token, row_index.view(T, k), counts
 
 # %% [markdown]
@@ -428,7 +427,7 @@ COPY_CEILING = 4.3e12   # bytes/s read plus written, device copy measured on the
 
 
 def bench(T: int = 16384, H: int = 2048, E: int = 128, k: int = 8) -> dict:
-    "Permute and un-permute, fwd and bwd, Triton vs eager, bf16 on CUDA: ms, GB/s, % of the copy ceiling, speed-up."
+    "sort_by_expert time; permute and un-permute, fwd and bwd, Triton vs eager, bf16 on CUDA: ms, GB/s, % of copy."
     from triton.testing import do_bench
     dev, dt = "cuda", torch.bfloat16
     ids = torch.randn(T, E, device=dev).topk(k, dim=1).indices
@@ -457,7 +456,7 @@ def bench(T: int = 16384, H: int = 2048, E: int = 128, k: int = 8) -> dict:
             fwd_bwd(lambda a, i, b: weighted_gather(a, i, b, impl="torch"), y, row_index, w, grad=gT),
             (T + 2 * N) * H * 2),
     }
-    out = {}
+    out = {"sort_by_expert ms": do_bench(lambda: sort_by_expert(ids, E), return_mode="median")}
     for name, (fast, eager, nbytes) in cases.items():
         ms, eager_ms = do_bench(fast, return_mode="median"), do_bench(eager, return_mode="median")
         out.update({f"{name} ms": ms, f"{name} GB/s": nbytes / ms / 1e6,

@@ -35,7 +35,7 @@ class Config:
     num_attention_heads: int = cfg(4, "query heads")
     num_key_value_heads: int = cfg(2, "key/value heads (grouped-query attention); divides num_attention_heads")
     head_dim: int = cfg(32, "width of one attention head")
-    num_local_experts: int = cfg(8, "routed experts per layer (Hugging Face's name; `num_experts` reads it)")
+    num_local_experts: int = cfg(8, "routed experts per layer (every layer is MoE)")
     num_experts_per_tok: int = cfg(2, "experts chosen per token (top-k)")
     sliding_window: int = cfg(16, "keys a sliding-attention layer sees: the query's own and the window - 1 before it")
     layer_types: list = cfg([], "per layer 'sliding_attention' or 'full_attention'; [] = alternate, sliding first")
@@ -77,8 +77,8 @@ class Config:
                              f"rope_type 'yarn' with factor >= 1 (factor 1 is plain RoPE)")
 
     @property
-    def num_experts(self) -> int:
-        "Hugging Face's alias of num_local_experts: the name the engine and trainer read for every model."
+    def routed_experts(self) -> int:
+        "Routed experts per MoE layer, under the name every model family's Config shares (the engine reads it)."
         return self.num_local_experts
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #5ac237f6
@@ -354,3 +354,11 @@ class GptOssForCausalLM(nn.Module):
             n += sum(p.weight.numel() for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
             n += layer.mlp.router.weight.numel() + k * (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel())
         return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 × active matmul parameters, plus attention's QKᵀ and PV products
+        (2·2·heads·head_dim per key seen, ×3 with backward) over the keys a query sees on average: S/2 on a full
+        (causal) layer, as for every model, and W - W²/(2S) on a sliding layer when S > W = sliding_window."""
+        c, S, W = self.config, seq_len, self.config.sliding_window
+        keys = sum(S / 2 if kind == "full_attention" or S <= W else W - W * W / (2 * S) for kind in c.layer_types)
+        return 6 * self.active_matmul_params() + 12 * c.num_attention_heads * c.head_dim * keys
