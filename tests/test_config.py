@@ -40,7 +40,7 @@ def test_unknown_field_suggests_closest():
 
 
 def test_unknown_model_type_names_valid_ones():
-    assert error(["model.model_type=llama"]) == "model.model_type = 'llama': unknown model family; valid: 'qwen3_moe'"
+    assert error(["model.model_type=llama"]) == "model.model_type = 'llama': unknown model family; valid: 'qwen3_moe', 'deepseek_v2', 'gpt_oss'"
     assert error([], data={"model": {"model_type": "gpt2"}}).startswith("model.model_type = 'gpt2'")
     for t in MODEL_TYPES:  # every listed name is a case of the match, and its dataclass agrees
         assert model_class(t)().model_type == t
@@ -99,20 +99,20 @@ def test_experts_divisible_by_ep():
 
 def test_global_batch_divisible():
     assert error(["train.global_batch=10"]) == \
-        "train.global_batch = 10: not divisible by train.micro_batch × parallel.dp = 4 × 1 = 4; use a multiple of 4"
+        "train.global_batch = 10: not divisible by train.micro_batch × parallel.dp × parallel.ep = 4 × 1 × 1 = 4; use a multiple of 4"
     assert error(["parallel.dp=2", "train.global_batch=12"], world_size=2).endswith("= 4 × 2 = 8; use a multiple of 8")
 
 
 def test_dualpipev_needs_two_micro_batches_per_stage():
     assert error(["parallel.pp=2", "train.global_batch=8"], world_size=2) == (
-        "train.global_batch = 8: gives 2 micro-batches per step (global_batch / (micro_batch × dp)), but DualPipeV "
+        "train.global_batch = 8: gives 2 micro-batches per step (global_batch / (micro_batch × dp × ep)), but DualPipeV "
         "with parallel.pp = 2 needs at least 2·pp = 4; use global_batch >= 16 or a smaller micro_batch")
     assert validate(from_dict({}, ["parallel.pp=2", "train.global_batch=16"]), 2).num_micro_batches == 4
 
 
 def test_overlap_needs_two_micro_batches():
     assert error(["parallel.overlap=true", "train.global_batch=4"]) == (
-        "train.global_batch = 4: gives 1 micro-batches per step (global_batch / (micro_batch × dp)), but DualPipeV "
+        "train.global_batch = 4: gives 1 micro-batches per step (global_batch / (micro_batch × dp × ep)), but DualPipeV "
         "with parallel.overlap = true needs at least 2·pp = 2; use global_batch >= 8 or a smaller micro_batch")
     assert validate(from_dict({}, ["train.global_batch=4"]), 1)  # without overlap one micro-batch is fine
 
@@ -240,7 +240,7 @@ def test_dump_toml_non_finite_and_unsupported():
     c = Config()
     c.train.grad_clip = math.inf
     assert "grad_clip = inf" in dump_toml(c)
-    c.model.mlp_only_layers = [{"a": 1}]
+    c.model.mlp_only_layers = [None]
     with pytest.raises(TypeError, match="cannot write"):
         dump_toml(c)
 
@@ -275,7 +275,7 @@ def test_real_and_bench_shapes():
     assert bench.model == qwen3_moe.Config(**{**to_dict(real)["model"], "num_hidden_layers": 12})
     t = bench.train
     assert (t.seq_len, t.micro_batch, t.global_batch, t.steps, t.lb_coef, t.dtype) == \
-        (4096, 2, 8, 30, 0.001, "bfloat16")
+        (4096, 2, 8, 30, 0.01, "bfloat16")
     assert (bench.log.every, bench.ckpt.every, bench.log.sample_tokens) == (5, -1, 0)
     assert (bench.data.corpus, bench.data.tokenizer) == ("stdlib", "bytes")
 

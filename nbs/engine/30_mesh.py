@@ -286,7 +286,7 @@ def run_ranked(fn, *args, **kwargs):
 # head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 # srun --kill-on-bad-exit=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 8 \
 #     --rdzv-backend c10d --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" \
-#     -m pith_lit.train configs/qwen3_30b.toml --set parallel.ep=8 --set parallel.dp=2
+#     -m pith_lit.train configs/qwen3-30b-a3b.toml --set parallel.ep=8 --set parallel.dp=2
 # ```
 #
 # or one task per GPU and no torchrun (`#SBATCH --ntasks-per-node=8`, then

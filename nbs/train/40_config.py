@@ -37,7 +37,7 @@ from typing import Literal, Sequence, get_args, get_origin, get_type_hints
 
 import torch
 
-from pith_lit.models import deepseek_v2, qwen3_moe
+from pith_lit.models import deepseek_v2, gpt_oss, qwen3_moe
 from pith_lit.models.protocol import cfg
 
 # %%
@@ -140,7 +140,7 @@ class ConfigError(ValueError):
     "An invalid run config. The message names the field, the value, and what would be valid."
 
 
-MODEL_TYPES = ("qwen3_moe", "deepseek_v2")  # the cases of `model_class`, for its error message
+MODEL_TYPES = ("qwen3_moe", "deepseek_v2", "gpt_oss")  # the cases of `model_class`, for its error message
 
 
 def model_class(model_type: str) -> type:
@@ -150,6 +150,8 @@ def model_class(model_type: str) -> type:
             return qwen3_moe.Config
         case "deepseek_v2":
             return deepseek_v2.Config
+        case "gpt_oss":
+            return gpt_oss.Config
         case _:
             raise ConfigError(f"model.model_type = {model_type!r}: unknown model family; "
                               f"valid: {', '.join(map(repr, MODEL_TYPES))}")
@@ -184,7 +186,7 @@ print(raises(model_class, "llama"))
 class Config:
     "A whole run: defaults ← TOML file ← `--set` overrides. Build it with `load_config` or `parse_args`."
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": RunConfig.__doc__})
-    model: qwen3_moe.Config | deepseek_v2.Config = field(default_factory=qwen3_moe.Config,
+    model: qwen3_moe.Config | deepseek_v2.Config | gpt_oss.Config = field(default_factory=qwen3_moe.Config,
                                     metadata={"help": "the model family's own config, chosen by model_type"})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": ParallelConfig.__doc__})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": TrainConfig.__doc__})
@@ -200,8 +202,9 @@ class Config:
 
     @property
     def num_micro_batches(self) -> int:
-        "Micro-batches per optimizer step on each data-parallel rank."
-        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+        """Micro-batches per optimizer step on each rank that reads its own data: the dp × ep ranks (expert-parallel
+        ranks share experts, not tokens, so each reads a different part of the batch)."""
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp * self.parallel.ep)
 
     @property
     def tokens_per_step(self) -> int:
@@ -419,7 +422,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     positive += [("train", n) for n in ("steps", "global_batch", "micro_batch", "seq_len", "lr", "eps")]
     positive += [("ckpt", "keep"), ("log", "every")]
     # numbers of the model section: a count of experts or a low rank may be 0 (none); everything else > 0
-    may_be_zero = {"num_experts", "n_routed_experts", "n_shared_experts", "q_lora_rank", "first_k_dense_replace"}
+    may_be_zero = {"num_experts", "n_routed_experts", "n_shared_experts", "q_lora_rank", "first_k_dense_replace",
+                   "router_aux_loss_coef"}
     numbers = [f.name for f in fields(m) if _accepts(int, getattr(m, f.name)) or _accepts(float, getattr(m, f.name))]
     positive += [("model", n) for n in numbers if n not in may_be_zero]
     for sec, name in positive:
@@ -444,15 +448,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _need(m.routed_experts % p.ep == 0,  # 0 experts (dense) also passes
           f"parallel.ep = {p.ep}: the model's {m.routed_experts} routed experts are not divisible by it; use one of "
           f"{[k for k in range(1, m.routed_experts + 1) if m.routed_experts % k == 0]}")
-    per_step = t.micro_batch * p.dp
+    per_step = t.micro_batch * p.dp * p.ep
     _need(t.global_batch % per_step == 0,
-          f"train.global_batch = {t.global_batch}: not divisible by train.micro_batch × parallel.dp = "
-          f"{t.micro_batch} × {p.dp} = {per_step}; use a multiple of {per_step}")
+          f"train.global_batch = {t.global_batch}: not divisible by train.micro_batch × parallel.dp × parallel.ep = "
+          f"{t.micro_batch} × {p.dp} × {p.ep} = {per_step}; use a multiple of {per_step}")
     if p.pp > 1 or p.overlap:
         why = f"parallel.pp = {p.pp}" if p.pp > 1 else "parallel.overlap = true"
         _need(cfg.num_micro_batches >= 2 * p.pp,
               f"train.global_batch = {t.global_batch}: gives {cfg.num_micro_batches} micro-batches per step "
-              f"(global_batch / (micro_batch × dp)), but DualPipeV with {why} needs at least 2·pp = {2 * p.pp}; "
+              f"(global_batch / (micro_batch × dp × ep)), but DualPipeV with {why} needs at least 2·pp = {2 * p.pp}; "
               f"use global_batch >= {2 * p.pp * per_step} or a smaller micro_batch")
     _need(t.warmup <= t.steps, f"train.warmup = {t.warmup}: longer than train.steps = {t.steps}; use at most "
           f"{t.steps} warmup steps")

@@ -305,20 +305,30 @@ for bad, msg in [(dict(kw, schedule="linear"), "unknown schedule"),
 # it is one of the most useful numbers to log. With master weights, clip the fp32 master gradients (after
 # `grads_to_master`). PyTorch's own functions do the work; for FSDP2's DTensor gradients they already reduce
 # over the sharding mesh. **Distributed note:** when parameters are split across pipeline stages (or expert
-# parameters live outside the FSDP mesh), each rank's norm covers only its own parameters; the distributed
-# version must all-reduce the squared norms over those groups before the scale is computed — at the
-# `get_total_norm` line below.
+# parameters live outside the FSDP mesh), each rank's norm covers only its own parameters. `clip_grad_norm`
+# takes those as `sharded` with the `group` they are split over: their squared norms are summed over the group
+# and added to the squared norm of the replicated `params`, so every rank computes the same global norm and the
+# same scale.
 
 # %%
 #| export
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    "Global L2 norm of all gradients (a float tensor); if `max_norm > 0`, scale them so it is at most `max_norm`."
+def clip_grad_norm(params, max_norm: float, sharded=(), group=None) -> torch.Tensor:
+    """Global L2 norm of all gradients (a float tensor); if `max_norm > 0`, scale them so it is at most `max_norm`.
+
+    `params` are replicated on every rank; `sharded` (e.g. expert parameters under expert parallelism) differ
+    between the ranks of `group`, and their squared norms are summed over it."""
     if max_norm < 0:
         raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {max_norm} (train.grad_clip)")
     params = [p for p in params if p.grad is not None]
+    sharded = [p for p in sharded if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if group is not None:
+        part = torch.nn.utils.get_total_norm([p.grad for p in sharded]).to(norm.device) if sharded else norm * 0
+        sq = part.float() ** 2
+        torch.distributed.all_reduce(sq, group=group)
+        norm = (norm.float() ** 2 + sq).sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(params + sharded, max_norm, norm)
     return norm
 
 # %% [markdown]

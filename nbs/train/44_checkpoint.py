@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pith_lit import __version__
@@ -223,34 +223,19 @@ def _rng_file(ckpt_dir: Path, rank: int) -> Path:
 
 # %%
 #| export
-def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict | None = None, model_config: dict, keep: int = 2) -> Path:
-    """Write `run_dir/ckpt/step_{step:08d}` atomically and keep the newest `keep` checkpoints.
-
-    `extra` maps names to objects with `state_dict()`/`load_state_dict()` (scheduler, fp32 master weights)
-    or to plain values (numbers, strings, tensors). `model_config` is the model's config as a dict,
-    including `model_type`. Every rank calls this; returns the checkpoint's path."""
-    extra = extra or {}
-    rng = rng_state()  # first, so that nothing below can advance a generator before it is recorded
-    if keep < 1:
-        raise ValueError(f"keep={keep}: keep at least the checkpoint being written (keep >= 1)")
+def _need_model_type(model_config: dict):
     if "model_type" not in model_config:
         raise ValueError(f"model_config has no 'model_type' (keys: {sorted(model_config)}); pass the whole "
                          "model config as a dict, e.g. dataclasses.asdict(config.model)")
-    bad = sorted(k for k in extra if k in ("model", "optim") or "." in k)
-    if bad:
-        raise ValueError(f"extra keys {bad} are not allowed: 'model' and 'optim' are taken, and DCP joins "
-                         "nested keys with '.'; rename them")
-    if not optimizer.state:
-        raise ValueError(f"save(step={step}) before the optimizer's first step: it has no state to save, and "
-                         "creating one would change training. Save after optimizer.step().")
+
+
+def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, keep: int, rng: dict | None) -> Path:
+    "Write `state` as `run_dir/ckpt/step_{step:08d}` by the three steps above; no `rng`: a weights-only checkpoint."
     ckpt = Path(run_dir) / "ckpt"
     final, tmp = ckpt / f"step_{step:08d}", ckpt / f".tmp_step_{step:08d}"
     if final.exists():
         raise FileExistsError(f"{final} already exists and is never overwritten; resume from the latest "
                               "checkpoint, or use another run.dir")
-    model_sd = get_model_state_dict(model)
-    shapes = _param_shapes(model_sd)
     rank = _rank()
     if rank == 0:
         ckpt.mkdir(parents=True, exist_ok=True)
@@ -258,16 +243,18 @@ def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.O
             shutil.rmtree(stale)
         tmp.mkdir()
     _barrier()
-    state = {"model": model_sd, "optim": get_optimizer_state_dict(model, optimizer), **extra}
     _dcp(dcp.save, state, tmp)
-    with open(_rng_file(tmp, rank), "wb") as f:
-        torch.save(rng, f)
-        f.flush()
-        os.fsync(f.fileno())
+    if rng is not None:
+        with open(_rng_file(tmp, rank), "wb") as f:
+            torch.save(rng, f)
+            f.flush()
+            os.fsync(f.fileno())
     _barrier()  # every rank's files are on disk
     if rank == 0:
         meta = {"step": step, "pith_lit_version": __version__, "world_size": _world_size(),
                 "model_config": model_config, "params_sha256": params_hash(shapes)}
+        if rng is None:
+            meta["weights_only"] = True
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -282,6 +269,30 @@ def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.O
             shutil.rmtree(trash)
     _barrier()  # no rank returns before the checkpoint exists
     return final
+
+
+def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         extra: dict | None = None, model_config: dict, keep: int = 2) -> Path:
+    """Write `run_dir/ckpt/step_{step:08d}` atomically and keep the newest `keep` checkpoints.
+
+    `extra` maps names to objects with `state_dict()`/`load_state_dict()` (scheduler, fp32 master weights)
+    or to plain values (numbers, strings, tensors). `model_config` is the model's config as a dict,
+    including `model_type`. Every rank calls this; returns the checkpoint's path."""
+    extra = extra or {}
+    rng = rng_state()  # first, so that nothing below can advance a generator before it is recorded
+    if keep < 1:
+        raise ValueError(f"keep={keep}: keep at least the checkpoint being written (keep >= 1)")
+    _need_model_type(model_config)
+    bad = sorted(k for k in extra if k in ("model", "optim") or "." in k)
+    if bad:
+        raise ValueError(f"extra keys {bad} are not allowed: 'model' and 'optim' are taken, and DCP joins "
+                         "nested keys with '.'; rename them")
+    if not optimizer.state:
+        raise ValueError(f"save(step={step}) before the optimizer's first step: it has no state to save, and "
+                         "creating one would change training. Save after optimizer.step().")
+    model_sd = get_model_state_dict(model)
+    state = {"model": model_sd, "optim": get_optimizer_state_dict(model, optimizer), **extra}
+    return _write(run_dir, step, state, _param_shapes(model_sd), model_config, keep, rng)
 
 # %% [markdown]
 # A stand-in for training: a tiny MLP with dropout (the global torch generator), AdamW and a warm-up
@@ -345,6 +356,8 @@ shutil.rmtree(run_dir)
 #
 # If the world size changed since the save, rank r takes the RNG states of saved rank r mod the old world
 # size: a resharded run cannot repeat the old random streams exactly anyway.
+#
+# `load_weights` is the same for the model alone: the same checks, then only the model's tensors are read.
 
 # %%
 #| export
@@ -362,7 +375,8 @@ def _check_files(path: Path):
     needed = {}  # file → bytes the index reads from it
     for info in index.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    needed.update({_rng_file(path, r).name: 1 for r in range(meta["world_size"])})
+    if not meta.get("weights_only"):
+        needed.update({_rng_file(path, r).name: 1 for r in range(meta["world_size"])})
     for name, size in sorted(needed.items()):
         f = path / name
         if not f.is_file():
@@ -373,8 +387,8 @@ def _check_files(path: Path):
     return meta, index
 
 
-def _differences(meta: dict, index, model_config: dict, shapes: dict, extra: dict) -> list[str]:
-    "What differs between the checkpoint and this run, one line each."
+def _differences(meta: dict, index, model_config: dict, shapes: dict, extra: dict | None) -> list[str]:
+    "What differs between the checkpoint and this run, one line each; `extra` None: the model only."
     saved, now = meta["model_config"], json.loads(json.dumps(model_config))  # as JSON: tuples become lists
     if saved.get("model_type") != now.get("model_type"):
         return [f"model_type: checkpoint {saved.get('model_type')!r}, this run {now.get('model_type')!r}"]
@@ -387,27 +401,47 @@ def _differences(meta: dict, index, model_config: dict, shapes: dict, extra: dic
             a, b = stored.get(name, "(absent)"), shapes.get(name, "(absent)")
             if a != b:
                 out.append(f"parameter {name}: checkpoint shape {a}, this run {b}")
-    top = {k.split(".")[0] for k in index.state_dict_metadata} - {"model", "optim"}
-    out += [f"extra {k!r}: in the checkpoint, not passed to load" for k in sorted(top - extra.keys())]
-    out += [f"extra {k!r}: passed to load, not in the checkpoint" for k in sorted(extra.keys() - top)]
+    if extra is not None:
+        top = {k.split(".")[0] for k in index.state_dict_metadata} - {"model", "optim"}
+        out += [f"extra {k!r}: in the checkpoint, not passed to load" for k in sorted(top - extra.keys())]
+        out += [f"extra {k!r}: passed to load, not in the checkpoint" for k in sorted(extra.keys() - top)]
     return out
+
+
+def _refuse(path: Path, problems: list[str]):
+    if problems:
+        raise ValueError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(problems) +
+                         "\nResume with the config the checkpoint was written with, or set another run.dir "
+                         "to start a new run.")
 
 # %%
 #| export
+def load_weights(path, *, model: torch.nn.Module, model_config: dict) -> int:
+    """Restore only the model's weights from checkpoint `path` (a full or a weights-only one); return its step.
+
+    The same checks as `load` for the model; no optimizer, extras or RNG are read or changed."""
+    path = Path(path)
+    meta, index = _check_files(path)
+    model_sd = get_model_state_dict(model)
+    _refuse(path, _differences(meta, index, model_config, _param_shapes(model_sd), None))
+    _dcp(dcp.load, {"model": model_sd}, path)
+    set_model_state_dict(model, model_sd)
+    return meta["step"]
+
+
 def load(path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None,
          model_config: dict) -> int:
     """Restore model, optimizer, `extra` and every RNG from checkpoint `path`; return its step.
 
     Refuses a damaged checkpoint or one of another model, before anything is changed. Plain values in
-    `extra` are replaced in the dict; the others get `load_state_dict`. Every rank calls this."""
+    `extra` are replaced in the dict; the others get `load_state_dict`. A weights-only checkpoint (see
+    `save_weights`) restores the model alone and returns step 0. Every rank calls this."""
     path, extra = Path(path), extra if extra is not None else {}
     meta, index = _check_files(path)
+    if meta.get("weights_only"):
+        return load_weights(path, model=model, model_config=model_config)
     model_sd = get_model_state_dict(model)
-    problems = _differences(meta, index, model_config, _param_shapes(model_sd), extra)
-    if problems:
-        raise ValueError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(problems) +
-                         "\nResume with the config the checkpoint was written with, or set another run.dir "
-                         "to start a new run.")
+    _refuse(path, _differences(meta, index, model_config, _param_shapes(model_sd), extra))
     state = {"model": model_sd, "optim": get_optimizer_state_dict(model, optimizer), **extra}
     _dcp(dcp.load, state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -473,6 +507,77 @@ except ValueError as e:
     msg = str(e)
 assert "config" not in msg.split("\n")[1] and "parameter 3.weight: checkpoint shape [1, 16], this run [1, 32]" in msg
 msg.split("\n")[1:3]
+
+# %% [markdown]
+# ## Weights-only checkpoints
+#
+# A run can also start from weights that no run of ours trained: a Hugging Face model imported by
+# `python -m pith_lit.convert hf2pith` (train/hf). `save_weights` writes such a start as an ordinary checkpoint
+# directory, `ckpt/step_00000000`, holding the model alone: no optimizer state, extras or RNG files, and
+# `"weights_only": true` in its meta.json. The trainer finds it with `latest()` as usual, and `load` restores
+# the model from it, checks it against the model config like any checkpoint, and returns step 0, leaving the
+# optimizer, the extras and the random streams as the fresh run made them. It is only a start: a run directory
+# that already holds checkpoints is refused, because `latest()` would never choose step 0 over them.
+#
+# `load_weights` is the other direction: the model's weights alone out of any checkpoint, full or weights-only,
+# for exporting a trained model (`python -m pith_lit.convert pith2hf`).
+
+# %%
+#| export
+def save_weights(run_dir, *, model: torch.nn.Module, model_config: dict) -> Path:
+    """Write the weights-only checkpoint `run_dir/ckpt/step_00000000` that a run starts from; returns its path.
+
+    `run_dir` must hold no checkpoint yet. Every rank calls this."""
+    _need_model_type(model_config)
+    done = _complete(Path(run_dir) / "ckpt")
+    if done:
+        raise FileExistsError(f"{run_dir} already holds checkpoints ({', '.join(p.name for p in done)}); "
+                              "weights to start a run from go into a new run directory")
+    model_sd = get_model_state_dict(model)
+    return _write(run_dir, 0, {"model": model_sd}, _param_shapes(model_sd), model_config, 1, None)
+
+# %% [markdown]
+# Check: the trained model of the resume check above, saved weights-only, goes into a fresh model, optimizer
+# and scheduler. The weights arrive; the optimizer has no state, the scheduler is at step 0 and the random
+# streams go on from where they were. A wider model is refused as for a full checkpoint, and so is a second
+# start in the same run directory. `load_weights` from the full checkpoint of step 4 leaves the optimizer alone.
+
+# %%
+start_dir = Path(tempfile.mkdtemp())
+save_weights(start_dir, model=model, model_config=mcfg)
+path = latest(start_dir)
+assert path.name == "step_00000000" and sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "meta.json"]
+assert json.loads((path / "meta.json").read_text())["weights_only"] is True
+
+fresh, fresh_opt, fresh_sched, _ = make(seed=11)
+torch.manual_seed(5)
+expected = torch.rand(3)
+torch.manual_seed(5)
+extra = {"sched": fresh_sched, "tokens": 0}
+assert load(path, model=fresh, optimizer=fresh_opt, extra=extra, model_config=mcfg) == 0
+assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+assert not fresh_opt.state and fresh_sched.last_epoch == 0 and extra["tokens"] == 0
+assert torch.equal(torch.rand(3), expected)  # the random streams were not touched
+
+try:
+    load(path, model=wide, optimizer=wide_opt, extra={}, model_config=wide_cfg)
+    raise AssertionError("a wider model was loaded")
+except ValueError as e:
+    assert "config hidden: checkpoint 16, this run 32" in str(e)
+try:
+    save_weights(start_dir, model=model, model_config=mcfg)
+    raise AssertionError("a second start was written")
+except FileExistsError as e:
+    assert "already holds checkpoints (step_00000000)" in str(e)
+
+step4 = run_dir / "ckpt/step_00000004"
+fresh, fresh_opt, _, _ = make(seed=12)
+assert load_weights(step4, model=fresh, model_config=mcfg) == 4 and not fresh_opt.state
+torch.manual_seed(1); np.random.seed(1); random.seed(1)
+reference, reference_opt, reference_sched, _ = make()
+train(reference, reference_opt, reference_sched, 0, 4)  # the first half of the resume check again
+assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), reference.state_dict().values()))
+shutil.rmtree(start_dir)
 
 # %% [markdown]
 # ## Check: a damaged checkpoint is refused by name

@@ -10,8 +10,9 @@
 # # `python -m pith_lit.train`
 #
 # The command line around `train()`: parse the config (a TOML path, `--set section.field=value` overrides,
-# `--help` listing every field), train, and turn the errors a user can fix into one clear line and a non-zero
-# exit code instead of a traceback. The same module runs under torchrun:
+# `--help` listing every field), train, and turn the two errors that are about the run rather than the code (an
+# invalid config, a diverged loss) into one clear line and a non-zero exit code. Everything else (a missing or
+# corrupt data file, a checkpoint of another model) keeps its traceback, whose last line says what to change. The same module runs under torchrun:
 #
 # ```bash
 # python -m pith_lit.train                                   # tiny default on the embedded corpus
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         out = train(cfg)
-    except (ConfigError, NonFiniteLoss, FileNotFoundError) as e:
+    except (ConfigError, NonFiniteLoss) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0 if not out["stopped"] else 130

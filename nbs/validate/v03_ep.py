@@ -58,7 +58,7 @@ res = json.loads(proc.stdout.strip().splitlines()[-1])
 for c in res["checks"]:
     print(f"dp={c['dp']} ep={c['ep']} {c['case']:>10} {c['dtype']:>7} top-{c['top_k']}: "
           f"max relative error {c['max_rel_err']:.2e} ({c['worst']})")
-tol = {"float32": 1e-5, "float64": 1e-12 if device == "cpu" else 1e-5}
+tol = {"float32": 1e-5, "float64": 1e-12}   # on CUDA the float64 cases run in float32 (no float64 grouped_mm)
 ok_checks = len(res["checks"]) == (12 if nproc % 4 == 0 else 6) and all(
     c["max_rel_err"] <= tol[c["dtype"]] for c in res["checks"])
 

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         out = train(cfg)
-    except (ConfigError, NonFiniteLoss, FileNotFoundError) as e:
+    except (ConfigError, NonFiniteLoss) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0 if not out["stopped"] else 130

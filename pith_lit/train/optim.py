@@ -108,14 +108,23 @@ def lr_at(step: int, *, lr: float, steps: int, warmup: int, schedule: str, decay
             return lr + (min_lr - lr) * (step - start + 1) / decay
 
 # %% ../../nbs/train/43_optim.ipynb #98515839
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    "Global L2 norm of all gradients (a float tensor); if `max_norm > 0`, scale them so it is at most `max_norm`."
+def clip_grad_norm(params, max_norm: float, sharded=(), group=None) -> torch.Tensor:
+    """Global L2 norm of all gradients (a float tensor); if `max_norm > 0`, scale them so it is at most `max_norm`.
+
+    `params` are replicated on every rank; `sharded` (e.g. expert parameters under expert parallelism) differ
+    between the ranks of `group`, and their squared norms are summed over it."""
     if max_norm < 0:
         raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {max_norm} (train.grad_clip)")
     params = [p for p in params if p.grad is not None]
+    sharded = [p for p in sharded if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if group is not None:
+        part = torch.nn.utils.get_total_norm([p.grad for p in sharded]).to(norm.device) if sharded else norm * 0
+        sq = part.float() ** 2
+        torch.distributed.all_reduce(sq, group=group)
+        norm = (norm.float() ** 2 + sq).sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(params + sharded, max_norm, norm)
     return norm
 
 # %% ../../nbs/train/43_optim.ipynb #412a601b

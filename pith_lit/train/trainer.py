@@ -7,18 +7,18 @@ __all__ = ['PEAK_FLOPS', 'build_model', 'peak_flops', 'setup_distributed', 'all_
 # %% ../../nbs/train/45_trainer.ipynb #240b8621
 import json
 import math
-import os
 import resource
 import signal
 import time
 from contextlib import nullcontext
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ..engine.ep import EPDispatcher, all_reduce_grads, is_expert_param, shard_experts
+from ..engine.mesh import Mesh, build_mesh, init_distributed, launch_env
 from ..models.protocol import LocalDispatcher, run_layers
 from . import checkpoint
 from .config import Config, ConfigError, dump_toml, to_dict
@@ -36,6 +36,9 @@ def build_model(model_cfg) -> torch.nn.Module:
         case "deepseek_v2":
             from pith_lit.models.deepseek_v2 import DeepseekV2ForCausalLM
             return DeepseekV2ForCausalLM(model_cfg)
+        case "gpt_oss":
+            from pith_lit.models.gpt_oss import GptOssForCausalLM
+            return GptOssForCausalLM(model_cfg)
         case other:
             raise ConfigError(f"model.model_type = {other!r}: no model class for it")
 
@@ -51,30 +54,25 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 # %% ../../nbs/train/45_trainer.ipynb #da49881a
-def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
-    "Initialise the process group when launched by torchrun; returns (rank, world, device)."
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if cfg.device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=cfg.parallel.timeout_s))
+def setup_distributed(cfg: Config) -> tuple[int, torch.device, Mesh | None]:
+    "Start the process group and mesh when launched with several processes; returns (rank, device, mesh or None)."
     p = cfg.parallel
-    if p.pp > 1 or p.ep > 1 or p.cp > 1 or p.overlap:
-        raise ConfigError(f"parallel: pp={p.pp}, ep={p.ep}, cp={p.cp}, overlap={p.overlap}: this trainer runs data "
-                          "parallelism only (pp=ep=cp=1, overlap=false); the pipeline and expert-parallel engine "
-                          "are separate pieces of work")
-    return rank, world, device
+    if p.pp > 1 or p.cp > 1 or p.overlap:
+        raise ConfigError(f"parallel: pp={p.pp}, cp={p.cp}, overlap={p.overlap}: this trainer runs data and expert "
+                          "parallelism (dp, ep); set pp=1, cp=1, overlap=false")
+    if launch_env()["world"] == 1:
+        device = torch.device("cuda", 0) if cfg.device_type == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return 0, device, None
+    rank, _, device = init_distributed(p.timeout_s, cfg.device_type)
+    return rank, device, build_mesh(p.pp, p.dp, p.cp, p.ep, cfg.device_type, p.timeout_s)
 
 
-def all_reduce_(t: torch.Tensor) -> torch.Tensor:
-    "Sum a tensor over all ranks in place (a no-op in a single process)."
-    if dist.is_initialized():
-        dist.all_reduce(t)
+def all_reduce_(t: torch.Tensor, group) -> torch.Tensor:
+    "Sum a tensor over `group` in place (a no-op without one)."
+    if group is not None:
+        dist.all_reduce(t, group=group)
     return t
 
 # %% ../../nbs/train/45_trainer.ipynb #94440b2e
@@ -120,11 +118,16 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
 
     `until` stops (with a checkpoint) after that many steps in total, as if the run were interrupted there; the
     schedule still follows `train.steps`. Tests and the validation notebook use it to split a run in two."""
-    rank, world, device = setup_distributed(cfg)
+    rank, device, mesh = setup_distributed(cfg)
+    dense = mesh.dense if mesh is not None else None          # sum losses, counts, dense grads over these
+    ep = mesh.ep.size() if mesh is not None else 1
+    data_rank, data_world = (mesh.batch.rank(), mesh.batch.size()) if mesh is not None else (0, 1)
     t, run_dir = cfg.train, Path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
     with device:  # parameters are created and initialised where they will live
         model = build_model(cfg.model)
+    if ep > 1:  # every rank built the same full model from the seed; keep this rank's experts
+        shard_experts(model, mesh.ep.rank(), ep)
     if t.compile:  # stages 1 and 5 have static shapes and no host syncs by design; 2-4 stay eager
         for layer in model.model.layers.values():
             layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
@@ -137,13 +140,19 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             master = MasterWeights(model)
     stepped = master if master is not None else model   # what the optimizer updates: fp32 masters or the model
     optimizer = build_optimizer(stepped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps)
+    replicated = [p for n, p in stepped.named_parameters() if not (ep > 1 and is_expert_param(n))]
+    experts = [p for n, p in stepped.named_parameters() if ep > 1 and is_expert_param(n)]
     data, _ = build_dataset(cfg.data.corpus, cfg.data.tokenizer, run_dir.parent / "cache", t.seq_len, cfg.run.seed,
-                            rank, world, cfg.model.vocab_size, cfg.data.val_frac)
-    lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dist.group.WORLD if world > 1 else None)
-    dispatcher = LocalDispatcher(cfg.model.routed_experts)
+                            data_rank, data_world, cfg.model.vocab_size, cfg.data.val_frac)
+    lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dense)
+    dispatcher = EPDispatcher(mesh.ep, cfg.model.routed_experts) if ep > 1 else LocalDispatcher(cfg.model.routed_experts)
     model_cfg = to_dict(cfg)["model"]
     extra = {"master": master} if master is not None else {}
+    world = dist.get_world_size() if mesh is not None else 1
 
+    if ep > 1 and cfg.ckpt.every >= 0:
+        raise ConfigError(f"parallel.ep = {ep}: checkpoints of expert-sharded models are not written yet (each rank "
+                          "holds different experts under the same names); set ckpt.every = -1 for this run")
     start = 0
     last = checkpoint.latest(run_dir) if cfg.ckpt.resume else None
     if last is not None:
@@ -179,24 +188,23 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             lb.start_step()
             n_micro = cfg.num_micro_batches
             batches = [data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro)]
-            n_tokens = all_reduce_(sum(count_tokens(y) for _, y in batches).to(device, torch.float32))
+            n_tokens = all_reduce_(sum(count_tokens(y) for _, y in batches).to(device, torch.float32), dense)
             ce_sum, aux_sum = torch.zeros((), device=device), torch.zeros((), device=device)
             for x, y in batches:
-                ce, aux = micro_step(model, x.to(device), y.to(device), n_tokens, lb, n_micro * world, dispatcher)
+                ce, aux = micro_step(model, x.to(device), y.to(device), n_tokens, lb, n_micro * data_world,
+                                     dispatcher)
                 ce_sum += ce.float()
                 aux_sum += aux.float().to(device)
-            if world > 1:
-                for p in model.parameters():
-                    if p.grad is not None:
-                        all_reduce_(p.grad)
+            if mesh is not None:  # sums: the token-weighted loss already divides by the global token count
+                all_reduce_grads(model, mesh.dense, mesh.expert)
             if master is not None:
                 master.grads_to_master()
-            grad_norm = clip_grad_norm(stepped.parameters(), t.grad_clip)
+            grad_norm = clip_grad_norm(replicated, t.grad_clip, experts, mesh.ep if ep > 1 else None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if master is not None:
                 master.master_to_model()
-            stats = all_reduce_(torch.stack([ce_sum, torch.tensor(float(stop.set), device=device)]))
+            stats = all_reduce_(torch.stack([ce_sum, torch.tensor(float(stop.set), device=device)]), dense)
             loss = (stats[0] / n_tokens).item()
             stop_now = stats[1].item() > 0
             if device.type == "cuda":
@@ -243,7 +251,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     if metrics_file is not None:
         metrics_file.close()
     sample = ""
-    if rank == 0 and cfg.log.sample_tokens and not stopped and history:
+    if rank == 0 and cfg.log.sample_tokens and not stopped and history and ep == 1:  # sampling needs every expert
         sample = greedy_sample(model, load_tokenizer(cfg.data.tokenizer), data, cfg.log.sample_tokens, device)
         say("sample: " + repr(sample))
     return {"history": history, "start": start, "end": step + 1 if history else start, "stopped": stopped,
