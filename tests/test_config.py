@@ -100,7 +100,7 @@ def test_experts_divisible_by_ep():
 def test_global_batch_divisible():
     assert error(["train.global_batch=10"]) == \
         "train.global_batch = 10: not divisible by train.micro_batch × parallel.dp × parallel.ep = 4 × 1 × 1 = 4; use a multiple of 4"
-    assert error(["parallel.dp=2", "train.global_batch=12"], world_size=2).endswith("= 4 × 2 = 8; use a multiple of 8")
+    assert error(["parallel.dp=2", "train.global_batch=12"], world_size=2).endswith("= 4 × 2 × 1 = 8; use a multiple of 8")
 
 
 def test_dualpipev_needs_two_micro_batches_per_stage():

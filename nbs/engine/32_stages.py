@@ -101,10 +101,10 @@ def _use(*tensors) -> None:
 # three gradients plus the load-balance loss, whose gradient is 1: the loss `aux_fn(key, routing)` joins stage 1's
 # backward, as it would in one `loss.backward()`. Each backward step drops what the next one no longer needs.
 #
-# `wgrad_queue` is where the expert weight gradients of stage 3 are meant to go when a pipeline defers them to a
-# W slot (zero-bubble scheduling; ops/12_grouped_linear's `WeightGradQueue`). The layer protocol's
-# `stage3(x, counts)` does not take a queue yet, so today the expert weight gradients are computed inside stage 3's
-# backward and the queue stays empty; the one call that would pass it is marked below.
+# `wgrad_queue` is where the expert weight gradients of stage 3 go when a pipeline defers them to a W slot
+# (zero-bubble scheduling; ops/12_grouped_linear's `WeightGradQueue`): the layer protocol's
+# `stage3(x, counts, wgrad_queue)` hands it to the grouped expert linears, whose backward then computes only the
+# input gradient and leaves the weight gradient in the queue until the schedule drains it.
 
 # %%
 #| export
@@ -161,7 +161,7 @@ class LayerRun:
 
     def _stage3(self):
         _use(self.xg, self.counts)
-        self.y_out = self.layer.stage3(self.xg, self.counts)   # zero-bubble: pass self.wgrad_queue here
+        self.y_out = self.layer.stage3(self.xg, self.counts, self.wgrad_queue)
         self.y = _leaf(self.y_out)
 
     def _combine(self):

@@ -564,6 +564,9 @@ class Timeline:
 # and its W. A missing key is a schedule bug, and fails loudly. Receive buffers are allocated with the micro-batch's
 # `(batch, seq, hidden)` shape in the dtype of the stage's parameters.
 #
+# Every rank of the pipeline group must construct its `DualPipeV` (the constructor's barrier is the group's first
+# collective, which `batch_isend_irecv` requires to involve all ranks).
+#
 # With P = 1 (`parallel.overlap`) the same code runs with no transfers at all: rank 0 holds both stages, and in
 # the steady state every action is an F&B pair of two micro-batches.
 
@@ -587,6 +590,8 @@ class DualPipeV:
         self.parts, self.group, self.dispatcher = parts, group, dispatcher
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
         self.streams, self.timeline = Streams(self.device), Timeline(self.device)
+        if self.size > 1:       # the group's first collective, with every rank present (batch_isend_irecv needs it)
+            dist.barrier(group=group)
 
     def step(self, micro_batches: list, loss_scale=1.0) -> tuple[Tensor, Tensor]:
         shapes = {tuple(ids.shape) for ids, _ in micro_batches}

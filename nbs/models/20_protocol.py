@@ -19,11 +19,13 @@
 # |---|---|---|---|
 # | 1 | `layer.stage1(h, positions) -> (h, x, routing)` | model | attention + residual, norm, router, shared experts |
 # | 2 | `dispatcher.dispatch(x, routing) -> (x_grouped, counts)` | engine | send rows to their experts, grouped |
-# | 3 | `layer.stage3(x_grouped, counts) -> y` | model | the routed experts on grouped rows |
+# | 3 | `layer.stage3(x_grouped, counts, wgrad_queue=None) -> y` | model | the routed experts on grouped rows |
 # | 4 | `dispatcher.combine(y, routing) -> y` | engine | bring expert outputs back to the tokens' rank |
 # | 5 | `layer.stage5(h, y, routing) -> h` | model | router-weighted sum of each token's outputs + residual |
 #
-# A model never sees stages 2 and 4, and the engine never looks inside 1, 3 and 5. This notebook defines the
+# Stage 3's optional `wgrad_queue` (ops/12_grouped_linear) defers the experts' weight gradients: backward then
+# computes only the input gradient, and a pipeline schedule computes the weight gradient later, in a slot that
+# would otherwise be idle. A model never sees stages 2 and 4, and the engine never looks inside 1, 3 and 5. This notebook defines the
 # pieces they share: the `Routing` record that travels from stage 1 to stage 5, the single-rank dispatcher, and
 # `run_layers`, the plain loop that calls the five stages. The expert-parallel dispatcher and the overlapped
 # schedules (in `engine/`) replace the last two without touching any model.
@@ -72,12 +74,14 @@ class Routing:
     probs: (T, E) full router probabilities (float32, float64 for a float64 model) or None;
     row_index: (T, k) int64, set by dispatch/combine: the row of the combined expert-output buffer that holds
     the output of token t's k-th expert; counts: (E,) int64 (token, expert) pairs per expert in this
-    micro-batch, set by dispatch."""
+    micro-batch, set by dispatch; plan: whatever else a dispatcher keeps between dispatch and combine (the
+    expert-parallel one keeps its split sizes and index maps there)."""
     ids: Tensor
     weights: Tensor
     probs: Tensor | None
     row_index: Tensor | None = None
     counts: Tensor | None = None
+    plan: object | None = None
 
 # %% [markdown]
 # ## Stages 2 and 4 on one rank
@@ -169,7 +173,7 @@ class ToyMoE(nn.Module):
         weights, ids = probs.topk(self.k, -1)
         return h, x, Routing(ids, weights, probs)
 
-    def stage3(self, x, counts):
+    def stage3(self, x, counts, wgrad_queue=None):  # a toy: no deferred weight gradients
         ends = counts.cumsum(0).tolist()  # the one host sync: row ranges per expert
         return torch.cat([torch.tanh(x[s:e] @ w.T) for s, e, w in zip([0] + ends[:-1], ends, self.w)])
 

@@ -115,10 +115,11 @@ def _products_loop(bounds: list[int]):
 # %% [markdown]
 # ## The autograd function
 #
-# Backward returns `dX` now. For `dW` it either returns it (autograd accumulates it into `w.grad`) or pushes
-# a closure that computes the same product and accumulates it the same way: assign if `w.grad` is None, add
-# in place otherwise. The closure holds the Python object `w` that was passed in, so `w` must be the leaf
-# parameter itself (a cast or a view would collect the gradient on a temporary); that is checked.
+# Backward returns `dX` now. For `dW` it either returns it (autograd accumulates it into the parameter) or
+# pushes a closure that computes the same product later and hands it to autograd then, with
+# `torch.autograd.backward(w, dW)`. Autograd carries it through whatever `w` is — the parameter itself, or a
+# view or cast of it, such as GPT-OSS's `(E, in, out)` weights passed as `.mT` — and accumulates it into the
+# leaf exactly as an immediate backward would, firing the same gradient hooks (which FSDP2 relies on).
 
 # %%
 #| export
@@ -130,7 +131,7 @@ class _GroupedLinear(torch.autograd.Function):
         else:
             products = _products_loop([0] + counts.cumsum(0).tolist())   # the loop's one host sync
         ctx.products, ctx.queue = products, wgrad_queue
-        ctx.param = w if wgrad_queue is not None else None   # the object whose .grad a deferred closure fills
+        ctx.param = w if wgrad_queue is not None else None   # the tensor a deferred closure back-propagates into
         ctx.save_for_backward(x, w)
         return products[0](x, w)
 
@@ -143,13 +144,9 @@ class _GroupedLinear(torch.autograd.Function):
             return dx, None, None, None, None
         if ctx.queue is None:
             return dx, wgrad(dy, x), None, None, None
-        param = ctx.param
+        w_in = ctx.param
         def deferred():
-            dw = wgrad(dy, x)
-            if param.grad is None:
-                param.grad = dw
-            else:
-                param.grad += dw
+            torch.autograd.backward(w_in, wgrad(dy, x))
         ctx.queue.push(deferred)
         return dx, None, None, None, None
 
@@ -167,9 +164,6 @@ def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGrad
         raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
     if impl not in (None, "grouped_mm", "loop"):
         raise ValueError(f"impl must be 'grouped_mm', 'loop' or None (choose by device), got {impl!r}")
-    if wgrad_queue is not None and w.requires_grad and not w.is_leaf:
-        raise ValueError("a deferred weight gradient is accumulated into w.grad, so w must be the leaf parameter "
-                         "itself; pass the parameter (not a cast or view of it) or drop wgrad_queue")
     torch._assert_async(counts.sum() == x.shape[0],
                         f"grouped_linear: counts must sum to the {x.shape[0]} rows of x")
     use_grouped_mm = x.is_cuda if impl is None else impl == "grouped_mm"
@@ -225,9 +219,7 @@ for bad, msg in [
          "sum to the 4"),
         (lambda: grouped_linear(torch.zeros(4, 8), torch.zeros(2, 16, 8), torch.tensor([1, 3], dtype=torch.int32)),
          "int64"),
-        (lambda: grouped_linear(torch.zeros(4, 7), torch.zeros(2, 16, 8), torch.tensor([1, 3])), "w (E, out, in)"),
-        (lambda: grouped_linear(torch.zeros(4, 8), torch.zeros(2, 16, 8, requires_grad=True).float() * 2,
-                                torch.tensor([1, 3]), WeightGradQueue()), "leaf parameter")]:
+        (lambda: grouped_linear(torch.zeros(4, 7), torch.zeros(2, 16, 8), torch.tensor([1, 3])), "w (E, out, in)")]:
     try:
         bad()
     except (ValueError, RuntimeError) as e:

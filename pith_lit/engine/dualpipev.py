@@ -397,6 +397,8 @@ class DualPipeV:
         self.parts, self.group, self.dispatcher = parts, group, dispatcher
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
         self.streams, self.timeline = Streams(self.device), Timeline(self.device)
+        if self.size > 1:       # the group's first collective, with every rank present (batch_isend_irecv needs it)
+            dist.barrier(group=group)
 
     def step(self, micro_batches: list, loss_scale=1.0) -> tuple[Tensor, Tensor]:
         shapes = {tuple(ids.shape) for ids, _ in micro_batches}

@@ -82,7 +82,7 @@ class LayerRun:
 
     def _stage3(self):
         _use(self.xg, self.counts)
-        self.y_out = self.layer.stage3(self.xg, self.counts)   # zero-bubble: pass self.wgrad_queue here
+        self.y_out = self.layer.stage3(self.xg, self.counts, self.wgrad_queue)
         self.y = _leaf(self.y_out)
 
     def _combine(self):

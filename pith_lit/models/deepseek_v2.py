@@ -166,8 +166,10 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        return grouped_linear(swiglu(grouped_linear(x, self.gate_up_proj, counts)), self.down_proj, counts)
+    def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
+        "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
+        h = swiglu(grouped_linear(x, self.gate_up_proj, counts, wgrad_queue))
+        return grouped_linear(h, self.down_proj, counts, wgrad_queue)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #0502191e
 class Attention(nn.Module):
@@ -269,9 +271,9 @@ class DecoderLayer(nn.Module):
         x = x.flatten(0, 1)
         return h, x, self.mlp.gate(x)
 
-    def stage3(self, x: Tensor, counts: Tensor) -> Tensor:
+    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
-        return self.mlp.experts(x, counts)
+        return self.mlp.experts(x, counts, wgrad_queue)
 
     def stage5(self, h: Tensor, y: Tensor, routing: Routing) -> Tensor:
         "h + Σ_j weights[t, j] · y[row_index[t, j]], back in (B, S, H)."

@@ -183,13 +183,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj_bias = nn.Parameter(torch.empty(E, H))
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        "x (N, H) grouped by expert, counts (E,) -> (N, H)."
+    def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
+        """x (N, H) grouped by expert, counts (E,) -> (N, H). `wgrad_queue` defers the expert weight gradients
+        (not the biases') to the pipeline schedule's W slots; it reaches the parameters through the `.mT` views."""
         experts = torch.arange(counts.numel(), device=x.device)
         one_hot = (torch.repeat_interleave(experts, counts, output_size=x.shape[0])[:, None] == experts).to(x.dtype)
-        gate_up = grouped_linear(x, self.gate_up_proj.mT, counts) + one_hot @ self.gate_up_proj_bias
+        gate_up = grouped_linear(x, self.gate_up_proj.mT, counts, wgrad_queue) + one_hot @ self.gate_up_proj_bias
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return grouped_linear(act, self.down_proj.mT, counts) + one_hot @ self.down_proj_bias
+        return grouped_linear(act, self.down_proj.mT, counts, wgrad_queue) + one_hot @ self.down_proj_bias
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #47093d77
 class Attention(nn.Module):
@@ -254,9 +255,9 @@ class DecoderLayer(nn.Module):
         x = self.post_attention_layernorm(h).flatten(0, 1)
         return h, x, self.mlp.router(x)
 
-    def stage3(self, x: Tensor, counts: Tensor) -> Tensor:
+    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
-        return self.mlp.experts(x, counts)
+        return self.mlp.experts(x, counts, wgrad_queue)
 
     def stage5(self, h: Tensor, y: Tensor, routing: Routing) -> Tensor:
         "h + Σ_j weights[t, j] · y[row_index[t, j]], back in (B, S, H)."

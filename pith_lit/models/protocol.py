@@ -26,12 +26,14 @@ class Routing:
     probs: (T, E) full router probabilities (float32, float64 for a float64 model) or None;
     row_index: (T, k) int64, set by dispatch/combine: the row of the combined expert-output buffer that holds
     the output of token t's k-th expert; counts: (E,) int64 (token, expert) pairs per expert in this
-    micro-batch, set by dispatch."""
+    micro-batch, set by dispatch; plan: whatever else a dispatcher keeps between dispatch and combine (the
+    expert-parallel one keeps its split sizes and index maps there)."""
     ids: Tensor
     weights: Tensor
     probs: Tensor | None
     row_index: Tensor | None = None
     counts: Tensor | None = None
+    plan: object | None = None
 
 # %% ../../nbs/models/20_protocol.ipynb #2d7eb91e
 class LocalDispatcher:

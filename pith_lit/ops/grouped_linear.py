@@ -60,7 +60,7 @@ class _GroupedLinear(torch.autograd.Function):
         else:
             products = _products_loop([0] + counts.cumsum(0).tolist())   # the loop's one host sync
         ctx.products, ctx.queue = products, wgrad_queue
-        ctx.param = w if wgrad_queue is not None else None   # the object whose .grad a deferred closure fills
+        ctx.param = w if wgrad_queue is not None else None   # the tensor a deferred closure back-propagates into
         ctx.save_for_backward(x, w)
         return products[0](x, w)
 
@@ -73,13 +73,9 @@ class _GroupedLinear(torch.autograd.Function):
             return dx, None, None, None, None
         if ctx.queue is None:
             return dx, wgrad(dy, x), None, None, None
-        param = ctx.param
+        w_in = ctx.param
         def deferred():
-            dw = wgrad(dy, x)
-            if param.grad is None:
-                param.grad = dw
-            else:
-                param.grad += dw
+            torch.autograd.backward(w_in, wgrad(dy, x))
         ctx.queue.push(deferred)
         return dx, None, None, None, None
 
@@ -96,9 +92,6 @@ def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGrad
         raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
     if impl not in (None, "grouped_mm", "loop"):
         raise ValueError(f"impl must be 'grouped_mm', 'loop' or None (choose by device), got {impl!r}")
-    if wgrad_queue is not None and w.requires_grad and not w.is_leaf:
-        raise ValueError("a deferred weight gradient is accumulated into w.grad, so w must be the leaf parameter "
-                         "itself; pass the parameter (not a cast or view of it) or drop wgrad_queue")
     torch._assert_async(counts.sum() == x.shape[0],
                         f"grouped_linear: counts must sum to the {x.shape[0]} rows of x")
     use_grouped_mm = x.is_cuda if impl is None else impl == "grouped_mm"

@@ -1,0 +1,552 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Hugging Face checkpoints
+#
+# Pretrained MoE models are published as Hugging Face checkpoints: a directory with `config.json` and the
+# weights in `*.safetensors` files, split into shards of a few GB with a `model.safetensors.index.json` that
+# says which file holds which tensor. `load_hf` reads such a directory into one of our models; `save_hf`
+# writes one of our models as such a directory, which `transformers` loads with
+# `AutoModelForCausalLM.from_pretrained`.
+#
+# The mapping is short because our models were written for it: every `Config` field is named as in the
+# Hugging Face config, and every parameter is named and shaped as in transformers 5.x. Three things are left:
+#
+# 1. **The config.** config.json has keys we do not model (token ids, cache settings) and keys whose null
+#    means something (`q_lora_rank: null` is no low-rank query path, our 0), and RoPE comes in two spellings:
+#    `rope_theta` + `rope_scaling` (the published checkpoints, transformers 4.x) or one `rope_parameters` dict
+#    (transformers 5.x). A key is read past only when it cannot change what the model computes; a key that
+#    would (another activation, dropout, sliding windows on Qwen3, a quantized checkpoint) is refused.
+# 2. **The experts' layout.** transformers 5.x stacks a layer's routed experts into 3-D tensors
+#    (`mlp.experts.gate_up_proj` (E, 2I, H) and `mlp.experts.down_proj` (E, H, I)), as we do, but the published
+#    Qwen3-MoE and DeepSeek-V2 checkpoints store each expert on its own
+#    (`mlp.experts.{e}.gate_proj.weight` (I, H), `up_proj`, `down_proj`), and transformers converts them when
+#    it loads. We read both layouts and write the per-expert one, as the hub has it. GPT-OSS's experts are
+#    stacked everywhere (its hub checkpoint is quantized: see below).
+# 3. **Sharding.** Reading follows the index; writing cuts shards at about 5 GB.
+#
+# The tensors are read with the `safetensors` package; transformers is not needed here (tests/test_hf.py uses
+# it as the reference: same logits and gradients as `transformers`' own models, and its `from_pretrained` of
+# what `save_hf` writes).
+
+# %%
+#| default_exp train.hf
+
+# %%
+#| export
+import json
+from contextlib import ExitStack
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from pith_lit.train.config import from_dict, model_class
+from pith_lit.train.trainer import build_model
+
+# %%
+import tempfile
+
+# %% [markdown]
+# ## config.json → Config
+#
+# Each family has its function. It computes the fields that need more than copying (RoPE, the nulls, a renamed
+# key) and names the keys it must see with one value (`fixed`) and the keys it reads past (`read`); every
+# other key must be one of the family's `Config` fields and is copied. `_to_config` applies those rules:
+# a key that is none of these is refused, because we cannot know that it does not change the model, and a
+# field that config.json does not give is an error rather than a default, because transformers' default and
+# ours differ (ours are tiny). `from_dict` (train/config) then checks the types and the family's own rules.
+
+# %%
+#| export
+SUPPORTED = ("qwen3_moe", "deepseek_v2", "gpt_oss")  # the model_type cases of `config_from_hf`, for its message
+
+# Keys that do not change what the model computes: bookkeeping, token ids, generation and loss settings.
+HARMLESS = {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
+            "auto_map", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits",
+            "router_aux_loss_coef"}
+
+
+def _or(hf: dict, key: str, if_null):
+    "config.json's value for `key`, `if_null` where it is null; None (reported as missing) where it is absent."
+    return hf[key] if hf.get(key) is not None else (if_null if key in hf else None)
+
+
+def _rope(hf: dict) -> tuple[float | None, str, dict]:
+    "RoPE in either spelling -> (rope_theta, the RoPE type, its other parameters)."
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta"))
+    kind = rope.pop("rope_type", None)
+    kind = rope.pop("type", None) or kind or "default"  # 4.x spelled it `type`; 5.x writes both
+    return theta, kind, rope
+
+
+def _to_config(hf: dict, model_type: str, computed: dict, fixed: dict, read: set):
+    "The family's Config from config.json `hf`, by the rules above."
+    names = [f.name for f in fields(model_class(model_type)) if f.name != "model_type"]
+    values = dict(computed)
+    for key, value in hf.items():
+        if key in fixed:
+            if value != fixed[key]:
+                raise ValueError(f"config.json: {key} = {value!r}, but pith_lit's {model_type} computes with "
+                                 f"{key} = {fixed[key]!r}; this checkpoint is another model")
+        elif key in names:
+            values.setdefault(key, value)
+        elif key not in HARMLESS | read:
+            raise ValueError(f"config.json: {key} = {value!r} is not part of pith_lit's {model_type}, and it may "
+                             f"change what the model computes; if it does not, delete it from config.json")
+    missing = [n for n in names if values.get(n) is None]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}; add them (transformers' defaults for absent keys "
+                         "are not pith_lit's)")
+    return from_dict({"model": {"model_type": model_type, **values}}).model
+
+# %% [markdown]
+# The three families. Qwen3-MoE: plain RoPE only, and a sliding window only when `use_sliding_window` is set
+# (then `sliding_window` and `max_window_layers` matter, and we refuse it); transformers 5.x renamed
+# `num_experts` to `num_local_experts`. DeepSeek-V2: nulls for `q_lora_rank`, `n_group` and `topk_group`, plain
+# RoPE or YaRN, and `head_dim`/`qk_head_dim`, which transformers derives from the query/key widths. GPT-OSS:
+# YaRN in `rope_parameters` as our config holds it, `swiglu_alpha`, which the published config.json lacks (it
+# was a constant before transformers made it a field), and two older keys transformers ignores. Its published
+# checkpoint stores the experts in MXFP4 (`quantization_config`), which we refuse: dequantize it first, e.g.
+# with transformers' `Mxfp4Config(dequantize=True)` and `save_pretrained`.
+
+# %%
+#| export
+def _qwen3_moe(hf: dict):
+    theta, kind, rest = _rope(hf)
+    if kind != "default" or rest:
+        raise ValueError(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's qwen3_moe has plain RoPE only")
+    computed = {"rope_theta": theta, "num_experts": hf.get("num_experts", hf.get("num_local_experts")),
+                "mlp_only_layers": _or(hf, "mlp_only_layers", [])}
+    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False}
+    read = {"rope_theta", "rope_scaling", "rope_parameters", "num_local_experts", "sliding_window", "max_window_layers"}
+    return _to_config(hf, "qwen3_moe", computed, fixed, read)
+
+
+def _deepseek_v2(hf: dict):
+    theta, kind, rest = _rope(hf)
+    if kind not in ("default", "yarn") or (kind == "default" and rest):
+        raise ValueError(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's deepseek_v2 has plain RoPE "
+                         "and YaRN")
+    computed = {"rope_theta": theta, "rope_scaling": {"type": "yarn", **rest} if kind == "yarn" else {},
+                "q_lora_rank": _or(hf, "q_lora_rank", 0), "n_group": _or(hf, "n_group", 1),
+                "topk_group": _or(hf, "topk_group", 1),
+                "num_key_value_heads": _or(hf, "num_key_value_heads", hf.get("num_attention_heads"))}
+    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False, "scoring_func": "softmax",
+             "moe_layer_freq": 1}
+    read = {"rope_theta", "rope_scaling", "rope_parameters", "head_dim", "qk_head_dim", "pretraining_tp",
+            "aux_loss_alpha", "seq_aux", "ep_size"}
+    return _to_config(hf, "deepseek_v2", computed, fixed, read)
+
+
+def _gpt_oss(hf: dict):
+    theta, kind, rest = _rope(hf)
+    computed = {"rope_parameters": {"rope_type": kind, "rope_theta": theta, **rest},
+                "swiglu_alpha": hf.get("swiglu_alpha", 1.702), "layer_types": _or(hf, "layer_types", [])}
+    fixed = {"attention_dropout": 0.0}
+    read = {"rope_theta", "rope_scaling", "rope_parameters", "hidden_act", "experts_per_token",
+            "initial_context_length"}
+    return _to_config(hf, "gpt_oss", computed, fixed, read)
+
+
+def config_from_hf(hf: dict):
+    "Our model `Config` for the Hugging Face config.json `hf` (a dict); a clear error for what we do not model."
+    if "quantization_config" in hf:
+        raise ValueError(f"config.json has quantization_config {hf['quantization_config']}: pith_lit reads "
+                         "unquantized weights only; dequantize the checkpoint first (transformers: load it with "
+                         "quantization_config=Mxfp4Config(dequantize=True) and save_pretrained)")
+    match hf.get("model_type"):
+        case "qwen3_moe":
+            return _qwen3_moe(hf)
+        case "deepseek_v2":
+            return _deepseek_v2(hf)
+        case "gpt_oss":
+            return _gpt_oss(hf)
+        case other:
+            raise ValueError(f"config.json: model_type {other!r} is not supported; pith_lit reads "
+                             f"{', '.join(SUPPORTED)}")
+
+# %% [markdown]
+# The other direction writes the hub's spelling: `rope_theta` and `rope_scaling` (null for plain RoPE),
+# `q_lora_rank: null` for no low-rank query path, and the keys that fix the math written out, so that
+# transformers (4.x or 5.x) does not fall back on a default of its own.
+
+# %%
+#| export
+def config_to_hf(cfg) -> dict:
+    "The config.json keys of our model config `cfg` (without `architectures` and `torch_dtype`)."
+    hf = asdict(cfg)
+    match cfg.model_type:
+        case "qwen3_moe":
+            return hf | {"rope_scaling": None, "hidden_act": "silu", "attention_dropout": 0.0,
+                         "use_sliding_window": False}
+        case "deepseek_v2":
+            return hf | {"q_lora_rank": cfg.q_lora_rank or None, "rope_scaling": cfg.rope_scaling or None,
+                         "hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False}
+        case "gpt_oss":
+            rope = dict(hf.pop("rope_parameters"))
+            return hf | {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "attention_dropout": 0.0}
+        case other:
+            raise ValueError(f"model_type {other!r}: pith_lit writes Hugging Face checkpoints of "
+                             f"{', '.join(SUPPORTED)}")
+
+# %% [markdown]
+# Check with DeepSeek-V2-Lite's published config.json (deepseek-ai/DeepSeek-V2-Lite): its nulls and YaRN
+# become our conventions, and writing the config back and reading it again gives the same config.
+
+# %%
+lite_json = {
+    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM"}, "aux_loss_alpha": 0.001,
+    "bos_token_id": 100000, "eos_token_id": 100001, "ep_size": 1, "first_k_dense_replace": 1, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v2", "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 102400}
+lite = config_from_hf(lite_json)
+assert lite.q_lora_rank == 0 and lite.rope_theta == 10000.0 and lite.rope_scaling["factor"] == 40
+assert lite.rope_scaling["type"] == "yarn" and lite.n_routed_experts == 64 and lite.first_k_dense_replace == 1
+assert config_from_hf(config_to_hf(lite)) == lite
+lite
+
+# %% [markdown]
+# The transformers 5.x spelling of the same model (one `rope_parameters` dict that keeps both type keys, nulls
+# for the unused groups, the derived head widths) reads to the same config; so does Qwen3-MoE with 5.x's
+# `num_local_experts`.
+
+# %%
+five = {k: v for k, v in lite_json.items() if k not in ("rope_scaling", "rope_theta", "auto_map", "scoring_func",
+                                                        "moe_layer_freq", "aux_loss_alpha", "seq_aux", "ep_size")}
+five |= {"rope_parameters": {**lite_json["rope_scaling"], "rope_type": "yarn", "rope_theta": 10000.0},
+         "n_group": None, "topk_group": None, "head_dim": 64, "qk_head_dim": 192, "mlp_bias": False, "dtype": "bfloat16"}
+assert config_from_hf(five) == lite
+
+qwen = model_class("qwen3_moe")(num_hidden_layers=2, mlp_only_layers=[1])
+qwen_five = {k: v for k, v in config_to_hf(qwen).items() if k not in ("rope_theta", "rope_scaling", "num_experts")}
+qwen_five |= {"rope_parameters": {"rope_type": "default", "rope_theta": qwen.rope_theta},
+              "num_local_experts": qwen.num_experts}
+assert config_from_hf(qwen_five) == qwen == config_from_hf(config_to_hf(qwen))
+gpt = model_class("gpt_oss")(num_hidden_layers=2)
+assert config_from_hf(config_to_hf(gpt)) == gpt
+
+# %% [markdown]
+# What is refused, and how it is said:
+
+# %%
+def refusal(hf: dict) -> str:
+    try:
+        config_from_hf(hf)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("accepted")
+
+assert "pith_lit's deepseek_v2 computes with hidden_act = 'silu'" in refusal(lite_json | {"hidden_act": "gelu"})
+assert "attention_dropout = 0.1" in refusal(lite_json | {"attention_dropout": 0.1})
+assert "sparse_step_mode = 2 is not part of pith_lit's deepseek_v2" in refusal(lite_json | {"sparse_step_mode": 2})
+assert "lacks kv_lora_rank, v_head_dim" in refusal({k: v for k, v in lite_json.items()
+                                                    if k not in ("kv_lora_rank", "v_head_dim")})
+assert "use_sliding_window = True" in refusal(config_to_hf(qwen) | {"use_sliding_window": True})
+assert "RoPE of type 'linear'" in refusal(config_to_hf(qwen) | {"rope_scaling": {"type": "linear", "factor": 2.0}})
+assert "quantization_config" in refusal(config_to_hf(gpt) | {"quantization_config": {"quant_method": "mxfp4"}})
+refusal({"model_type": "llama"})
+
+# %% [markdown]
+# ## Tensor names
+#
+# Our parameter names are transformers 5.x's, so a tensor is mapped by name, except the stacked experts of the
+# families whose hub checkpoints store experts one by one. `_pieces` lists, for one of our stacked expert
+# tensors, the hub's per-expert tensors and where each sits in ours: expert e's `gate_proj` is rows 0..I of
+# `gate_up_proj[e]`, its `up_proj` rows I..2I, its `down_proj` all of `down_proj[e]`. `hub_tensors` is the
+# whole checkpoint in the hub's layout: name → (our parameter, index into it). A tied output head is the
+# embedding, listed once, as transformers writes it.
+
+# %%
+#| export
+def _experts_one_by_one(model_type: str) -> bool:
+    "Whether the family's hub checkpoints store each routed expert on its own (else stacked, as transformers 5.x)."
+    match model_type:
+        case "qwen3_moe" | "deepseek_v2":
+            return True
+        case "gpt_oss":
+            return False
+        case other:
+            raise ValueError(f"model_type {other!r}: pith_lit converts {', '.join(SUPPORTED)}")
+
+
+def _pieces(name: str, param: torch.Tensor) -> dict[str, tuple]:
+    "The hub's per-expert tensors of our stacked expert tensor `name`: hub name -> index into `param`; {} for others."
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(".mlp.experts"):
+        return {}
+    if leaf == "gate_up_proj":
+        inter = param.shape[1] // 2
+        return {f"{prefix}.{e}.{proj}.weight": (e, slice(j * inter, (j + 1) * inter))
+                for e in range(param.shape[0]) for j, proj in enumerate(("gate_proj", "up_proj"))}
+    if leaf == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": (e,) for e in range(param.shape[0])}
+    return {}
+
+
+def hub_tensors(model: nn.Module) -> dict[str, tuple[nn.Parameter, tuple]]:
+    "Every tensor of the model's Hugging Face checkpoint, in the hub's layout: name -> (our parameter, index)."
+    split = _experts_one_by_one(model.config.model_type)
+    out = {}
+    for name, p in model.named_parameters():  # a tied head is the embedding's parameter, listed once
+        pieces = _pieces(name, p) if split else {}
+        out.update({hub: (p, index) for hub, index in pieces.items()} or {name: (p, ())})
+    return out
+
+# %%
+cq = model_class("qwen3_moe")(vocab_size=40, hidden_size=16, moe_intermediate_size=8, intermediate_size=24,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                              num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
+torch.manual_seed(0)
+mq = build_model(cq)
+hub = hub_tensors(mq)
+p, index = hub["model.layers.0.mlp.experts.3.up_proj.weight"]
+assert p is mq.model.layers["0"].mlp.experts.gate_up_proj and index == (3, slice(8, 16))
+assert "model.layers.0.mlp.experts.gate_up_proj" not in hub and "model.layers.1.mlp.down_proj.weight" in hub
+assert len(hub) == len(list(mq.parameters())) - 2 + 3 * cq.num_experts  # layer 0: 2 stacked -> 3 per expert
+assert sum(p[i].numel() for p, i in hub.values()) == sum(p.numel() for p in mq.parameters())
+len(hub)
+
+# %% [markdown]
+# ## Reading
+#
+# `_tensor_files` finds where each tensor lives: from the index when there is one, else by listing the
+# `*.safetensors` files. `empty_model` builds the model on the meta device (no memory, no initialisation) and
+# gives it empty storage in the asked dtype, tying a tied head again (`to_empty` unties it). `load_hf` then
+# fills each parameter from the files, one tensor at a time, so a large checkpoint never sits in memory twice.
+# A parameter is read under its own name (transformers 5.x's stacked layout) or, failing that, from the hub's
+# per-expert pieces. Then every tensor of the files must have been used (a tied head may also be stored, as a
+# copy of the embedding, and is read past). Each problem names the tensor.
+
+# %%
+#| export
+def read_hf_config(path) -> dict:
+    "The config.json of the Hugging Face checkpoint directory `path`."
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} not found: a Hugging Face checkpoint directory holds config.json and the "
+                                "weights in *.safetensors")
+    return json.loads(f.read_text())
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    "Tensor name -> the safetensors file holding it."
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        where = {name: path / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+        for f in sorted(set(where.values())):
+            if not f.is_file():
+                raise FileNotFoundError(f"{index} lists {f.name}, which is missing from {path}")
+        return where
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors file: a Hugging Face checkpoint directory holds "
+                                "config.json and the weights")
+    where = {}
+    for f in files:
+        with safe_open(f, "pt") as h:
+            for name in h.keys():
+                if name in where:
+                    raise ValueError(f"tensor {name} is in both {where[name]} and {f}; keep one of them")
+                where[name] = f
+    return where
+
+
+@torch.no_grad()
+def _fill(model: nn.Module, path: Path):
+    "Copy every parameter of `model` from the checkpoint files in `path`."
+    where, used, missing = _tensor_files(path), set(), []
+    split = _experts_one_by_one(model.config.model_type)
+    with ExitStack() as stack:
+        handles = {}
+        def read(name):
+            f = where[name]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(f, "pt"))
+            return handles[f].get_tensor(name)
+        for name, p in model.named_parameters():
+            sources = {name: ()} if name in where or not split else _pieces(name, p) or {name: ()}
+            absent = [n for n in sources if n not in where]
+            if absent:  # the pieces that are there belong here all the same: not unexpected
+                missing += absent
+                used.update(n for n in sources if n in where)
+                continue
+            for n, index in sources.items():
+                t = read(n)
+                if t.shape != p[index].shape:
+                    raise ValueError(f"{where[n]}: tensor {n} has shape {list(t.shape)}, but the model that "
+                                     f"config.json describes needs {list(p[index].shape)}")
+                p[index].copy_(t)
+                used.add(n)
+    if model.config.tie_word_embeddings:
+        used.add("lm_head.weight")  # a stored copy of the tied head is not needed
+    unexpected = sorted(where.keys() - used)
+    if missing or unexpected:
+        show = lambda names: f"{len(names)}: " + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise ValueError(f"{path} does not hold the tensors of the model its config.json describes:"
+                         + (f"\n  missing {show(missing)}" if missing else "")
+                         + (f"\n  unexpected {show(unexpected)}" if unexpected else ""))
+
+
+def empty_model(cfg, dtype: torch.dtype) -> nn.Module:
+    "The model of `cfg` on the CPU in `dtype`, with storage that is allocated but not initialised, for a load to fill."
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model = model.to(dtype).to_empty(device="cpu")
+    if cfg.tie_word_embeddings:  # to_empty gave the tied head storage of its own: tie it again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def load_hf(path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    "Our model with the weights of the Hugging Face checkpoint directory `path`, on the CPU in `dtype`."
+    path = Path(path)
+    model = empty_model(config_from_hf(read_hf_config(path)), dtype)
+    _fill(model, path)
+    return model
+
+# %% [markdown]
+# ## Writing
+#
+# `save_hf` writes config.json (our config in the hub's spelling, the architecture, which is our class's name,
+# and the dtype) and the tensors in the hub's layout, in the model's dtype. Tensors go into shards in order until
+# one would pass `max_shard_bytes` (5 GB, as transformers' default); one shard is `model.safetensors`, several
+# are `model-0000k-of-0000n.safetensors` with the index. A directory that already holds files is refused rather
+# than mixed with them.
+
+# %%
+#| export
+def save_hf(model: nn.Module, path, max_shard_bytes: int = 5_000_000_000) -> Path:
+    "Write `model` as a Hugging Face checkpoint directory `path` (created; it must not hold files). Returns `path`."
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"{path} already holds files; write the checkpoint to a new directory")
+    tensors = hub_tensors(model)
+    shards, size = [[]], 0
+    for name, (p, index) in tensors.items():
+        nbytes = p[index].numel() * p.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    n = len(shards)
+    files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    path.mkdir(parents=True, exist_ok=True)
+    for f, names in zip(files, shards):  # copies: the pieces of one stacked tensor must not share memory in a file
+        save_file({name: tensors[name][0][tensors[name][1]].detach().to("cpu", copy=True) for name in names},
+                  path / f, metadata={"format": "pt"})
+    if n > 1:
+        total = sum(p[index].numel() * p.element_size() for p, index in tensors.values())
+        weight_map = {name: f for f, names in zip(files, shards) for name in names}
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    dtype = next(model.parameters()).dtype
+    hf = {"architectures": [type(model).__name__]} | config_to_hf(model.config)
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return path
+
+# %% [markdown]
+# Check: the tiny Qwen3-MoE above, written and read back. The per-expert tensors in the file are the slices of
+# ours; the model read back has every parameter equal and computes the same logits. Then the same in bf16 over
+# shards of at most 4 KB.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    save_hf(mq, d)
+    assert sorted(p.name for p in Path(d).iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(f"{d}/model.safetensors", "pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+    experts = mq.model.layers["0"].mlp.experts
+    assert torch.equal(stored["model.layers.0.mlp.experts.2.gate_proj.weight"], experts.gate_up_proj[2, :8])
+    assert torch.equal(stored["model.layers.0.mlp.experts.2.up_proj.weight"], experts.gate_up_proj[2, 8:])
+    assert torch.equal(stored["model.layers.0.mlp.experts.2.down_proj.weight"], experts.down_proj[2])
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in stored and len(stored) == len(hub)
+    back = load_hf(d)
+    assert back.config == cq and back.state_dict().keys() == mq.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), mq.state_dict().values()))
+    ids = torch.randint(0, cq.vocab_size, (2, 5))
+    assert torch.equal(back(ids)[0], mq(ids)[0])
+    hf_json = json.loads(Path(d, "config.json").read_text())
+hf_json["architectures"], hf_json["torch_dtype"], hf_json["rope_scaling"], hf_json["num_experts"]
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    save_hf(mq.bfloat16(), d, max_shard_bytes=4096)
+    index = json.loads(Path(d, "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in Path(d).glob("*.safetensors"))
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    assert all(Path(d, f).stat().st_size < 4096 + 2048 for f in files)  # a shard's tensors, plus its header
+    back = load_hf(d, dtype=torch.bfloat16)
+    assert next(back.parameters()).dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), mq.state_dict().values()))
+    assert json.loads(Path(d, "config.json").read_text())["torch_dtype"] == "bfloat16"
+mq = mq.float()
+len(files), index["metadata"]
+
+# %% [markdown]
+# transformers 5.x's own layout reads too: the stacked expert tensors under our names, here a DeepSeek-V2 with
+# a tied head written the way `save_file` of its state dict writes it (the head included).
+
+# %%
+cd = model_class("deepseek_v2")(vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                n_routed_experts=4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                                v_head_dim=4, q_lora_rank=6, tie_word_embeddings=True)
+md = build_model(cd)
+with tempfile.TemporaryDirectory() as d:
+    sd = {k: v.clone() for k, v in md.state_dict().items()}  # both names of the tied weight, separate copies
+    save_file(sd, f"{d}/model.safetensors")
+    Path(d, "config.json").write_text(json.dumps(config_to_hf(cd)))
+    back = load_hf(d, dtype=torch.float64)
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    assert all(torch.equal(a, b.double()) for a, b in zip(back.state_dict().values(), md.state_dict().values()))
+
+# %% [markdown]
+# A checkpoint that does not fit its config.json is refused with the tensors named: one with an expert
+# missing and a stray tensor, and one whose experts are wider than config.json says.
+
+# %%
+def load_refusal(path) -> str:
+    try:
+        load_hf(path)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("loaded")
+
+with tempfile.TemporaryDirectory() as d:
+    save_hf(mq, d)
+    Path(d, "config.json").write_text(json.dumps(config_to_hf(cq) | {"moe_intermediate_size": 6}))
+    msg2 = load_refusal(d)
+    assert "tensor model.layers.0.mlp.experts.0.gate_proj.weight has shape [8, 16], but the model that " \
+           "config.json describes needs [6, 16]" in msg2
+    with safe_open(f"{d}/model.safetensors", "pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+    del stored["model.layers.0.mlp.experts.1.up_proj.weight"]
+    stored["model.layers.0.mlp.shared_expert.weight"] = torch.zeros(2)
+    save_file(stored, f"{d}/model.safetensors")
+    Path(d, "config.json").write_text(json.dumps(config_to_hf(cq)))
+    msg = load_refusal(d)
+    assert "missing 1: model.layers.0.mlp.experts.1.up_proj.weight" in msg
+    assert "unexpected 1: model.layers.0.mlp.shared_expert.weight" in msg
+print(msg, msg2, sep="\n")
