@@ -505,6 +505,9 @@ cases = {
     "top-k": ["model.num_experts_per_tok=9"],
     "heads": ["model.num_attention_heads=6", "model.num_key_value_heads=4"],
     "byte vocab": ["model.vocab_size=256"],
+    "warmup vs steps": ["train.steps=10", "train.warmup=20"],
+    "warmup vs wsd decay": ["train.steps=100", "train.warmup=90"],
+    "unknown model family": ["model.model_type=llama"],
 }
 worlds = {"ep vs experts": 3, "DualPipeV micro-batches": 2, "seq_len vs cp": 2}
 for name, over in cases.items():
@@ -677,4 +680,4 @@ print(out.getvalue())
 for s in fields(Config):
     for f in fields(getattr(Config(), s.name)):
         assert f"  {s.name}.{f.name} " in out.getvalue(), f"{s.name}.{f.name} missing from --help"
-assert parse_args([str(CONFIGS / "tiny.toml"), "--set", "train.steps=5", "--set", "log.every=1"]).train.steps == 5
+assert parse_args([str(CONFIGS / "tiny.toml"), "--set", "train.steps=50", "--set", "log.every=1"]).train.steps == 50

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The checks a model family must pass; prints PASS or FAIL last and exits 0 or 1.
+#   bash skills/add-new-model/check.sh MODEL_TYPE        e.g. qwen3_moe, deepseek_v2, gpt_oss
+# 1. its notebook nbs/models/2?_MODEL_TYPE.ipynb through nbdev_test (five stages vs reference_forward, ...)
+# 2. tests/test_MODEL_TYPE.py (stage equivalence at other shapes, agreement with transformers' model class)
+# 3. the Hugging Face round trip in tests/test_hf.py, the cases whose id starts with MODEL_TYPE
+# 4. two training steps of the family's default (tiny) config through python -m pith_lit.train
+set -uo pipefail
+cd "$(git rev-parse --show-toplevel)"
+fail() { echo "$1"; echo FAIL; exit 1; }
+[ $# -eq 1 ] || fail "usage: bash skills/add-new-model/check.sh MODEL_TYPE (e.g. qwen3_moe)"
+type=$1
+bin=$(dirname "$(command -v python)")
+python -c "import pith_lit, pytest, transformers, nbdev" 2>/dev/null ||
+  fail 'pith_lit, pytest, transformers or nbdev missing: pip install -e ".[dev]"'
+python scripts/sync_check.py >/dev/null || fail "notebooks and package disagree: python scripts/sync_check.py says what to run"
+python -c "
+import sys
+from pithlit_check import *" 2>/dev/null
+python - "$type" <<'PY' || fail "$type is not wired into the package (see the message above and SKILL.md steps 3-5)"
+import sys
+from pith_lit.train.config import MODEL_TYPES, model_class
+from pith_lit.train.hf import SUPPORTED
+from pith_lit.train.trainer import build_model
+t = sys.argv[1]
+for where, names in (("pith_lit.train.config.MODEL_TYPES", MODEL_TYPES), ("pith_lit.train.hf.SUPPORTED", SUPPORTED)):
+    if t not in names:
+        sys.exit(f"{t!r} is not in {where} {names}")
+model = build_model(model_class(t)())
+assert model.config.routed_experts >= 0 and model.flops_per_token(16) > 0
+PY
+nbs=(nbs/models/2?_"$type".ipynb)
+[ -f "${nbs[0]}" ] || fail "no notebook nbs/models/2?_$type.ipynb (SKILL.md step 1)"
+[ -f "tests/test_$type.py" ] || fail "no tests/test_$type.py (SKILL.md step 6)"
+out=$PWD/out/skills/add-new-model/$type
+rm -rf "$out" && mkdir -p "$out"
+export OMP_NUM_THREADS=1 TRITON_INTERPRET=1
+ok=1
+step() {  # step NAME COMMAND...: run it, keep its output in $out/NAME.log, print ok or FAIL with the log's tail
+  local name=$1; shift
+  if "$@" >"$out/$name.log" 2>&1; then echo "ok   $name"; else echo "FAIL $name (log: $out/$name.log)"; tail -15 "$out/$name.log"; ok=0; fi
+}
+step notebook "$bin/nbdev_test" --path "${nbs[0]}"
+step tests python -m pytest -q "tests/test_$type.py"
+step hf-parity python -m pytest -q tests/test_hf.py -k "test_matches_transformers and $type"  # exit 5: no case
+step train python -m pith_lit.train --set model.model_type="$type" --set run.dir="$out/run" --set train.steps=2 \
+  --set train.warmup=0 --set train.global_batch=2 --set train.micro_batch=2 --set train.seq_len=32 \
+  --set log.tensorboard=false --set log.sample_tokens=0 --set ckpt.every=0
+[ $ok -eq 1 ] && { echo PASS; exit 0; }
+echo FAIL; exit 1
