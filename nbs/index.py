@@ -79,10 +79,10 @@ print(len(data), "windows;", bytes(inputs[0, :60].tolist()).decode(errors="repla
 # ## 3 · Training
 #
 # `train(cfg)` is the whole loop (`train/45_trainer`); `python -m pith_lit.train` runs it from the command line
-# with the same config (`train/40_config`). Sixty steps of the tiny model take well under a minute here.
+# with the same config (`train/40_config`). Forty steps of the tiny model take well under a minute here.
 
 # %%
-cfg = load_config("../configs/tiny.toml", [f"run.dir={tmp}/run", "train.steps=60", "train.warmup=10",
+cfg = load_config("../configs/tiny.toml", [f"run.dir={tmp}/run", "train.steps=40", "train.warmup=8",
                                            "log.tensorboard=false", "log.sample_tokens=0"])
 out = train(cfg, quiet=True)
 loss = [r["loss"] for r in out["history"]]

@@ -14,9 +14,6 @@ bin=$(dirname "$(command -v python)")
 python -c "import pith_lit, pytest, transformers, nbdev" 2>/dev/null ||
   fail 'pith_lit, pytest, transformers or nbdev missing: pip install -e ".[dev]"'
 python scripts/sync_check.py >/dev/null || fail "notebooks and package disagree: python scripts/sync_check.py says what to run"
-python -c "
-import sys
-from pithlit_check import *" 2>/dev/null
 python - "$type" <<'PY' || fail "$type is not wired into the package (see the message above and SKILL.md steps 3-5)"
 import sys
 from pith_lit.train.config import MODEL_TYPES, model_class
@@ -32,7 +29,8 @@ PY
 nbs=(nbs/models/2?_"$type".ipynb)
 [ -f "${nbs[0]}" ] || fail "no notebook nbs/models/2?_$type.ipynb (SKILL.md step 1)"
 [ -f "tests/test_$type.py" ] || fail "no tests/test_$type.py (SKILL.md step 6)"
-out=$PWD/out/skills/add-new-model/$type
+runs=$PWD/out/skills/add-new-model   # the tokenized corpus is cached in $runs/cache, shared by the model types
+out=$runs/$type
 rm -rf "$out" && mkdir -p "$out"
 export OMP_NUM_THREADS=1 TRITON_INTERPRET=1
 ok=1
@@ -43,7 +41,8 @@ step() {  # step NAME COMMAND...: run it, keep its output in $out/NAME.log, prin
 step notebook "$bin/nbdev_test" --path "${nbs[0]}"
 step tests python -m pytest -q "tests/test_$type.py"
 step hf-parity python -m pytest -q tests/test_hf.py -k "test_matches_transformers and $type"  # exit 5: no case
-step train python -m pith_lit.train --set model.model_type="$type" --set run.dir="$out/run" --set train.steps=2 \
+rm -rf "$runs/run-$type"
+step train python -m pith_lit.train --set model.model_type="$type" --set run.dir="$runs/run-$type" --set train.steps=2 \
   --set train.warmup=0 --set train.global_batch=2 --set train.micro_batch=2 --set train.seq_len=32 \
   --set log.tensorboard=false --set log.sample_tokens=0 --set ckpt.every=0
 [ $ok -eq 1 ] && { echo PASS; exit 0; }
