@@ -93,26 +93,44 @@ assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0] and opt.defau
 
 # %%
 #| export
-class MasterWeights:
+class MasterWeights(nn.Module):
     """fp32 master copies of a model's bf16/fp16 parameters; fp32 parameters are used as they are.
 
-    Give the optimizer `MasterWeights(model)` (it has `named_parameters()` and `parameters()`), then per step:
-    `grads_to_master()` → clip → `optimizer.step()` → `optimizer.zero_grad()` → `master_to_model()`.
+    Give the optimizer `MasterWeights(model)`, then per step: `grads_to_master()` → clip → `optimizer.step()` →
+    `optimizer.zero_grad()` → `master_to_model()`. It is a module whose parameters carry the model's names, so
+    anything that maps optimizer state to parameter names (DCP's `get_optimizer_state_dict`) works on it.
     `state_dict()` holds the fp32 copies (checkpoint it beside the model and the optimizer).
     """
 
     def __init__(self, model: nn.Module):
+        super().__init__()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.master = [p.detach().float().requires_grad_() if p.dtype in (torch.bfloat16, torch.float16) else p
-                       for p in self.params]
+        for n, p in named:  # mirror the model's module tree so each master has the parameter's own name
+            *path, leaf = n.split(".")
+            owner = self
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            low = p.dtype in (torch.bfloat16, torch.float16)
+            owner.register_parameter(leaf, nn.Parameter(p.detach().float()) if low else p)
+        self.master = [self.get_parameter(n) for n in self.names]
 
-    def named_parameters(self):
+    def named_parameters(self, *args, **kwargs):
+        "The masters under the model's parameter names, in the model's order."
         return zip(self.names, self.master)
 
-    def parameters(self):
+    def parameters(self, *args, **kwargs):
         return iter(self.master)
+
+    @torch.no_grad()
+    def model_to_master(self):
+        "Copy the model's current weights into the masters (after loading weights into the model alone)."
+        for p, m in zip(self.params, self.master):
+            if m is not p:
+                m.copy_(p)
 
     def grads_to_master(self):
         "Widen each low-precision gradient into its master's fp32 `.grad` and free the low-precision one."

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pith_lit import __version__
@@ -272,12 +272,14 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
 
 
 def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict | None = None, model_config: dict, keep: int = 2) -> Path:
+         extra: dict | None = None, model_config: dict, keep: int = 2,
+         optim_module: torch.nn.Module | None = None) -> Path:
     """Write `run_dir/ckpt/step_{step:08d}` atomically and keep the newest `keep` checkpoints.
 
     `extra` maps names to objects with `state_dict()`/`load_state_dict()` (scheduler, fp32 master weights)
     or to plain values (numbers, strings, tensors). `model_config` is the model's config as a dict,
-    including `model_type`. Every rank calls this; returns the checkpoint's path."""
+    including `model_type`. `optim_module` is the module whose parameters the optimizer updates when that is
+    not `model` (the fp32 `MasterWeights`). Every rank calls this; returns the checkpoint's path."""
     extra = extra or {}
     rng = rng_state()  # first, so that nothing below can advance a generator before it is recorded
     if keep < 1:
@@ -291,7 +293,8 @@ def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.O
         raise ValueError(f"save(step={step}) before the optimizer's first step: it has no state to save, and "
                          "creating one would change training. Save after optimizer.step().")
     model_sd = get_model_state_dict(model)
-    state = {"model": model_sd, "optim": get_optimizer_state_dict(model, optimizer), **extra}
+    owner = model if optim_module is None else optim_module
+    state = {"model": model_sd, "optim": get_optimizer_state_dict(owner, optimizer), **extra}
     return _write(run_dir, step, state, _param_shapes(model_sd), model_config, keep, rng)
 
 # %% [markdown]
@@ -430,7 +433,7 @@ def load_weights(path, *, model: torch.nn.Module, model_config: dict) -> int:
 
 
 def load(path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None,
-         model_config: dict) -> int:
+         model_config: dict, optim_module: torch.nn.Module | None = None) -> int:
     """Restore model, optimizer, `extra` and every RNG from checkpoint `path`; return its step.
 
     Refuses a damaged checkpoint or one of another model, before anything is changed. Plain values in
@@ -442,9 +445,11 @@ def load(path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extr
         return load_weights(path, model=model, model_config=model_config)
     model_sd = get_model_state_dict(model)
     _refuse(path, _differences(meta, index, model_config, _param_shapes(model_sd), extra))
-    state = {"model": model_sd, "optim": get_optimizer_state_dict(model, optimizer), **extra}
+    owner = model if optim_module is None else optim_module
+    state = {"model": model_sd, "optim": get_optimizer_state_dict(owner, optimizer), **extra}
     _dcp(dcp.load, state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(owner, optimizer, state["optim"])
     for k, v in extra.items():
         if not isinstance(v, Stateful):
             extra[k] = state[k]
