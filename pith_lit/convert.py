@@ -6,7 +6,6 @@ __all__ = ['hf2pith', 'pith2hf', 'main']
 # %% ../nbs/train/47_convert.ipynb #50fa1496
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch

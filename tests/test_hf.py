@@ -89,9 +89,9 @@ def test_matches_transformers(case, tmp_path):
     hf = hf_model(make())
     hf.save_pretrained(tmp_path / "hf")
     ids = torch.randint(0, hf.config.vocab_size, (2, 9))
-    # transformers computes norms, RoPE and the router in float32 even in a float64 model, so float64 agrees
-    # to float32's rounding; the point of float64 is that nothing of ours is lost on the way
-    for dtype, rel, grel in ((torch.float32, 1e-5, 1e-4), (torch.float64, 1e-5, 1e-4)):
+    # transformers computes norms, RoPE and the router in float32 even in a float64 model, so float64 agrees only
+    # to float32's rounding (measured: logits within 8e-7, gradients within 1.1e-6 of the largest, both dtypes)
+    for dtype, rel, grel in ((torch.float32, 1e-5, 1e-4), (torch.float64, 4e-6, 1e-5)):
         ours, theirs = load_hf(tmp_path / "hf", dtype), hf.to(dtype)
         assert ours.config.model_type == theirs.config.model_type
         logits, ref = ours(ids)[0], theirs(input_ids=ids).logits
@@ -131,14 +131,10 @@ def test_config_json_of_transformers(tmp_path):
     assert (cfg.num_experts, cfg.head_dim, cfg.tie_word_embeddings, cfg.rope_theta) == (4, 8, True, 10_000.0)
 
 
-def tiny_run(tmp_path, hf):
-    "hf2pith of transformers' model `hf` through the command line; a small byte corpus; the training overrides."
+def tiny_run(tmp_path, hf) -> list[str]:
+    "hf2pith of transformers' model `hf` into tmp_path/run; a small byte corpus; the overrides that train on it."
     hf.save_pretrained(tmp_path / "hf")
-    made = subprocess.run([sys.executable, "-m", "pith_lit.convert", "hf2pith", str(tmp_path / "hf"),
-                           str(tmp_path / "run")], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert made.returncode == 0, made.stderr[-3000:]
-    assert "python -m pith_lit.train" in made.stdout
+    convert(["hf2pith", str(tmp_path / "hf"), str(tmp_path / "run")])
     (tmp_path / "text.txt").write_text("def add(a, b):\n    return a + b\n" * 40)
     tokenize_files([tmp_path / "text.txt"], tmp_path / "corpus")
     return [f"run.dir={tmp_path / 'run'}", f"data.corpus={tmp_path / 'corpus'}", "train.steps=2", "train.warmup=0",
@@ -147,11 +143,12 @@ def tiny_run(tmp_path, hf):
 
 
 def test_hf2pith_train_pith2hf(tmp_path):
+    "hf2pith, then the command lines: python -m pith_lit.train on the run directory and pith_lit.convert pith2hf."
     hf = hf_model(qwen3_moe(vocab_size=260, tie_word_embeddings=False))  # the byte tokenizer's 259 ids fit
     over = tiny_run(tmp_path, hf)
-    cmd = [sys.executable, "-m", "pith_lit.train", str(tmp_path / "run/config.toml"), *[a for o in over
-                                                                                       for a in ("--set", o)]]
-    trained = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    run = lambda *args: subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=subprocess_env(),
+                                       capture_output=True, text=True, timeout=300)
+    trained = run("pith_lit.train", str(tmp_path / "run/config.toml"), *[a for o in over for a in ("--set", o)])
     assert trained.returncode == 0, trained.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2
@@ -161,7 +158,8 @@ def test_hf2pith_train_pith2hf(tmp_path):
         hf_loss = F.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
     assert abs(losses[0] - hf_loss) < 1e-5 * hf_loss, (losses, hf_loss)
 
-    convert(["pith2hf", str(tmp_path / "run"), str(tmp_path / "out")])
+    exported = run("pith_lit.convert", "pith2hf", str(tmp_path / "run"), str(tmp_path / "out"))
+    assert exported.returncode == 0 and f"wrote {tmp_path / 'out'}" in exported.stdout, exported.stderr[-3000:]
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", **EAGER)
     cfg = load_config(tmp_path / "run/config.toml")
     model = build_model(cfg.model)

@@ -54,7 +54,10 @@ from pith_lit.train.config import from_dict, model_class
 from pith_lit.train.trainer import build_model
 
 # %%
+import dataclasses
 import tempfile
+
+from pith_lit.train.config import load_config
 
 # %% [markdown]
 # ## config.json → Config
@@ -87,7 +90,7 @@ def _rope(hf: dict) -> tuple[float | None, str, dict]:
     theta = rope.pop("rope_theta", hf.get("rope_theta"))
     kind = rope.pop("rope_type", None)
     kind = rope.pop("type", None) or kind or "default"  # 4.x spelled it `type`; 5.x writes both
-    return theta, kind, rope
+    return None if theta is None else float(theta), kind, rope
 
 
 def _to_config(hf: dict, model_type: str, computed: dict, fixed: dict, read: set):
@@ -202,7 +205,8 @@ def config_to_hf(cfg) -> dict:
 
 # %% [markdown]
 # Check with DeepSeek-V2-Lite's published config.json (deepseek-ai/DeepSeek-V2-Lite): its nulls and YaRN
-# become our conventions, and writing the config back and reading it again gives the same config.
+# become our conventions, the result is the model section of `configs/deepseek-v2-lite.toml` (written by hand
+# from the paper and the model card), and writing the config back and reading it again gives the same config.
 
 # %%
 lite_json = {
@@ -222,6 +226,7 @@ lite_json = {
 lite = config_from_hf(lite_json)
 assert lite.q_lora_rank == 0 and lite.rope_theta == 10000.0 and lite.rope_scaling["factor"] == 40
 assert lite.rope_scaling["type"] == "yarn" and lite.n_routed_experts == 64 and lite.first_k_dense_replace == 1
+assert lite == load_config("../../configs/deepseek-v2-lite.toml").model
 assert config_from_hf(config_to_hf(lite)) == lite
 lite
 
@@ -234,7 +239,8 @@ lite
 five = {k: v for k, v in lite_json.items() if k not in ("rope_scaling", "rope_theta", "auto_map", "scoring_func",
                                                         "moe_layer_freq", "aux_loss_alpha", "seq_aux", "ep_size")}
 five |= {"rope_parameters": {**lite_json["rope_scaling"], "rope_type": "yarn", "rope_theta": 10000.0},
-         "n_group": None, "topk_group": None, "head_dim": 64, "qk_head_dim": 192, "mlp_bias": False, "dtype": "bfloat16"}
+         "n_group": None, "topk_group": None, "head_dim": 64, "qk_head_dim": 192, "mlp_bias": False,
+         "dtype": "bfloat16"}
 assert config_from_hf(five) == lite
 
 qwen = model_class("qwen3_moe")(num_hidden_layers=2, mlp_only_layers=[1])
@@ -244,6 +250,33 @@ qwen_five |= {"rope_parameters": {"rope_type": "default", "rope_theta": qwen.rop
 assert config_from_hf(qwen_five) == qwen == config_from_hf(config_to_hf(qwen))
 gpt = model_class("gpt_oss")(num_hidden_layers=2)
 assert config_from_hf(config_to_hf(gpt)) == gpt
+
+# %% [markdown]
+# GPT-OSS-20B's published config.json (openai/gpt-oss-20b) describes MXFP4 experts, which are refused; without
+# its `quantization_config` (a dequantized copy) it reads to `configs/gpt-oss-20b.toml`'s model, whose
+# load-balance weight is ours rather than the published 0.9, with `swiglu_alpha` at transformers' 1.702.
+
+# %%
+gpt_json = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+    "pad_token_id": 199999, "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+    "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088}
+try:
+    config_from_hf(gpt_json)
+    raise AssertionError("a quantized checkpoint was accepted")
+except ValueError as e:
+    assert "quantization_config" in str(e) and "dequantize" in str(e)
+gpt20b = config_from_hf({k: v for k, v in gpt_json.items() if k != "quantization_config"})
+assert gpt20b.swiglu_alpha == 1.702 and gpt20b.rope_parameters["rope_theta"] == 150000.0
+assert dataclasses.replace(gpt20b, router_aux_loss_coef=0.001) == load_config("../../configs/gpt-oss-20b.toml").model
 
 # %% [markdown]
 # What is refused, and how it is said:
@@ -263,7 +296,6 @@ assert "lacks kv_lora_rank, v_head_dim" in refusal({k: v for k, v in lite_json.i
                                                     if k not in ("kv_lora_rank", "v_head_dim")})
 assert "use_sliding_window = True" in refusal(config_to_hf(qwen) | {"use_sliding_window": True})
 assert "RoPE of type 'linear'" in refusal(config_to_hf(qwen) | {"rope_scaling": {"type": "linear", "factor": 2.0}})
-assert "quantization_config" in refusal(config_to_hf(gpt) | {"quantization_config": {"quant_method": "mxfp4"}})
 refusal({"model_type": "llama"})
 
 # %% [markdown]
@@ -384,7 +416,8 @@ def _fill(model: nn.Module, path: Path):
                 handles[f] = stack.enter_context(safe_open(f, "pt"))
             return handles[f].get_tensor(name)
         for name, p in model.named_parameters():
-            sources = {name: ()} if name in where or not split else _pieces(name, p) or {name: ()}
+            pieces = _pieces(name, p) if split and name not in where else {}
+            sources = pieces or {name: ()}  # hub name -> index into p
             absent = [n for n in sources if n not in where]
             if absent:  # the pieces that are there belong here all the same: not unexpected
                 missing += absent
@@ -429,9 +462,9 @@ def load_hf(path, dtype: torch.dtype = torch.float32) -> nn.Module:
 #
 # `save_hf` writes config.json (our config in the hub's spelling, the architecture, which is our class's name,
 # and the dtype) and the tensors in the hub's layout, in the model's dtype. Tensors go into shards in order until
-# one would pass `max_shard_bytes` (5 GB, as transformers' default); one shard is `model.safetensors`, several
-# are `model-0000k-of-0000n.safetensors` with the index. A directory that already holds files is refused rather
-# than mixed with them.
+# one would pass `max_shard_bytes` (5 GB, about the shard size of the published checkpoints); one shard is
+# `model.safetensors`, several are `model-0000k-of-0000n.safetensors` with the index. A directory that already
+# holds files is refused rather than mixed with them.
 
 # %%
 #| export

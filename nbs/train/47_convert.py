@@ -39,7 +39,6 @@
 #| export
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -50,9 +49,8 @@ from pith_lit.train.config import Config, RunConfig, dump_toml, from_dict, to_di
 from pith_lit.train.hf import empty_model, load_hf, read_hf_config, save_hf
 
 # %%
-import tempfile
-
 import shutil
+import tempfile
 
 from pith_lit.models.qwen3_moe import Config as QwenConfig
 from pith_lit.tokenize import tokenize_files
@@ -109,7 +107,8 @@ cfg = load_config(root / "run/config.toml")
 assert cfg.model == qcfg and cfg.run.dir == str(root / "run")
 fresh = build_model(cfg.model)
 fresh_opt = torch.optim.AdamW(fresh.parameters())
-start = checkpoint.load(checkpoint.latest(root / "run"), model=fresh, optimizer=fresh_opt, model_config=to_dict(cfg)["model"])
+start = checkpoint.load(checkpoint.latest(root / "run"), model=fresh, optimizer=fresh_opt,
+                        model_config=to_dict(cfg)["model"])
 assert start == 0 and not fresh_opt.state
 assert all(torch.equal(a, b.float()) for a, b in zip(fresh.state_dict().values(), hf_model.state_dict().values()))
 print((root / "run/config.toml").read_text()[:400])

@@ -38,7 +38,7 @@ def _rope(hf: dict) -> tuple[float | None, str, dict]:
     theta = rope.pop("rope_theta", hf.get("rope_theta"))
     kind = rope.pop("rope_type", None)
     kind = rope.pop("type", None) or kind or "default"  # 4.x spelled it `type`; 5.x writes both
-    return theta, kind, rope
+    return None if theta is None else float(theta), kind, rope
 
 
 def _to_config(hf: dict, model_type: str, computed: dict, fixed: dict, read: set):
@@ -215,7 +215,8 @@ def _fill(model: nn.Module, path: Path):
                 handles[f] = stack.enter_context(safe_open(f, "pt"))
             return handles[f].get_tensor(name)
         for name, p in model.named_parameters():
-            sources = {name: ()} if name in where or not split else _pieces(name, p) or {name: ()}
+            pieces = _pieces(name, p) if split and name not in where else {}
+            sources = pieces or {name: ()}  # hub name -> index into p
             absent = [n for n in sources if n not in where]
             if absent:  # the pieces that are there belong here all the same: not unexpected
                 missing += absent

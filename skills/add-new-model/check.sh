@@ -13,7 +13,8 @@ type=$1
 bin=$(dirname "$(command -v python)")
 python -c "import pith_lit, pytest, transformers, nbdev" 2>/dev/null ||
   fail 'pith_lit, pytest, transformers or nbdev missing: pip install -e ".[dev]"'
-python scripts/sync_check.py >/dev/null || fail "notebooks and package disagree: python scripts/sync_check.py says what to run"
+python scripts/sync_check.py >/dev/null ||
+  fail "notebooks and package disagree: python scripts/sync_check.py says what to run"
 python - "$type" <<'PY' || fail "$type is not wired into the package (see the message above and SKILL.md steps 3-5)"
 import sys
 from pith_lit.train.config import MODEL_TYPES, model_class
@@ -36,7 +37,11 @@ export OMP_NUM_THREADS=1 TRITON_INTERPRET=1
 ok=1
 step() {  # step NAME COMMAND...: run it, keep its output in $out/NAME.log, print ok or FAIL with the log's tail
   local name=$1; shift
-  if "$@" >"$out/$name.log" 2>&1; then echo "ok   $name"; else echo "FAIL $name (log: $out/$name.log)"; tail -15 "$out/$name.log"; ok=0; fi
+  if "$@" >"$out/$name.log" 2>&1; then
+    echo "ok   $name"
+  else
+    echo "FAIL $name (log: $out/$name.log)"; tail -15 "$out/$name.log"; ok=0
+  fi
 }
 step notebook "$bin/nbdev_test" --path "${nbs[0]}"
 step tests python -m pytest -q "tests/test_$type.py"
