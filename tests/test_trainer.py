@@ -1,16 +1,19 @@
-"""The trainer end to end on CPU: exact resume, a clean stop on SIGTERM, refusal of another model's checkpoint."""
+"""The trainer end to end on CPU: exact resume, a clean stop on SIGTERM, refusal of another model's checkpoint,
+expert and pipeline parallelism (several gloo processes) against one process."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from conftest import ROOT, subprocess_env
 from pith_lit.train import checkpoint
-from pith_lit.train.config import load_config
-from pith_lit.train.trainer import train
+from pith_lit.train.config import ConfigError, load_config, to_dict
+from pith_lit.train.trainer import build_model, train
 
 QUIET = ["log.sample_tokens=0", "log.tensorboard=false"]
 
@@ -81,3 +84,93 @@ def test_expert_parallel_matches_single_process(tmp_path):
     for a, b in zip(ep2, single):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def torchrun_train(nproc: int, overrides: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    "`python -m pith_lit.train` on `nproc` gloo processes with `--set` overrides."
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+           "pith_lit.train", *[a for o in overrides for a in ("--set", o)]]
+    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_pipeline_matches_single_process(tmp_path):
+    """pp 2 under torchrun (DualPipeV: each process holds two of the four one-layer stages, both read the whole batch)
+    against one process running the layers one after the other: the same loss curve, gradient norm (summed over the
+    pipeline ranks) and load-balance statistics. The load-balance loss is on (lb_coef 0.01, global counts): each
+    layer sees the micro-batches in the same order, so it is the same loss by construction. Both runs start from a
+    weights-only checkpoint of another seed, which the pipeline ranks read each for their own layers."""
+    over = ["train.steps=6", "train.warmup=1", "ckpt.every=-1", "log.tensorboard=false", "log.sample_tokens=4"]
+    cfg = load_config(overrides=over)
+    torch.manual_seed(1)
+    start = build_model(cfg.model)
+    for run in ("one", "pp2"):
+        checkpoint.save_weights(tmp_path / run, model=start, model_config=to_dict(cfg)["model"])
+    single = train(load_config(overrides=over + [f"run.dir={tmp_path}/one"]), quiet=True)["history"]
+    proc = torchrun_train(2, over + [f"run.dir={tmp_path}/pp2", "parallel.pp=2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "DualPipeV over 2 pipeline rank(s)" in proc.stdout and "no sample: greedy_sample needs the whole model" \
+        in proc.stdout
+    pp2 = metrics(tmp_path / "pp2")
+    assert [r["step"] for r in pp2] == [r["step"] for r in single] == list(range(1, 7))
+    fresh = train(load_config(overrides=over + [f"run.dir={tmp_path}/fresh", "train.steps=1", "train.warmup=0"]),
+                  quiet=True)["history"][0]["loss"]
+    assert abs(single[0]["loss"] - fresh) > 1e-3, "the runs should start from the saved weights, not the seed's"
+    for a, b in zip(pp2, single):
+        for key, rel in (("loss", 1e-5), ("grad_norm", 1e-4), ("lb_loss", 1e-5), ("balance", 1e-5)):
+            assert a[key] == pytest.approx(b[key], rel=rel), (a["step"], key, a[key], b[key])
+
+
+def test_overlap_matches_plain_and_resumes(tmp_path):
+    """parallel.overlap at pp 1 (DualPipeV with one pipeline rank, forwards beside backwards) against the plain loop:
+    the same losses; and a run split in two repeats the straight overlapped run exactly (nothing is split among ranks,
+    so checkpoints work)."""
+    over = ["train.steps=4", "train.warmup=1", *QUIET]
+    plain = train(load_config(overrides=over + [f"run.dir={tmp_path}/plain", "ckpt.every=-1"]), quiet=True)["history"]
+    ov = over + ["parallel.overlap=true"]
+    straight = train(load_config(overrides=ov + [f"run.dir={tmp_path}/a", "ckpt.every=-1"]), quiet=True)["history"]
+    for a, b in zip(straight, plain):
+        for key, rel in (("loss", 1e-5), ("grad_norm", 1e-4), ("lb_loss", 1e-5), ("balance", 1e-5)):
+            assert a[key] == pytest.approx(b[key], rel=rel), (a["step"], key, a[key], b[key])
+    split_cfg = load_config(overrides=ov + [f"run.dir={tmp_path}/b"])
+    split = train(split_cfg, until=2, quiet=True)["history"] + train(split_cfg, quiet=True)["history"]
+    assert [r["loss"] for r in split] == [r["loss"] for r in straight]
+
+
+def test_pipeline_refuses_a_wrong_process_count(tmp_path):
+    "A process count that is not pp × dp × cp × ep is refused before anything is written."
+    over = [f"run.dir={tmp_path}", "parallel.pp=2", *QUIET]
+    with pytest.raises(ConfigError, match=r"= 2, but 1 process\(es\) were launched; launch 2"):
+        train(load_config(overrides=over), quiet=True)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_pipeline_resume_repeats_straight_run(tmp_path):
+    "pp 2: a run resumed from its step-3 checkpoint repeats the straight run's steps 4-6 exactly."
+    over = ["train.steps=6", "train.warmup=1", "ckpt.every=3", *QUIET, "parallel.pp=2"]
+    proc = torchrun_train(2, over + [f"run.dir={tmp_path}/a"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (tmp_path / "b" / "ckpt").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "ckpt" / "step_00000003", tmp_path / "b" / "ckpt" / "step_00000003")
+    proc = torchrun_train(2, over + [f"run.dir={tmp_path}/b"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    straight, resumed = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
+
+
+def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path):
+    """ep 2 saves every rank's expert slice as part of one tensor: the step-3 checkpoint of an ep 2 run, resumed by a
+    single process holding all experts, repeats the ep 2 run's steps 4-6 (the layout changed, so within rounding)."""
+    over = ["train.steps=6", "train.warmup=1", "train.lb_coef=0", "ckpt.every=3", *QUIET]
+    proc = torchrun_train(2, over + [f"run.dir={tmp_path}/ep2", "parallel.ep=2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (tmp_path / "one" / "ckpt").mkdir(parents=True)
+    shutil.copytree(tmp_path / "ep2" / "ckpt" / "step_00000003", tmp_path / "one" / "ckpt" / "step_00000003")
+    resumed = train(load_config(overrides=over + [f"run.dir={tmp_path}/one"]), quiet=True)
+    assert resumed["start"] == 3
+    for a, b in zip(resumed["history"], metrics(tmp_path / "ep2")[3:]):
+        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)

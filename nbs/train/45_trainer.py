@@ -13,8 +13,10 @@
 # build the model, optimizer and data, resume from the latest checkpoint, then loop over optimizer steps. Each
 # step runs its micro-batches through the five-stage layer protocol, adds the load-balance loss, divides the
 # summed token loss by the token count of the whole global batch (so gradient accumulation is exact), clips,
-# steps, logs, and checkpoints. Everything a step needs is a pure function of the step number (learning rate,
-# data), which is why a resumed run repeats the straight one exactly.
+# steps, logs, and checkpoints. The micro-batches run one after the other, or, with `parallel.pp > 1` or
+# `parallel.overlap`, through the DualPipeV schedule of `engine/33_dualpipev`, which computes the same gradients.
+# Everything a step needs is a pure function of the step number (learning rate, data), which is why a resumed run
+# repeats the straight one exactly.
 #
 # What it guards against: a NaN or infinite loss stops the run naming the step, *before* anything is saved, so
 # the last good checkpoint stays the latest; SIGINT or SIGTERM finishes the current step, saves, and exits
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from pith_lit.engine.dualpipev import DualPipeV, split_model
 from pith_lit.engine.ep import EPDispatcher, all_reduce_grads, is_expert_param, shard_experts
 from pith_lit.engine.mesh import Mesh, build_mesh, init_distributed, launch_env
 from pith_lit.models.protocol import LocalDispatcher, run_layers
@@ -100,18 +103,27 @@ def peak_flops(device: torch.device) -> float | None:
 # needs: `batch` (dp × ep: ranks that read different data), `dense` (ranks holding the same non-expert weights;
 # gradients, token counts and losses are summed over it) and `expert` (ranks holding the same experts). With
 # `parallel.ep > 1` each rank keeps its share of every layer's experts and the expert-parallel dispatcher of
-# `engine/31_ep` exchanges tokens; with `parallel.dp` alone it is plain data parallelism. The pipeline schedule
-# and context parallelism are not wired into this trainer.
+# `engine/31_ep` exchanges tokens; with `parallel.dp` alone it is plain data parallelism. With `parallel.pp > 1`
+# the `pp` group links the pipeline ranks (below). Context parallelism is not wired into this trainer. The
+# number of processes must be the product of the sizes; the command line checks it too, `train(cfg)` called from
+# Python checks it here.
+#
+# Checkpoints work in every layout: pipeline ranks save their own parameters under their real names, expert
+# slices are saved as slices of one tensor (train/44_checkpoint), and the optimizer is saved through the module
+# it actually steps (the fp32 master weights when the model computes in bf16).
 
 # %%
 #| export
 def setup_distributed(cfg: Config) -> tuple[int, torch.device, Mesh | None]:
     "Start the process group and mesh when launched with several processes; returns (rank, device, mesh or None)."
-    p = cfg.parallel
-    if p.pp > 1 or p.cp > 1 or p.overlap:
-        raise ConfigError(f"parallel: pp={p.pp}, cp={p.cp}, overlap={p.overlap}: this trainer runs data and expert "
-                          "parallelism (dp, ep); set pp=1, cp=1, overlap=false")
-    if launch_env()["world"] == 1:
+    p, world = cfg.parallel, launch_env()["world"]
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp = {p.cp}: context parallelism is not wired into this trainer; set cp = 1")
+    if world != cfg.world_size:
+        raise ConfigError(f"parallel: pp × dp × cp × ep = {p.pp} × {p.dp} × {p.cp} × {p.ep} = {cfg.world_size}, but "
+                          f"{world} process(es) were launched; launch {cfg.world_size} (torchrun --nproc-per-node) "
+                          "or choose sizes whose product is the number of processes")
+    if world == 1:
         device = torch.device("cuda", 0) if cfg.device_type == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -166,24 +178,134 @@ class NonFiniteLoss(RuntimeError):
 
 # %%
 #| export
+def head_loss(model, h, labels) -> torch.Tensor:
+    "Summed token loss of the final norm and the head on the last hidden states `h (B, S, H)`, `labels (B, S)`."
+    h = model.model.norm(h).flatten(0, 1)
+    if h.is_cuda:
+        from pith_lit.ops.cross_entropy import linear_cross_entropy
+        return linear_cross_entropy(h, model.lm_head.weight, labels.flatten())
+    return token_loss_sum(model.lm_head(h), labels.flatten())
+
+
 def micro_step(model, input_ids, labels, n_tokens, lb: LoadBalance, aux_div: int, dispatcher):
     "Forward and backward of one micro-batch; returns the summed token loss and the load-balance loss (detached)."
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     h = model.prolog(input_ids)
     h, routings = run_layers(model.model.layers.values(), h, positions, dispatcher)
-    h = model.model.norm(h).flatten(0, 1)
-    if h.is_cuda:
-        from pith_lit.ops.cross_entropy import linear_cross_entropy
-        ce = linear_cross_entropy(h, model.lm_head.weight, labels.flatten())
-    else:
-        ce = token_loss_sum(model.lm_head(h), labels.flatten())
+    ce = head_loss(model, h, labels)
     moe = [(key, r) for key, r in zip(model.model.layers.keys(), routings) if r is not None]
     aux = sum(lb.loss(key, r.probs, r.ids) for key, r in moe) / max(len(moe), 1)
     (ce / n_tokens + aux / aux_div).backward()
     return ce.detach(), aux.detach() if torch.is_tensor(aux) else torch.tensor(0.0)
 
 # %% [markdown]
+# ## The same step through DualPipeV
+#
+# With `parallel.pp > 1`, or `parallel.overlap = true`, a step's micro-batches run through the DualPipeV schedule of
+# `engine/33_dualpipev` instead of one after the other. `split_model` keeps this pipeline rank's two stages (rank 0
+# also keeps the embedding, the final norm and the head, so it computes the loss); every pipeline rank of a dp × ep
+# column reads the same micro-batches, since the data is divided over dp × ep only.
+#
+# The objective is `micro_step`'s, term by term. Pipeline rank 0's `loss_fn` is `head_loss`, which `step` scales by
+# 1 / (tokens of the global batch). `aux_fn` is one MoE layer's load-balance loss divided by (MoE layers of the
+# whole model × `aux_div`), the same as micro_step's mean over layers divided by `aux_div`; every rank divides by
+# the whole model's count, so the terms of all pipeline ranks add up to micro_step's. Each layer sees the
+# micro-batches in order (a stage runs its forwards in micro-batch order), so the running expert counts of
+# `lb_level = "global"` are the plain loop's too: the loss is the same by construction, and only the order in
+# which floating-point gradients are summed differs.
+#
+# `parallel.overlap = true` at `pp = 1` is this path with one pipeline rank: both stages live on it, and the
+# forward of one micro-batch runs beside the backward of another, so that with `ep > 1` each one's all-to-alls
+# can hide behind the other's compute (on CUDA; on the CPU the steps simply alternate).
+
+# %%
+#| export
+def moe_layer_count(model) -> int:
+    "Layers holding routed experts (a module named `experts`, which engine/31_ep shards)."
+    return sum(any(is_expert_param(n) for n, _ in layer.named_parameters()) for layer in model.model.layers.values())
+
+
+def build_pipeline(model, parts, group, dispatcher, lb: LoadBalance, n_moe: int, aux_div: int,
+                   device) -> DualPipeV:
+    """DualPipeV over this rank's `parts` (from `split_model(model, ...)`) with micro_step's objective; `n_moe` is
+    the MoE layer count of the whole model, counted before the split."""
+    loss_fn = (lambda h, labels: head_loss(model, h, labels)) if parts[0].index == 0 else None
+    aux_fn = lambda key, routing: lb.loss(key, routing.probs, routing.ids) / (n_moe * aux_div)
+    return DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device)
+
+# %% [markdown]
+# A check in float64, where the two ways of summing agree to rounding: three micro-batches of the tiny default
+# model, with a global load-balance loss of weight 0.1, through `micro_step` one after the other and through
+# DualPipeV with one pipeline rank (`parallel.overlap`). Losses, load-balance losses, balance statistics and every
+# gradient agree. (The token loss itself is computed in float32 by `token_loss_sum`; `step` sums it in float64.)
+# Two processes against one (`pp = 2`) are in tests/test_trainer.py.
+
+# %%
+import copy
+
+from pith_lit.train.config import load_config
+
+# %%
+mc = load_config().model
+torch.manual_seed(0)
+plain = build_model(mc).double()
+piped = copy.deepcopy(plain)
+g = torch.Generator().manual_seed(0)
+mbs = [tuple(torch.randint(0, mc.vocab_size, (2, 16), generator=g) for _ in range(2)) for _ in range(3)]
+n_tok, E = torch.tensor(3 * 2 * 16.0, dtype=torch.float64), mc.routed_experts
+lb_plain, lb_piped = LoadBalance(E, 0.1, "global"), LoadBalance(E, 0.1, "global")
+outs = [micro_step(plain, x, y, n_tok, lb_plain, 3, LocalDispatcher(E)) for x, y in mbs]
+pipe = build_pipeline(piped, split_model(piped, 0, 1), None, LocalDispatcher(E), lb_piped, moe_layer_count(piped),
+                      3, torch.device("cpu"))
+ce_piped, aux_piped = pipe.step(mbs, 1 / n_tok)
+ce_plain, aux_plain = sum(c.double() for c, _ in outs), sum(a for _, a in outs) / 3   # summed as step does
+worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+            for p, q in zip(piped.parameters(), plain.parameters()))
+print(f"loss {ce_piped.item():.6f} vs {ce_plain.item():.6f}, load balance {aux_piped.item():.6f} vs "
+      f"{aux_plain.item():.6f}, worst gradient difference {worst:.1e} (relative)")
+assert abs(ce_piped - ce_plain) < 1e-12 * ce_plain and abs(aux_piped - aux_plain) < 1e-12 * aux_plain
+assert worst < 1e-10, worst
+assert all(abs(v - lb_plain.stats()[k]) < 1e-12 for k, v in lb_piped.stats().items())
+
+# %% [markdown]
+# ## The gradient norm of a split model
+#
+# Clipping needs the norm of the whole model's gradient. Within a pipeline rank, `clip_grad_norm` already adds
+# the squared norms of the expert shards over the `ep` group. The pipeline ranks hold disjoint layers, so their
+# squared norms add: this rank's norm (`clip_grad_norm` with `max_norm = 0` only measures), squared, summed over
+# the `pp` group, and its square root is the whole model's norm, exact up to rounding. Every rank then clips its
+# gradients by that one norm, as one process would.
+
+# %%
+#| export
+def clip_grads(replicated: list, experts: list, max_norm: float, mesh: Mesh | None) -> torch.Tensor:
+    """Clip by the whole model's gradient norm and return it. `replicated`: this rank's parameters that are the same
+    on every rank of the `dense` group; `experts`: its expert shards (empty unless ep > 1)."""
+    ep_group = mesh.ep if mesh is not None and mesh.ep.size() > 1 else None
+    if mesh is None or mesh.pp.size() == 1:
+        return clip_grad_norm(replicated, max_norm, experts, ep_group)
+    sq = clip_grad_norm(replicated, 0, experts, ep_group).float() ** 2
+    dist.all_reduce(sq, group=mesh.pp)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(replicated + experts, max_norm, norm)
+    return norm
+
+# %% [markdown]
 # ## The loop
+#
+# What needs the whole model is computed before the split: the parameter count, the model FLOPs per token and the
+# number of MoE layers. The optimizer (and the fp32 master weights) are built after it, over the parameters this
+# rank keeps. After the step every statistic that is logged is summed over all ranks in one collective, so every
+# rank agrees on the loss and on whether a signal asked to stop: the token loss (nonzero on pipeline rank 0 only),
+# the load-balance terms as they entered the objective (their sum over all ranks is the mean load-balance loss over
+# layers, micro-batches and data ranks), and each MoE layer's balance (`LoadBalance.stats`, already summed over
+# the data ranks; a pipeline rank reports its own layers, and the logged balance is the mean over all of them).
+#
+# A run with `pp > 1` neither writes nor resumes checkpoints yet (see the setup section above), but it can start
+# from a weights-only checkpoint (imported Hugging Face weights, train/47_convert): that holds no optimizer, and
+# each rank reads its own parameters. With `parallel.overlap` at `pp = 1` nothing is split and checkpoints work as
+# without it. The greedy sample at the end needs the whole model and is skipped when it is split.
 
 # %%
 #| export
@@ -193,14 +315,21 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     `until` stops (with a checkpoint) after that many steps in total, as if the run were interrupted there; the
     schedule still follows `train.steps`. Tests and the validation notebook use it to split a run in two."""
     rank, device, mesh = setup_distributed(cfg)
-    dense = mesh.dense if mesh is not None else None          # sum losses, counts, dense grads over these
+    dense = mesh.dense if mesh is not None else None          # sum token counts, dense grads, lb counts over these
+    everyone = dist.group.WORLD if mesh is not None else None  # sum the logged statistics over all ranks
     ep = mesh.ep.size() if mesh is not None else 1
+    pp, pp_rank = (mesh.pp.size(), mesh.pp.rank()) if mesh is not None else (1, 0)
+    pipelined = pp > 1 or cfg.parallel.overlap
     data_rank, data_world = (mesh.batch.rank(), mesh.batch.size()) if mesh is not None else (0, 1)
     t, run_dir = cfg.train, Path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
     with device:  # parameters are created and initialised where they will live
         model = build_model(cfg.model)
-    if ep > 1:  # every rank built the same full model from the seed; keep this rank's experts
+    # every rank built the same full model from the seed; what needs all of it comes first
+    n_params, active = sum(p.numel() for p in model.parameters()), model.active_matmul_params()
+    fpt, n_moe = model.flops_per_token(t.seq_len), moe_layer_count(model)
+    parts = split_model(model, pp_rank, pp) if pipelined else None   # keep this pipeline rank's stages
+    if ep > 1:  # keep this rank's experts
         shard_experts(model, mesh.ep.rank(), ep)
     if t.compile:  # stages 1 and 5 have static shapes and no host syncs by design; 2-4 stay eager
         for layer in model.model.layers.values():
@@ -220,23 +349,30 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                             data_rank, data_world, cfg.model.vocab_size, cfg.data.val_frac)
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dense)
     dispatcher = EPDispatcher(mesh.ep, cfg.model.routed_experts) if ep > 1 else LocalDispatcher(cfg.model.routed_experts)
+    n_micro = cfg.num_micro_batches
+    aux_div = n_micro * data_world    # the load-balance loss is a mean over micro-batches and data ranks
+    pipe = None
+    if pipelined:
+        pipe = build_pipeline(model, parts, mesh.pp if mesh is not None else None, dispatcher, lb, n_moe, aux_div,
+                              device)
     model_cfg = to_dict(cfg)["model"]
     extra = {"master": master} if master is not None else {}
     world = dist.get_world_size() if mesh is not None else 1
 
-    if ep > 1 and cfg.ckpt.every >= 0:
-        raise ConfigError(f"parallel.ep = {ep}: checkpoints of expert-sharded models are not written yet (each rank "
-                          "holds different experts under the same names); set ckpt.every = -1 for this run")
     start = 0
     last = checkpoint.latest(run_dir) if cfg.ckpt.resume else None
+    ckpt_args = dict(model=model, optimizer=optimizer, extra=extra, model_config=model_cfg, optim_module=master,
+                     ep_mesh=mesh.device_mesh["ep"] if ep > 1 else None)
     if last is not None:
-        start = checkpoint.load(last, model=model, optimizer=optimizer, extra=extra, model_config=model_cfg)
+        start = checkpoint.load(last, **ckpt_args)
+        if start == 0 and master is not None:  # imported weights (weights-only checkpoint): masters follow the model
+            master.model_to_master()
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_toml(cfg))
     end = t.steps if until is None else min(until, t.steps)
 
-    fpt, peak = model.flops_per_token(t.seq_len), peak_flops(device)
+    peak = peak_flops(device)
     writer = None
     if rank == 0 and cfg.log.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
@@ -244,9 +380,9 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     say = (lambda s: None) if quiet or rank != 0 else tqdm.write
     if rank == 0 and not quiet:
-        n = sum(p.numel() for p in model.parameters())
-        say(f"pith_lit: {cfg.model.model_type} {n/1e6:.2f}M params ({model.active_matmul_params()/1e6:.2f}M active "
-            f"matmul), {device.type} {str(dtype).removeprefix('torch.')}, {world} rank(s), steps {start}->{end}, "
+        how = f", DualPipeV over {pp} pipeline rank(s)" if pipelined else ""
+        say(f"pith_lit: {cfg.model.model_type} {n_params/1e6:.2f}M params ({active/1e6:.2f}M active matmul), "
+            f"{device.type} {str(dtype).removeprefix('torch.')}, {world} rank(s){how}, steps {start}->{end}, "
             f"{cfg.tokens_per_step} tokens/step, run dir {run_dir}")
 
     bar = tqdm(range(start, end), initial=start, total=end, disable=quiet or rank != 0, desc="train",
@@ -260,32 +396,35 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             for g in optimizer.param_groups:
                 g["lr"] = lr
             lb.start_step()
-            n_micro = cfg.num_micro_batches
             batches = [data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro)]
             n_tokens = all_reduce_(sum(count_tokens(y) for _, y in batches).to(device, torch.float32), dense)
-            ce_sum, aux_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-            for x, y in batches:
-                ce, aux = micro_step(model, x.to(device), y.to(device), n_tokens, lb, n_micro * data_world,
-                                     dispatcher)
-                ce_sum += ce.float()
-                aux_sum += aux.float().to(device)
+            if pipe is not None:  # sums of this rank's stages: the token loss on pipeline rank 0 only
+                ce_sum, aux_sum = pipe.step([(x.to(device), y.to(device)) for x, y in batches], 1 / n_tokens)
+            else:
+                ce_sum, aux_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+                for x, y in batches:
+                    ce, aux = micro_step(model, x.to(device), y.to(device), n_tokens, lb, aux_div, dispatcher)
+                    ce_sum += ce.float()
+                    aux_sum += aux.float().to(device) / aux_div     # as it entered the objective
             if mesh is not None:  # sums: the token-weighted loss already divides by the global token count
                 all_reduce_grads(model, mesh.dense, mesh.expert)
             if master is not None:
                 master.grads_to_master()
-            grad_norm = clip_grad_norm(replicated, t.grad_clip, experts, mesh.ep if ep > 1 else None)
+            grad_norm = clip_grads(replicated, experts, t.grad_clip, mesh)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if master is not None:
                 master.master_to_model()
-            stats = all_reduce_(torch.stack([ce_sum, torch.tensor(float(stop.set), device=device)]), dense)
-            loss = (stats[0] / n_tokens).item()
-            stop_now = stats[1].item() > 0
+            balance = [v for k, v in lb.stats().items() if k != "lb/mean"] if lb.counts else []  # this rank's layers
+            stats = torch.cat([torch.stack([ce_sum, aux_sum]).double(), torch.tensor(
+                [sum(balance), len(balance), float(stop.set)], dtype=torch.float64, device=device)])
+            all_reduce_(stats, everyone)
+            loss = (stats[0] / n_tokens.double()).item()
+            stop_now = stats[4].item() > 0
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            bal = lb.stats()
-            rec = {"step": step + 1, "loss": loss, "lb_loss": aux_sum.item() / n_micro, "balance": bal['lb/mean'],
+            rec = {"step": step + 1, "loss": loss, "lb_loss": stats[1].item(), "balance": (stats[2] / stats[3]).item(),
                    "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": cfg.tokens_per_step / dt,
                    "step_time_s": dt}
             if peak is not None:
@@ -303,7 +442,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}")
                 if (step + 1) % cfg.log.every == 0 or step == start:
                     mfu = f" mfu {rec['mfu']:.1%}" if "mfu" in rec else ""
-                    say(f"step {step + 1:>6} loss {loss:.4f} balance {bal['lb/mean']:.3f} lr {lr:.2e} "
+                    say(f"step {step + 1:>6} loss {loss:.4f} balance {rec['balance']:.3f} lr {lr:.2e} "
                         f"grad {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s{mfu} "
                         f"peak {rec['peak_mem_gb']:.2f} GiB")
             if not math.isfinite(loss):
@@ -313,8 +452,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             done = step + 1
             every = cfg.ckpt.every
             if every >= 0 and (stop_now or done == end or (every and done % every == 0)):
-                checkpoint.save(run_dir, done, model=model, optimizer=optimizer, extra=extra, model_config=model_cfg,
-                                keep=cfg.ckpt.keep)
+                checkpoint.save(run_dir, done, keep=cfg.ckpt.keep, **ckpt_args)
             if stop_now:
                 say(f"stopped by signal after step {done}; checkpoint saved, rerun to resume")
                 stopped = True
@@ -325,9 +463,12 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     if metrics_file is not None:
         metrics_file.close()
     sample = ""
-    if rank == 0 and cfg.log.sample_tokens and not stopped and history and ep == 1:  # sampling needs every expert
-        sample = greedy_sample(model, load_tokenizer(cfg.data.tokenizer), data, cfg.log.sample_tokens, device)
-        say("sample: " + repr(sample))
+    if rank == 0 and cfg.log.sample_tokens and not stopped and history:
+        if pp == 1 and ep == 1:
+            sample = greedy_sample(model, load_tokenizer(cfg.data.tokenizer), data, cfg.log.sample_tokens, device)
+            say("sample: " + repr(sample))
+        else:
+            say(f"no sample: greedy_sample needs the whole model, and pp = {pp}, ep = {ep} split it among the ranks")
     return {"history": history, "start": start, "end": step + 1 if history else start, "stopped": stopped,
             "sample": sample, "model": model}
 
@@ -358,8 +499,6 @@ def greedy_sample(model, tokenizer, data, n_tokens: int, device, prompt_len: int
 
 # %%
 import tempfile
-
-from pith_lit.train.config import load_config
 
 # %%
 tmp = tempfile.mkdtemp()

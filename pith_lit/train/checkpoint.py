@@ -16,11 +16,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torch.distributed.tensor import DTensor, Shard
+
 from .. import __version__
+from ..engine.ep import is_expert_param
 
 # %% ../../nbs/train/44_checkpoint.ipynb #de084f61
 def _distributed() -> bool:
@@ -107,6 +111,40 @@ def _rng_file(ckpt_dir: Path, rank: int) -> Path:
     return ckpt_dir / f"rng_rank{rank:05d}.pt"
 
 # %% ../../nbs/train/44_checkpoint.ipynb #351057e4
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _ep_view(state: dict, ep_mesh, prefix: str = "") -> dict:
+    "`state` with every expert tensor (dim ≥ 1, under a module named `experts`) as a DTensor sharded over `ep_mesh`."
+    if ep_mesh is None:
+        return state
+    out = {}
+    for k, v in state.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out[k] = _ep_view(v, ep_mesh, name + ".")
+        elif torch.is_tensor(v) and v.dim() >= 1 and is_expert_param(name):
+            out[k] = DTensor.from_local(v, ep_mesh, [Shard(0)], run_check=False)
+        else:
+            out[k] = v
+    return out
+
+
+def _local(state: dict, ep_mesh) -> dict:
+    "`state` with the DTensors `_ep_view` made replaced by their local tensors (the same storage); others kept."
+    if ep_mesh is None:
+        return state
+    return {k: _local(v, ep_mesh) if isinstance(v, dict) else
+            v.to_local() if isinstance(v, DTensor) and v.device_mesh is ep_mesh else v for k, v in state.items()}
+
+
+def _state(model, owner, optimizer, extra: dict, ep_mesh) -> dict:
+    "The dict DCP saves or loads into: model, flattened optimizer, extras (Stateful ones as state dicts)."
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(owner, optimizer, options=_FLAT)}
+    state.update({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in extra.items()})
+    return _ep_view(state, ep_mesh)
+
+# %% ../../nbs/train/44_checkpoint.ipynb #9348d157
 def _need_model_type(model_config: dict):
     if "model_type" not in model_config:
         raise ValueError(f"model_config has no 'model_type' (keys: {sorted(model_config)}); pass the whole "
@@ -157,13 +195,14 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
 
 def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          extra: dict | None = None, model_config: dict, keep: int = 2,
-         optim_module: torch.nn.Module | None = None) -> Path:
+         optim_module: torch.nn.Module | None = None, ep_mesh=None) -> Path:
     """Write `run_dir/ckpt/step_{step:08d}` atomically and keep the newest `keep` checkpoints.
 
     `extra` maps names to objects with `state_dict()`/`load_state_dict()` (scheduler, fp32 master weights)
     or to plain values (numbers, strings, tensors). `model_config` is the model's config as a dict,
     including `model_type`. `optim_module` is the module whose parameters the optimizer updates when that is
-    not `model` (the fp32 `MasterWeights`). Every rank calls this; returns the checkpoint's path."""
+    not `model` (the fp32 `MasterWeights`). `ep_mesh`: the expert-parallel device mesh when each rank holds a
+    slice of every layer's experts. Every rank calls this; returns the checkpoint's path."""
     extra = extra or {}
     rng = rng_state()  # first, so that nothing below can advance a generator before it is recorded
     if keep < 1:
@@ -176,10 +215,9 @@ def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.O
     if not optimizer.state:
         raise ValueError(f"save(step={step}) before the optimizer's first step: it has no state to save, and "
                          "creating one would change training. Save after optimizer.step().")
-    model_sd = get_model_state_dict(model)
     owner = model if optim_module is None else optim_module
-    state = {"model": model_sd, "optim": get_optimizer_state_dict(owner, optimizer), **extra}
-    return _write(run_dir, step, state, _param_shapes(model_sd), model_config, keep, rng)
+    state = _state(model, owner, optimizer, extra, ep_mesh)
+    return _write(run_dir, step, state, _param_shapes(state["model"]), model_config, keep, rng)
 
 # %% ../../nbs/train/44_checkpoint.ipynb #7f9a84b6
 def _check_files(path: Path):
@@ -236,21 +274,21 @@ def _refuse(path: Path, problems: list[str]):
                          "to start a new run.")
 
 # %% ../../nbs/train/44_checkpoint.ipynb #9e71372a
-def load_weights(path, *, model: torch.nn.Module, model_config: dict) -> int:
+def load_weights(path, *, model: torch.nn.Module, model_config: dict, ep_mesh=None) -> int:
     """Restore only the model's weights from checkpoint `path` (a full or a weights-only one); return its step.
 
     The same checks as `load` for the model; no optimizer, extras or RNG are read or changed."""
     path = Path(path)
     meta, index = _check_files(path)
-    model_sd = get_model_state_dict(model)
+    model_sd = _ep_view(get_model_state_dict(model), ep_mesh)
     _refuse(path, _differences(meta, index, model_config, _param_shapes(model_sd), None))
     _dcp(dcp.load, {"model": model_sd}, path)
-    set_model_state_dict(model, model_sd)
+    set_model_state_dict(model, _local(model_sd, ep_mesh))
     return meta["step"]
 
 
 def load(path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None,
-         model_config: dict, optim_module: torch.nn.Module | None = None) -> int:
+         model_config: dict, optim_module: torch.nn.Module | None = None, ep_mesh=None) -> int:
     """Restore model, optimizer, `extra` and every RNG from checkpoint `path`; return its step.
 
     Refuses a damaged checkpoint or one of another model, before anything is changed. Plain values in
@@ -259,16 +297,18 @@ def load(path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extr
     path, extra = Path(path), extra if extra is not None else {}
     meta, index = _check_files(path)
     if meta.get("weights_only"):
-        return load_weights(path, model=model, model_config=model_config)
-    model_sd = get_model_state_dict(model)
-    _refuse(path, _differences(meta, index, model_config, _param_shapes(model_sd), extra))
+        return load_weights(path, model=model, model_config=model_config, ep_mesh=ep_mesh)
     owner = model if optim_module is None else optim_module
-    state = {"model": model_sd, "optim": get_optimizer_state_dict(owner, optimizer), **extra}
+    state = _state(model, owner, optimizer, extra, ep_mesh)
+    _refuse(path, _differences(meta, index, model_config, _param_shapes(state["model"]), extra))
     _dcp(dcp.load, state, path)
+    state = _local(state, ep_mesh)
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(owner, optimizer, state["optim"])
+    set_optimizer_state_dict(owner, optimizer, state["optim"], options=_FLAT)
     for k, v in extra.items():
-        if not isinstance(v, Stateful):
+        if isinstance(v, Stateful):
+            v.load_state_dict(state[k])
+        else:
             extra[k] = state[k]
     saved_rank = _rank() % meta["world_size"]
     set_rng_state(torch.load(_rng_file(path, saved_rank), weights_only=True))

@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['PEAK_FLOPS', 'build_model', 'peak_flops', 'setup_distributed', 'all_reduce_', 'StopFlag', 'NonFiniteLoss',
-           'micro_step', 'train', 'greedy_sample']
+           'head_loss', 'micro_step', 'moe_layer_count', 'build_pipeline', 'clip_grads', 'train', 'greedy_sample']
 
 # %% ../../nbs/train/45_trainer.ipynb #240b8621
 import json
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ..engine.dualpipev import DualPipeV, split_model
 from ..engine.ep import EPDispatcher, all_reduce_grads, is_expert_param, shard_experts
 from ..engine.mesh import Mesh, build_mesh, init_distributed, launch_env
 from ..models.protocol import LocalDispatcher, run_layers
@@ -56,11 +57,14 @@ def peak_flops(device: torch.device) -> float | None:
 # %% ../../nbs/train/45_trainer.ipynb #da49881a
 def setup_distributed(cfg: Config) -> tuple[int, torch.device, Mesh | None]:
     "Start the process group and mesh when launched with several processes; returns (rank, device, mesh or None)."
-    p = cfg.parallel
-    if p.pp > 1 or p.cp > 1 or p.overlap:
-        raise ConfigError(f"parallel: pp={p.pp}, cp={p.cp}, overlap={p.overlap}: this trainer runs data and expert "
-                          "parallelism (dp, ep); set pp=1, cp=1, overlap=false")
-    if launch_env()["world"] == 1:
+    p, world = cfg.parallel, launch_env()["world"]
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp = {p.cp}: context parallelism is not wired into this trainer; set cp = 1")
+    if world != cfg.world_size:
+        raise ConfigError(f"parallel: pp × dp × cp × ep = {p.pp} × {p.dp} × {p.cp} × {p.ep} = {cfg.world_size}, but "
+                          f"{world} process(es) were launched; launch {cfg.world_size} (torchrun --nproc-per-node) "
+                          "or choose sizes whose product is the number of processes")
+    if world == 1:
         device = torch.device("cuda", 0) if cfg.device_type == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -96,37 +100,76 @@ class NonFiniteLoss(RuntimeError):
     "The loss became NaN or infinite; nothing was saved at or after that step."
 
 # %% ../../nbs/train/45_trainer.ipynb #5a99a681
+def head_loss(model, h, labels) -> torch.Tensor:
+    "Summed token loss of the final norm and the head on the last hidden states `h (B, S, H)`, `labels (B, S)`."
+    h = model.model.norm(h).flatten(0, 1)
+    if h.is_cuda:
+        from pith_lit.ops.cross_entropy import linear_cross_entropy
+        return linear_cross_entropy(h, model.lm_head.weight, labels.flatten())
+    return token_loss_sum(model.lm_head(h), labels.flatten())
+
+
 def micro_step(model, input_ids, labels, n_tokens, lb: LoadBalance, aux_div: int, dispatcher):
     "Forward and backward of one micro-batch; returns the summed token loss and the load-balance loss (detached)."
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     h = model.prolog(input_ids)
     h, routings = run_layers(model.model.layers.values(), h, positions, dispatcher)
-    h = model.model.norm(h).flatten(0, 1)
-    if h.is_cuda:
-        from pith_lit.ops.cross_entropy import linear_cross_entropy
-        ce = linear_cross_entropy(h, model.lm_head.weight, labels.flatten())
-    else:
-        ce = token_loss_sum(model.lm_head(h), labels.flatten())
+    ce = head_loss(model, h, labels)
     moe = [(key, r) for key, r in zip(model.model.layers.keys(), routings) if r is not None]
     aux = sum(lb.loss(key, r.probs, r.ids) for key, r in moe) / max(len(moe), 1)
     (ce / n_tokens + aux / aux_div).backward()
     return ce.detach(), aux.detach() if torch.is_tensor(aux) else torch.tensor(0.0)
 
 # %% ../../nbs/train/45_trainer.ipynb #8397dc4f
+def moe_layer_count(model) -> int:
+    "Layers holding routed experts (a module named `experts`, which engine/31_ep shards)."
+    return sum(any(is_expert_param(n) for n, _ in layer.named_parameters()) for layer in model.model.layers.values())
+
+
+def build_pipeline(model, parts, group, dispatcher, lb: LoadBalance, n_moe: int, aux_div: int,
+                   device) -> DualPipeV:
+    """DualPipeV over this rank's `parts` (from `split_model(model, ...)`) with micro_step's objective; `n_moe` is
+    the MoE layer count of the whole model, counted before the split."""
+    loss_fn = (lambda h, labels: head_loss(model, h, labels)) if parts[0].index == 0 else None
+    aux_fn = lambda key, routing: lb.loss(key, routing.probs, routing.ids) / (n_moe * aux_div)
+    return DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device)
+
+# %% ../../nbs/train/45_trainer.ipynb #2a137616
+def clip_grads(replicated: list, experts: list, max_norm: float, mesh: Mesh | None) -> torch.Tensor:
+    """Clip by the whole model's gradient norm and return it. `replicated`: this rank's parameters that are the same
+    on every rank of the `dense` group; `experts`: its expert shards (empty unless ep > 1)."""
+    ep_group = mesh.ep if mesh is not None and mesh.ep.size() > 1 else None
+    if mesh is None or mesh.pp.size() == 1:
+        return clip_grad_norm(replicated, max_norm, experts, ep_group)
+    sq = clip_grad_norm(replicated, 0, experts, ep_group).float() ** 2
+    dist.all_reduce(sq, group=mesh.pp)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(replicated + experts, max_norm, norm)
+    return norm
+
+# %% ../../nbs/train/45_trainer.ipynb #9e18ba75
 def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     """Train as `cfg` says; returns a summary dict. Resumes from the latest checkpoint in `run.dir`.
 
     `until` stops (with a checkpoint) after that many steps in total, as if the run were interrupted there; the
     schedule still follows `train.steps`. Tests and the validation notebook use it to split a run in two."""
     rank, device, mesh = setup_distributed(cfg)
-    dense = mesh.dense if mesh is not None else None          # sum losses, counts, dense grads over these
+    dense = mesh.dense if mesh is not None else None          # sum token counts, dense grads, lb counts over these
+    everyone = dist.group.WORLD if mesh is not None else None  # sum the logged statistics over all ranks
     ep = mesh.ep.size() if mesh is not None else 1
+    pp, pp_rank = (mesh.pp.size(), mesh.pp.rank()) if mesh is not None else (1, 0)
+    pipelined = pp > 1 or cfg.parallel.overlap
     data_rank, data_world = (mesh.batch.rank(), mesh.batch.size()) if mesh is not None else (0, 1)
     t, run_dir = cfg.train, Path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
     with device:  # parameters are created and initialised where they will live
         model = build_model(cfg.model)
-    if ep > 1:  # every rank built the same full model from the seed; keep this rank's experts
+    # every rank built the same full model from the seed; what needs all of it comes first
+    n_params, active = sum(p.numel() for p in model.parameters()), model.active_matmul_params()
+    fpt, n_moe = model.flops_per_token(t.seq_len), moe_layer_count(model)
+    parts = split_model(model, pp_rank, pp) if pipelined else None   # keep this pipeline rank's stages
+    if ep > 1:  # keep this rank's experts
         shard_experts(model, mesh.ep.rank(), ep)
     if t.compile:  # stages 1 and 5 have static shapes and no host syncs by design; 2-4 stay eager
         for layer in model.model.layers.values():
@@ -146,23 +189,30 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                             data_rank, data_world, cfg.model.vocab_size, cfg.data.val_frac)
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dense)
     dispatcher = EPDispatcher(mesh.ep, cfg.model.routed_experts) if ep > 1 else LocalDispatcher(cfg.model.routed_experts)
+    n_micro = cfg.num_micro_batches
+    aux_div = n_micro * data_world    # the load-balance loss is a mean over micro-batches and data ranks
+    pipe = None
+    if pipelined:
+        pipe = build_pipeline(model, parts, mesh.pp if mesh is not None else None, dispatcher, lb, n_moe, aux_div,
+                              device)
     model_cfg = to_dict(cfg)["model"]
     extra = {"master": master} if master is not None else {}
     world = dist.get_world_size() if mesh is not None else 1
 
-    if ep > 1 and cfg.ckpt.every >= 0:
-        raise ConfigError(f"parallel.ep = {ep}: checkpoints of expert-sharded models are not written yet (each rank "
-                          "holds different experts under the same names); set ckpt.every = -1 for this run")
     start = 0
     last = checkpoint.latest(run_dir) if cfg.ckpt.resume else None
+    ckpt_args = dict(model=model, optimizer=optimizer, extra=extra, model_config=model_cfg, optim_module=master,
+                     ep_mesh=mesh.device_mesh["ep"] if ep > 1 else None)
     if last is not None:
-        start = checkpoint.load(last, model=model, optimizer=optimizer, extra=extra, model_config=model_cfg)
+        start = checkpoint.load(last, **ckpt_args)
+        if start == 0 and master is not None:  # imported weights (weights-only checkpoint): masters follow the model
+            master.model_to_master()
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_toml(cfg))
     end = t.steps if until is None else min(until, t.steps)
 
-    fpt, peak = model.flops_per_token(t.seq_len), peak_flops(device)
+    peak = peak_flops(device)
     writer = None
     if rank == 0 and cfg.log.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
@@ -170,9 +220,9 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     say = (lambda s: None) if quiet or rank != 0 else tqdm.write
     if rank == 0 and not quiet:
-        n = sum(p.numel() for p in model.parameters())
-        say(f"pith_lit: {cfg.model.model_type} {n/1e6:.2f}M params ({model.active_matmul_params()/1e6:.2f}M active "
-            f"matmul), {device.type} {str(dtype).removeprefix('torch.')}, {world} rank(s), steps {start}->{end}, "
+        how = f", DualPipeV over {pp} pipeline rank(s)" if pipelined else ""
+        say(f"pith_lit: {cfg.model.model_type} {n_params/1e6:.2f}M params ({active/1e6:.2f}M active matmul), "
+            f"{device.type} {str(dtype).removeprefix('torch.')}, {world} rank(s){how}, steps {start}->{end}, "
             f"{cfg.tokens_per_step} tokens/step, run dir {run_dir}")
 
     bar = tqdm(range(start, end), initial=start, total=end, disable=quiet or rank != 0, desc="train",
@@ -186,32 +236,35 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             for g in optimizer.param_groups:
                 g["lr"] = lr
             lb.start_step()
-            n_micro = cfg.num_micro_batches
             batches = [data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro)]
             n_tokens = all_reduce_(sum(count_tokens(y) for _, y in batches).to(device, torch.float32), dense)
-            ce_sum, aux_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-            for x, y in batches:
-                ce, aux = micro_step(model, x.to(device), y.to(device), n_tokens, lb, n_micro * data_world,
-                                     dispatcher)
-                ce_sum += ce.float()
-                aux_sum += aux.float().to(device)
+            if pipe is not None:  # sums of this rank's stages: the token loss on pipeline rank 0 only
+                ce_sum, aux_sum = pipe.step([(x.to(device), y.to(device)) for x, y in batches], 1 / n_tokens)
+            else:
+                ce_sum, aux_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+                for x, y in batches:
+                    ce, aux = micro_step(model, x.to(device), y.to(device), n_tokens, lb, aux_div, dispatcher)
+                    ce_sum += ce.float()
+                    aux_sum += aux.float().to(device) / aux_div     # as it entered the objective
             if mesh is not None:  # sums: the token-weighted loss already divides by the global token count
                 all_reduce_grads(model, mesh.dense, mesh.expert)
             if master is not None:
                 master.grads_to_master()
-            grad_norm = clip_grad_norm(replicated, t.grad_clip, experts, mesh.ep if ep > 1 else None)
+            grad_norm = clip_grads(replicated, experts, t.grad_clip, mesh)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if master is not None:
                 master.master_to_model()
-            stats = all_reduce_(torch.stack([ce_sum, torch.tensor(float(stop.set), device=device)]), dense)
-            loss = (stats[0] / n_tokens).item()
-            stop_now = stats[1].item() > 0
+            balance = [v for k, v in lb.stats().items() if k != "lb/mean"] if lb.counts else []  # this rank's layers
+            stats = torch.cat([torch.stack([ce_sum, aux_sum]).double(), torch.tensor(
+                [sum(balance), len(balance), float(stop.set)], dtype=torch.float64, device=device)])
+            all_reduce_(stats, everyone)
+            loss = (stats[0] / n_tokens.double()).item()
+            stop_now = stats[4].item() > 0
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            bal = lb.stats()
-            rec = {"step": step + 1, "loss": loss, "lb_loss": aux_sum.item() / n_micro, "balance": bal['lb/mean'],
+            rec = {"step": step + 1, "loss": loss, "lb_loss": stats[1].item(), "balance": (stats[2] / stats[3]).item(),
                    "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": cfg.tokens_per_step / dt,
                    "step_time_s": dt}
             if peak is not None:
@@ -229,7 +282,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}")
                 if (step + 1) % cfg.log.every == 0 or step == start:
                     mfu = f" mfu {rec['mfu']:.1%}" if "mfu" in rec else ""
-                    say(f"step {step + 1:>6} loss {loss:.4f} balance {bal['lb/mean']:.3f} lr {lr:.2e} "
+                    say(f"step {step + 1:>6} loss {loss:.4f} balance {rec['balance']:.3f} lr {lr:.2e} "
                         f"grad {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s{mfu} "
                         f"peak {rec['peak_mem_gb']:.2f} GiB")
             if not math.isfinite(loss):
@@ -239,8 +292,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             done = step + 1
             every = cfg.ckpt.every
             if every >= 0 and (stop_now or done == end or (every and done % every == 0)):
-                checkpoint.save(run_dir, done, model=model, optimizer=optimizer, extra=extra, model_config=model_cfg,
-                                keep=cfg.ckpt.keep)
+                checkpoint.save(run_dir, done, keep=cfg.ckpt.keep, **ckpt_args)
             if stop_now:
                 say(f"stopped by signal after step {done}; checkpoint saved, rerun to resume")
                 stopped = True
@@ -251,9 +303,12 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     if metrics_file is not None:
         metrics_file.close()
     sample = ""
-    if rank == 0 and cfg.log.sample_tokens and not stopped and history and ep == 1:  # sampling needs every expert
-        sample = greedy_sample(model, load_tokenizer(cfg.data.tokenizer), data, cfg.log.sample_tokens, device)
-        say("sample: " + repr(sample))
+    if rank == 0 and cfg.log.sample_tokens and not stopped and history:
+        if pp == 1 and ep == 1:
+            sample = greedy_sample(model, load_tokenizer(cfg.data.tokenizer), data, cfg.log.sample_tokens, device)
+            say("sample: " + repr(sample))
+        else:
+            say(f"no sample: greedy_sample needs the whole model, and pp = {pp}, ep = {ep} split it among the ranks")
     return {"history": history, "start": start, "end": step + 1 if history else start, "stopped": stopped,
             "sample": sample, "model": model}
 
