@@ -22,6 +22,12 @@ def files(root: Path, sub: str) -> set[str]:
                         for part in p.relative_to(root).parts) and p.suffix != ".png"}
 
 
+def nbdev_export() -> str:
+    "The nbdev_export installed beside this interpreter (a virtual environment need not be activated)."
+    beside = Path(sys.executable).parent / "nbdev_export"
+    return str(beside) if beside.exists() else "nbdev_export"
+
+
 def check(root: Path) -> list[str]:
     root = root.resolve()
     problems = []
@@ -40,7 +46,7 @@ def check(root: Path) -> list[str]:
         if sources:
             subprocess.run([sys.executable, "-m", "jupytext", "--quiet", "--to", "ipynb", "--update", *sources],
                            cwd=copy, check=True, capture_output=True)
-        subprocess.run(["nbdev_export"], cwd=copy, check=True, capture_output=True)
+        subprocess.run([nbdev_export()], cwd=copy, check=True, capture_output=True)
         before = files(root, "nbs") | files(root, "pith_lit")
         after = files(copy, "nbs") | files(copy, "pith_lit")
         for f in sorted(after - before):
