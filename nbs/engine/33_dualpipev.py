@@ -38,7 +38,6 @@
 # %%
 #| export
 import argparse
-import copy
 import json
 import time
 from contextlib import contextmanager
@@ -965,6 +964,8 @@ print(f"bubble fraction: measured {bubble_fraction(measured):.3f}, predicted {bu
 
 # %%
 #| cuda
+import copy
+
 from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
 
 big = Config(vocab_size=4096, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8,

@@ -192,7 +192,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, labels, ignore_index, chunk_size, impl, need_grad_h, need_grad_w):
-        T, V = h.shape[0], weight.shape[0]
+        T = h.shape[0]
         acc_dtype = torch.promote_types(h.dtype, torch.float32)
         loss = torch.zeros((), dtype=acc_dtype, device=h.device)
         grad_h = torch.empty_like(h) if need_grad_h else None

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -404,6 +403,8 @@ print({k: header[k] for k in ("dtype", "vocab_size", "num_tokens", "num_docs")})
 # A truncated copy is refused at open (tests/test_data.py checks every error message):
 
 # %%
+import shutil
+
 shutil.copy(scratch / "demo.json", scratch / "cut.json")
 shutil.copy(scratch / "demo.idx", scratch / "cut.idx")
 (scratch / "cut.bin").write_bytes((scratch / "demo.bin").read_bytes()[:-10])

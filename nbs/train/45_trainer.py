@@ -34,7 +34,6 @@ import math
 import resource
 import signal
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch

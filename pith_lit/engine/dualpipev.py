@@ -7,7 +7,6 @@ __all__ = ['COLORS', 'stage_layers', 'StagePart', 'split_model', 'dualpipev_sche
 
 # %% ../../nbs/engine/33_dualpipev.ipynb #8af9037b
 import argparse
-import copy
 import json
 import time
 from contextlib import contextmanager

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 import sysconfig
 import tempfile
 from dataclasses import dataclass
