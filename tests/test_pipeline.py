@@ -129,3 +129,13 @@ def test_overlap_with_expert_parallelism():
 def test_pipeline_with_expert_parallelism():
     "pp = 2 × ep = 2 on four processes."
     assert len(torchrun(4, "--micro", "4", "5", "--ep", "2")) == 8
+
+
+def test_four_pipeline_ranks():
+    "pp = 4 on four processes (9 layers in 8 stages), 2P micro-batches."
+    assert len(torchrun(4, "--micro", "8")) == 4
+
+
+def test_deepseek_v2_pipeline():
+    "pp = 2 with DeepSeek-V2 (dense first layer on rank 0's first stage, shared experts, latent attention)."
+    assert len(torchrun(2, "--micro", "4", "5", "--model", "deepseek_v2")) == 4

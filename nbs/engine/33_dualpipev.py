@@ -699,14 +699,25 @@ class DualPipeV:
 
 # %%
 #| export
-def _tiny(seed: int = 0, dtype=torch.float32):
-    "The tiny Qwen3-MoE of the checks: 5 layers, layer 2 dense, 4 experts top-2."
-    from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
-    cfg = Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermediate_size=48, num_hidden_layers=5,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                 mlp_only_layers=[2])
+def _tiny(seed: int = 0, dtype=torch.float32, family: str = "qwen3_moe", layers: int = 5):
+    """The tiny model of the checks, 4 routed experts top-2: a Qwen3-MoE with layer 2 dense, or a DeepSeek-V2 with
+    its first layer dense, a shared expert and latent attention."""
+    match family:
+        case "qwen3_moe":
+            from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM as Model
+            cfg = Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermediate_size=48,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[2])
+        case "deepseek_v2":
+            from pith_lit.models.deepseek_v2 import Config, DeepseekV2ForCausalLM as Model
+            cfg = Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                         n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
+                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+        case other:
+            raise ValueError(f"family {other!r}: use 'qwen3_moe' or 'deepseek_v2'")
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(cfg).to(dtype)
+    return Model(cfg).to(dtype)
 
 
 def _loss_fn(model):
@@ -738,7 +749,7 @@ def reference_step(model, micro_batches, loss_scale, aux_fn) -> tuple[Tensor, Te
     loss_fn, loss_sum, aux_sum = _loss_fn(model), 0.0, 0.0
     for ids, labels in micro_batches:
         h, routings = run_layers(model.model.layers.values(), model.prolog(ids),
-                                 torch.arange(ids.shape[1], device=ids.device), LocalDispatcher(model.config.num_experts))
+                                 torch.arange(ids.shape[1], device=ids.device), LocalDispatcher(model.config.routed_experts))
         loss = loss_fn(h, labels)
         aux = sum(aux_fn(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None)
         (loss * loss_scale + aux).backward()
@@ -813,19 +824,21 @@ def _expert_parallel(model, mesh, ep_rank: int, ep: int, num_experts: int):
 
 
 def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = torch.device("cpu"),
-                   seed: int = 0) -> list[str]:
+                   seed: int = 0, family: str = "qwen3_moe") -> list[str]:
     """Worker: DualPipeV with pp = world / ep pipeline ranks (and `ep` expert-parallel ranks, `EPDispatcher`) against
     a single-process reference, one step per micro-batch count. With ep > 1 each expert-parallel rank reads its own
     micro-batches (as data parallelism does), so the reference runs all of them, and the ranks sum their gradients
     (engine/31_ep `all_reduce_grads`) before comparing; expert gradients are compared with the rank's slice.
     float32 on the CPU (gradients to 1e-5, loss to 1e-6 relative); bf16 on CUDA, where only rounding-level
-    agreement is expected (3e-2 and 1e-3): a misrouted activation would be off by far more."""
+    agreement is expected (3e-2 and 1e-3): a misrouted activation would be off by far more. The model has
+    max(5, 2·pp + 1) layers, so every one of the 2·pp stages gets at least one."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pp_group, pp_rank, pp, ep_rank, mesh = _parallel(ep, device)
     dtype, (grad_tol, loss_tol) = (torch.float32, (1e-5, 1e-6)) if device.type == "cpu" else (torch.bfloat16, (3e-2, 1e-3))
     lines = []
     for M in micro_counts:
-        ref, model = _tiny(seed, dtype).to(device), _tiny(seed, dtype).to(device)
+        layers = max(5, 2 * pp + 1)
+        ref, model = (_tiny(seed, dtype, family, layers).to(device) for _ in range(2))
         shards = [[(x.to(device), y.to(device)) for x, y in _micro_batches(M, 64, seed + M + 100 * e)]
                   for e in range(ep)]                                         # expert-parallel rank e's data
         batches, scale, aux_fn = shards[ep_rank], 1 / (M * ep * 16), _aux_fn(4)
@@ -840,7 +853,7 @@ def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
             dist.all_reduce(loss, group=mesh.ep)
             n = 4 // ep
             ref_grads = {k: g[ep_rank * n:(ep_rank + 1) * n] if is_expert_param(k) else g for k, g in ref_grads.items()}
-        what = f"rank {rank}: pp={pp} ep={ep} M={M}"
+        what = f"rank {rank}: {family} pp={pp} ep={ep} M={M}"
         worst = compare(model, ref_grads, loss, ref_loss if pp_rank == 0 else None, what, grad_tol, loss_tol)
         dist.all_reduce(aux)
         assert abs(aux - ref_aux) <= loss_tol * abs(ref_aux), f"{what}: load-balance sum {aux} vs {ref_aux}"
@@ -880,6 +893,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="DualPipeV checks against one process; launch with torchrun")
     ap.add_argument("--micro", type=int, nargs="*", default=[4, 5, 6], help="micro-batch counts to check")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (pp = processes / ep)")
+    ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"], default="qwen3_moe", help="the tiny model family")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo, float32; cuda: NCCL, bf16")
     ap.add_argument("--timeline", help="also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
@@ -889,7 +903,7 @@ def main(argv=None) -> None:
     _, _, device = init_distributed(120, args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    run_ranked(check_pipeline, args.micro, args.ep, device)   # a failing rank ends the job at once, with its traceback
+    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model)   # a failing rank ends the job at once, with its traceback
     if args.timeline:
         run_ranked(record_timeline, args.timeline, args.timeline_micro, args.ep, device, 2, args.timeline_hidden,
                    args.timeline_seq)
