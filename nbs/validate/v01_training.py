@@ -16,8 +16,10 @@
 # bitwise deterministic). It draws the loss and load-balance curves into `out_dir/v01_training.png` and ends
 # with PASS or FAIL.
 #
-# CPU (the defaults): `papermill` with no parameters. One H200, the bench shape:
-# `-p config ../../configs/bench-qwen3-30b-a3b.toml -p steps 30 -p min_drop 1.0 -p resume_rtol 1e-2`.
+# CPU (the defaults): `papermill` with no parameters. On a GPU, the bench width with 2 layers (what
+# `skills/validate-correctness/check.sh --gpu` passes): `-p config ../../configs/bench-qwen3-30b-a3b.toml -p steps 30
+# -p min_drop 1.0 -p resume_rtol 1e-2 -p max_balance 16 -y 'overrides: ["model.num_hidden_layers=2",
+# "train.warmup=5", "ckpt.every=0", "ckpt.keep=1"]'`.
 
 # %% tags=["parameters"]
 config = "../../configs/tiny.toml"  # a path relative to this notebook's folder, or absolute
