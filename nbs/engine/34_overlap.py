@@ -1,0 +1,174 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # How much communication is hidden
+#
+# The point of the five-stage split and of DualPipeV is that all-to-alls and pipeline sends run *while* the GPU
+# computes. Whether they do is a question for a profiler trace, not for the schedule's intentions: this notebook
+# reads a `torch.profiler` trace (the Chrome-trace JSON that `prof.export_chrome_trace` writes) and reports, per
+# rank and per stage, how much communication time was covered by compute kernels running at the same moment, and
+# how much was *exposed* (the GPU did nothing but communicate).
+#
+# Definitions, on the GPU timeline of one trace:
+# - **communication** = kernels whose name contains `nccl` (all-to-all, send/recv, all-reduce), on any stream;
+# - **compute** = every other kernel;
+# - **exposed** = the time covered by communication and by no compute kernel; **hidden** = communication time minus
+#   exposed; the hidden fraction is hidden / communication. Times are measures of unions of intervals, so two
+#   overlapping communication kernels are not counted twice.
+# - **per stage**: the trace's `gpu_user_annotation` ranges (the GPU-side spans of `torch.profiler.record_function`
+#   labels, such as the F, B and W slots of a DualPipeV step) cut the timeline; each label's row sums its windows.
+#
+# `python -m pith_lit.engine.overlap TRACE.json [TRACE.json ...]` prints one table per trace (one per rank).
+
+# %%
+#| default_exp engine.overlap
+
+# %%
+#| export
+import argparse
+import json
+from collections import defaultdict
+
+# %% [markdown]
+# ## Intervals
+#
+# Everything reduces to three operations on sorted, disjoint interval lists: the union (merge what overlaps),
+# the intersection and the difference.
+
+# %%
+#| export
+def union(spans) -> list[tuple[float, float]]:
+    "Merge (start, end) spans into disjoint, sorted ones."
+    out = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def length(spans) -> float:
+    "Total length of disjoint spans."
+    return sum(e - s for s, e in spans)
+
+
+def intersect(a, b) -> list[tuple[float, float]]:
+    "Intersection of two disjoint, sorted span lists."
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a, b) -> list[tuple[float, float]]:
+    "Parts of the disjoint spans `a` not covered by the disjoint spans `b`."
+    out, j = [], 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k, cur = j, s
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+# %%
+assert union([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+assert intersect([(0, 3), (5, 8)], [(2, 6)]) == [(2, 3), (5, 6)] and length([(2, 3), (5, 6)]) == 2
+assert subtract([(0, 10), (20, 30)], [(2, 4), (8, 22)]) == [(0, 2), (4, 8), (22, 30)]
+
+# %% [markdown]
+# ## The report
+
+# %%
+#| export
+def _kernels(trace: dict):
+    "(name, start µs, end µs) of every GPU kernel in a Chrome trace."
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") == "kernel":
+            yield ev["name"], float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0))
+
+
+def overlap_report(trace: dict) -> dict:
+    """Communication, hidden and exposed time (ms) of one rank's trace, in total and per annotated stage."""
+    comm = union((s, e) for n, s, e in _kernels(trace) if "nccl" in n.lower())
+    compute = union((s, e) for n, s, e in _kernels(trace) if "nccl" not in n.lower())
+    exposed = subtract(comm, compute)
+
+    def row(window):
+        c = intersect(comm, window)
+        x = intersect(exposed, window)
+        total = length(c)
+        return {"comm_ms": total / 1e3, "exposed_ms": length(x) / 1e3, "hidden_ms": (total - length(x)) / 1e3,
+                "hidden_frac": (total - length(x)) / total if total else 1.0}
+
+    stages = defaultdict(list)
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") == "gpu_user_annotation":
+            stages[ev["name"]].append((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0))))
+    everything = [(min([s for s, _ in comm + compute], default=0.0), max([e for _, e in comm + compute], default=0.0))]
+    return {"total": row(everything), "stages": {k: row(union(v)) for k, v in sorted(stages.items())}}
+
+
+# %% [markdown]
+# Check on a trace written by hand: an all-to-all of 100 µs of which a matmul covers the first 60, a send of
+# 50 µs with nothing beside it, and two stage annotations. Half of the exposed time is the send.
+
+# %%
+def kernel(name, ts, dur):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def stage(name, ts, dur):
+    return {"ph": "X", "cat": "gpu_user_annotation", "name": name, "ts": ts, "dur": dur}
+
+
+demo = {"traceEvents": [kernel("sm90_xmma_gemm_bf16", 0, 60), kernel("ncclDevKernel_AllToAll_RING", 0, 100),
+                        kernel("ncclDevKernel_SendRecv", 200, 50), kernel("triton_gather_rows", 90, 20),
+                        stage("F0+B1", 0, 150), stage("W1", 150, 120)]}
+r = overlap_report(demo)
+print(json.dumps(r, indent=1))
+assert abs(r["total"]["comm_ms"] - 0.150) < 1e-9 and abs(r["total"]["exposed_ms"] - 0.080) < 1e-9
+assert abs(r["stages"]["F0+B1"]["hidden_frac"] - 0.7) < 1e-9 and r["stages"]["W1"]["hidden_frac"] == 0.0
+
+# %% [markdown]
+# ## Command line
+
+# %%
+#| export
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Hidden and exposed communication in torch.profiler Chrome traces")
+    ap.add_argument("traces", nargs="+", help="trace JSON files, e.g. one per rank")
+    args = ap.parse_args(argv)
+    for path in args.traces:
+        with open(path) as f:
+            r = overlap_report(json.load(f))
+        print(f"{path}\n  {'stage':24} {'comm ms':>9} {'exposed ms':>11} {'hidden':>7}")
+        for name, row in [("(whole trace)", r["total"]), *r["stages"].items()]:
+            print(f"  {name:24} {row['comm_ms']:9.3f} {row['exposed_ms']:11.3f} {row['hidden_frac']:7.1%}")
+
+
+if __name__ == "__main__" and __spec__ is not None:
+    main()
+
+# %% [markdown]
+# On a GPU machine, record a step with `torch.profiler.profile(activities=[CPU, CUDA])` around
+# `DualPipeV.step` (its F/B/W slots can be labelled with `record_function`), export one trace per rank with
+# `prof.export_chrome_trace(f"trace_rank{rank}.json")`, and run the command above on them.
