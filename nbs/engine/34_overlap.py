@@ -170,5 +170,6 @@ if __name__ == "__main__" and __spec__ is not None:
 
 # %% [markdown]
 # On a GPU machine, record a step with `torch.profiler.profile(activities=[CPU, CUDA])` around
-# `DualPipeV.step` (its F/B/W slots can be labelled with `record_function`), export one trace per rank with
-# `prof.export_chrome_trace(f"trace_rank{rank}.json")`, and run the command above on them.
+# `DualPipeV.step` (its slots are `record_function` ranges named as in its timeline: `F0`, `B1`, `F0&B1`, `W`,
+# `comm`), export one trace per rank with `prof.export_chrome_trace(f"trace_rank{rank}.json")`, and run the
+# command above on them.
