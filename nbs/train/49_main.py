@@ -27,19 +27,25 @@
 #| export
 import sys
 
+import torch.distributed as dist
+
 from pith_lit.train.config import ConfigError, parse_args
 from pith_lit.train.trainer import NonFiniteLoss, train
 
 # %%
 #| export
 def main(argv: list[str] | None = None) -> int:
-    "Run the trainer from command-line arguments; returns the process exit code."
+    """Run the trainer from command-line arguments; returns the process exit code. Under torchrun the process
+    group is taken down before returning: left to the interpreter's exit, gloo's threads can abort the process."""
     try:
         cfg = parse_args(argv)
         out = train(cfg)
     except (ConfigError, NonFiniteLoss) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0 if not out["stopped"] else 130
 
 

@@ -6,18 +6,24 @@ __all__ = ['main']
 # %% ../../nbs/train/49_main.ipynb #6d6d549c
 import sys
 
+import torch.distributed as dist
+
 from .config import ConfigError, parse_args
 from .trainer import NonFiniteLoss, train
 
 # %% ../../nbs/train/49_main.ipynb #f74f2415
 def main(argv: list[str] | None = None) -> int:
-    "Run the trainer from command-line arguments; returns the process exit code."
+    """Run the trainer from command-line arguments; returns the process exit code. Under torchrun the process
+    group is taken down before returning: left to the interpreter's exit, gloo's threads can abort the process."""
     try:
         cfg = parse_args(argv)
         out = train(cfg)
     except (ConfigError, NonFiniteLoss) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0 if not out["stopped"] else 130
 
 
