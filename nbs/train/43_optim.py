@@ -82,7 +82,8 @@ assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0] and opt.defau
 # parameters after it. The model still computes in bf16.
 #
 # `MasterWeights` does exactly that and nothing for parameters already in fp32 (the master *is* the
-# parameter, no copy). It looks like a module to `build_optimizer` (it has `named_parameters()`), so the trainer
+# parameter, no copy). It is a module whose parameters carry the model's names, so `build_optimizer` and DCP's
+# optimizer state dict treat it like the model itself, and the trainer
 # code is the same for fp32 and bf16 models. Sharded runs get the same effect from FSDP2's
 # `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, which keeps fp32 shards; this wrapper is for parameters
 # that are *stored* in bf16. One step reads:
