@@ -333,3 +333,15 @@ def test_warmup_overlaps_wsd_decay():
     msg = error(["train.steps=100", "train.warmup=90", "train.decay_frac=0.2"])
     assert msg.startswith("train.warmup = 90: overlaps the wsd decay") and "use warmup <= 80" in msg
     assert load_config(overrides=["train.steps=100", "train.warmup=90", "train.schedule=cosine"]).train.warmup == 90
+
+
+def test_profile_step_outside_the_run():
+    assert error(["train.steps=10", "log.profile_step=11"]) == (
+        "log.profile_step = 11: not a step of this run; use 1..10 (train.steps), or 0 for no trace")
+    assert error(["log.profile_step=-1"]).startswith("log.profile_step = -1: not a step of this run")
+
+
+def test_pipeline_needs_two_layers_per_rank():
+    assert error(["parallel.pp=2", "model.num_hidden_layers=3", "train.global_batch=16"], 2) == (
+        "parallel.pp = 2: DualPipeV cuts the model into 2·pp = 4 stages of at least one layer, but "
+        "model.num_hidden_layers = 3; use parallel.pp <= 1")

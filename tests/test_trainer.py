@@ -60,7 +60,9 @@ def test_other_model_in_run_dir_is_refused(tmp_path):
 
 def test_metrics_and_tensorboard(tmp_path):
     out = train(load_config(overrides=[f"run.dir={tmp_path}", "train.steps=3", "train.warmup=1",
-                                       "log.sample_tokens=8"]), quiet=True)
+                                       "log.sample_tokens=8", "log.profile_step=2"]), quiet=True)
+    trace = json.loads((tmp_path / "trace-rank0.json").read_text())   # step 2 was recorded: its ranges are there
+    assert any(ev.get("name") == "aten::mm" for ev in trace["traceEvents"]), "the trace holds no matmul"
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:

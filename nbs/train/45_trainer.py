@@ -389,6 +389,12 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     history, step, stopped = [], start, False
     with StopFlag() as stop:
         for step in bar:
+            prof = None
+            if step + 1 == cfg.log.profile_step:   # one whole step, every rank, CPU ranges and GPU kernels
+                acts = [torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                prof = torch.profiler.profile(activities=acts)
+                prof.start()
             t0 = time.perf_counter()
             lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup, schedule=t.schedule,
                        decay_frac=t.decay_frac, min_lr_ratio=t.min_lr_ratio)
@@ -423,6 +429,10 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            if prof is not None:   # after the timing, so writing the trace does not count against the step
+                prof.stop()
+                run_dir.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(run_dir / f"trace-rank{rank}.json"))
             rec = {"step": step + 1, "loss": loss, "lb_loss": stats[1].item(), "balance": (stats[2] / stats[3]).item(),
                    "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": cfg.tokens_per_step / dt,
                    "step_time_s": dt}

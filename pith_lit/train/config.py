@@ -93,6 +93,8 @@ class LogConfig:
     every: int = cfg(10, "steps between log lines")
     tensorboard: bool = cfg(True, "write TensorBoard event files to run.dir")
     sample_tokens: int = cfg(64, "length of the greedy sample printed at the end (0 disables)")
+    profile_step: int = cfg(0, "step (counted from 1) to record with torch.profiler into run.dir/trace-rank<R>.json, "
+                            "for `python -m pith_lit.engine.overlap` (0 disables)")
 
 # %% ../../nbs/train/40_config.ipynb #ef942eb4
 class ConfigError(ValueError):
@@ -307,6 +309,12 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
               f"train.global_batch = {t.global_batch}: gives {cfg.num_micro_batches} micro-batches per step "
               f"(global_batch / (micro_batch × dp × ep)), but DualPipeV with {why} needs at least 2·pp = {2 * p.pp}; "
               f"use global_batch >= {2 * p.pp * per_step} or a smaller micro_batch")
+        _need(m.num_hidden_layers >= 2 * p.pp,
+              f"parallel.pp = {p.pp}: DualPipeV cuts the model into 2·pp = {2 * p.pp} stages of at least one layer, "
+              f"but model.num_hidden_layers = {m.num_hidden_layers}; use parallel.pp <= {m.num_hidden_layers // 2}")
+    _need(0 <= cfg.log.profile_step <= t.steps,
+          f"log.profile_step = {cfg.log.profile_step}: not a step of this run; use 1..{t.steps} (train.steps), or 0 "
+          "for no trace")
     _need(t.warmup <= t.steps, f"train.warmup = {t.warmup}: longer than train.steps = {t.steps}; use at most "
           f"{t.steps} warmup steps")
     decay = round(t.decay_frac * t.steps)

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The two-GPU measurements in benchmarks/RESULTS.md: expert parallelism, the overlapped schedule at pp 1 and
+# DualPipeV at pp 2 against one GPU, on the bench configs. Run from the repository root on a machine with two GPUs:
+#
+#     OUT=/tmp/two_gpus bash benchmarks/two_gpus.sh [STEPS]
+#
+# Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
+# single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
+# `python -m pith_lit.engine.overlap` reports its hidden and exposed communication. After each run, $OUT/two_gpus.tgz
+# is refreshed with everything but the traces. The last thing printed is a table (also in $OUT/summary.json)
+# made by benchmarks/summarise.py.
+set -u
+OUT=${OUT:-/tmp/two_gpus}
+STEPS=${1:-30}
+PROFILE=$((STEPS - 5))
+LOGS=runs/two_gpus/logs
+mkdir -p "$OUT" $LOGS
+export PYTHONUNBUFFERED=1
+Q=${Q:-configs/bench-qwen3-30b-a3b.toml}      # Q=configs/tiny.toml D=configs/tiny-deepseek-v2.toml: a CPU trial
+D=${D:-configs/bench-deepseek-v2-lite.toml}
+# Qwen3 at global batch 16 (8 micro-batches of 2 on one GPU; 4 per rank at ep 2; 8 through DualPipeV at pp 2).
+QSET="--set train.global_batch=16 --set train.steps=$STEPS --set train.warmup=5 --set log.tensorboard=false"
+DSET="--set train.steps=$STEPS --set train.warmup=5 --set log.tensorboard=false"
+
+one() {  # NAME GPU CONFIG ARGS...: one process on one GPU
+  local name=$1 gpu=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout 400 python3 -m pith_lit.train "$@" --set run.dir=runs/two_gpus/$name \
+    > "$LOGS/$name.log" 2>&1
+  echo "$name: exit $?"
+}
+keep() { tar czf "$OUT/two_gpus.tgz" --exclude 'trace-*' runs/two_gpus; }
+two() {  # NAME CONFIG ARGS...: two processes, one per GPU, profiling one step
+  local name=$1; shift
+  timeout 400 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.train "$@" \
+    --set run.dir=runs/two_gpus/$name --set log.profile_step=$PROFILE > "$LOGS/$name.log" 2>&1
+  echo "$name: exit $?"
+  for r in 0 1; do
+    [ -f runs/two_gpus/$name/trace-rank$r.json ] && \
+      python3 -m pith_lit.engine.overlap runs/two_gpus/$name/trace-rank$r.json > "$LOGS/$name.overlap$r.txt"
+  done
+  keep
+}
+
+# The single-GPU baselines, one per GPU, at the same time.
+one qwen_1gpu 0 $Q $QSET &
+one dsv2_1gpu 1 $D $DSET &
+wait
+keep
+two qwen_ep2 $Q $QSET --set parallel.ep=2
+two qwen_ep2_overlap $Q $QSET --set parallel.ep=2 --set parallel.overlap=true
+two qwen_pp2 $Q $QSET --set parallel.pp=2
+two dsv2_ep2_overlap $D $DSET --set parallel.ep=2 --set parallel.overlap=true
+two dsv2_pp2 $D $DSET --set parallel.pp=2
+python3 benchmarks/summarise.py runs/two_gpus "$OUT/summary.json"
+keep
