@@ -4,8 +4,8 @@ RUNS_DIR holds one run directory per configuration (as `python -m pith_lit.train
 metrics.jsonl and, when `log.profile_step` was set, trace-rank<R>.json). For each run it prints the mean
 tokens/s of the steps after warm-up (the profiled step left out), per GPU and for the whole job, MFU, peak
 memory, the loss at the first and last step, the largest relative loss difference from the single-GPU run of
-the same model (the run whose name ends in `_1gpu` and starts with the same word), and the share of
-communication hidden under compute from the traces."""
+the same model (the run whose name ends in `_1gpu` and starts with the same word), the share of
+communication hidden under compute and the share of the GPU span with no kernel running, from the traces."""
 import json
 import sys
 import tomllib
@@ -36,6 +36,8 @@ def summarise(run: Path) -> dict:
         out["comm"] = comm
         total = sum(c["comm_ms"] for c in comm)
         out["hidden_frac"] = sum(c["hidden_ms"] for c in comm) / total if total else None
+        span = sum(c["span_ms"] for c in comm)          # 0 on the CPU: no kernels in the trace
+        out["idle_frac"] = sum(c["idle_ms"] for c in comm) / span if span else None
     return out
 
 
@@ -52,13 +54,13 @@ def main(runs_dir: str, out_json: str | None = None) -> list[dict]:
         Path(out_json).write_text(json.dumps(rows, indent=1))
     fmt = lambda v, f: "-" if v is None else format(v, f)
     print(f"{'run':20} {'gpus':>4} {'tok/s':>9} {'tok/s/gpu':>9} {'vs 1gpu':>7} {'mfu':>6} {'peak GiB':>8} "
-          f"{'loss':>13} {'max dloss':>9} {'balance':>7} {'hidden':>6}")
+          f"{'loss':>13} {'max dloss':>9} {'balance':>7} {'hidden':>6} {'idle':>6}")
     for r in rows:
         print(f"{r['run']:20} {r['gpus']:>4} {fmt(r['tokens_per_s'], ',.0f'):>9} "
               f"{fmt(r['tokens_per_s_per_gpu'], ',.0f'):>9} {fmt(r.get('per_gpu_vs_1gpu'), '.3f'):>7} "
               f"{fmt(r['mfu'], '.1%'):>6} {r['peak_mem_gb']:8.1f} {r['loss_first']:6.3f}>{r['loss_last']:6.3f} "
               f"{fmt(r.get('max_rel_loss_diff_vs_1gpu'), '.2e'):>9} {r['balance_last']:7.2f} "
-              f"{fmt(r.get('hidden_frac'), '.1%'):>6}")
+              f"{fmt(r.get('hidden_frac'), '.1%'):>6} {fmt(r.get('idle_frac'), '.1%'):>6}")
     return rows
 
 

@@ -22,34 +22,44 @@ D=${D:-configs/bench-deepseek-v2-lite.toml}
 QSET="--set train.global_batch=16 --set train.steps=$STEPS --set train.warmup=5 --set log.tensorboard=false"
 DSET="--set train.steps=$STEPS --set train.warmup=5 --set log.tensorboard=false"
 
-one() {  # NAME GPU CONFIG ARGS...: one process on one GPU
-  local name=$1 gpu=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu timeout 400 python3 -m pith_lit.train "$@" --set run.dir=runs/two_gpus/$name \
-    > "$LOGS/$name.log" 2>&1
-  echo "$name: exit $?"
+report() {  # NAME: the communication report of each rank's trace
+  for r in 0 1; do
+    [ -f runs/two_gpus/$1/trace-rank$r.json ] && \
+      python3 -m pith_lit.engine.overlap runs/two_gpus/$1/trace-rank$r.json > "$LOGS/$1.overlap$r.txt"
+  done
 }
 keep() { tar czf "$OUT/two_gpus.tgz" --exclude 'trace-*' runs/two_gpus; }
+one() {  # NAME GPU CONFIG ARGS...: one process on one GPU, profiling one step
+  local name=$1 gpu=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout 400 python3 -m pith_lit.train "$@" --set run.dir=runs/two_gpus/$name \
+    --set log.profile_step=$PROFILE > "$LOGS/$name.log" 2>&1
+  echo "$name: exit $?"
+  report $name
+}
 two() {  # NAME CONFIG ARGS...: two processes, one per GPU, profiling one step
   local name=$1; shift
   timeout 400 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.train "$@" \
     --set run.dir=runs/two_gpus/$name --set log.profile_step=$PROFILE > "$LOGS/$name.log" 2>&1
   echo "$name: exit $?"
-  for r in 0 1; do
-    [ -f runs/two_gpus/$name/trace-rank$r.json ] && \
-      python3 -m pith_lit.engine.overlap runs/two_gpus/$name/trace-rank$r.json > "$LOGS/$name.overlap$r.txt"
-  done
+  report $name
   keep
 }
 
-# The single-GPU baselines, one per GPU, at the same time.
+# The single-GPU baselines, one per GPU, at the same time: plain, and the overlapped schedule (P = 1, nothing to
+# hide on one GPU, so this is its overhead).
 one qwen_1gpu 0 $Q $QSET &
-one dsv2_1gpu 1 $D $DSET &
+one qwen_1gpu_overlap 1 $Q $QSET --set parallel.overlap=true &
 wait
 keep
 two qwen_ep2 $Q $QSET --set parallel.ep=2
 two qwen_ep2_overlap $Q $QSET --set parallel.ep=2 --set parallel.overlap=true
 two qwen_pp2 $Q $QSET --set parallel.pp=2
+one dsv2_1gpu 0 $D $DSET
 two dsv2_ep2_overlap $D $DSET --set parallel.ep=2 --set parallel.overlap=true
 two dsv2_pp2 $D $DSET --set parallel.pp=2
+for name in qwen_1gpu_overlap qwen_ep2_overlap; do   # two traces to read at leisure, when small enough
+  f=runs/two_gpus/$name/trace-rank0.json
+  [ -f $f ] && [ $(stat -c %s $f) -lt 150000000 ] && gzip -c $f > "$OUT/$name.trace0.json.gz"
+done
 python3 benchmarks/summarise.py runs/two_gpus "$OUT/summary.json"
 keep

@@ -184,6 +184,12 @@ assert torch.equal(xa.grad, 2 * g) and h.work is None and h.buffers == ()
 # with sizes already on the host (`torch.nonzero_static` instead of `nonzero`, which would sync again).
 # Without the exchange a receiver could only allocate for the worst case and pad.
 #
+# The exchange and the sync are two calls. `exchange_counts` queues the counts all-to-all and an asynchronous
+# copy of every size into pinned host memory, then returns without waiting; `dispatch_start` waits for that
+# copy (a CUDA event) and launches the rows. `dispatch` does both at once. The overlapped schedule of
+# `engine/32_stages` puts another micro-batch's compute between the two, so that when the host blocks on the
+# sizes the GPU still has that compute queued and does not run dry.
+#
 # Along with each row goes its **slots**: `(k,)` int32, the receiver's local expert index for each of the
 # token's k choices that live on the receiver, and L (meaning "elsewhere") for the others. That is 4k bytes
 # per row against 2H for a bf16 row (0.8% at Qwen3-30B's H = 2048, k = 8).
@@ -222,6 +228,15 @@ class EPPlan:
     back: Tensor | None = None   # (N,) grouped row of each received pair, in arrival order
     pending: tuple = ()          # (out, handle, ...) of the exchanges launched and not yet waited for
 
+
+@dataclass(eq=False)
+class EPCounts:
+    "The counts exchange of one micro-batch, launched by `exchange_counts` and not yet read on the host."
+    dest: Tensor                 # (T, k) rank of each pair's expert
+    sends: Tensor                # (T, ep) bool: token t sends a row to rank d
+    host: Tensor                 # sizes, on the host (pinned) once `ready` has fired
+    ready: object = None         # the CUDA event after the copy to the host; None on the CPU
+
 # %% [markdown]
 # ## 3. The dispatcher
 #
@@ -256,8 +271,9 @@ class EPDispatcher:
         self.combine_start(y, routing)
         return self.combine_wait(routing)
 
-    def dispatch_start(self, x: Tensor, routing: Routing) -> None:
-        "Exchange the counts (the one host sync), then launch the exchange of rows and slots."
+    def exchange_counts(self, routing: Routing) -> None:
+        """Launch the counts exchange and its copy to the host without waiting for either; `dispatch_start` waits.
+        Called early, it lets the host queue other work (another micro-batch's stage) before the one host sync."""
         W, L, ids = self.size, self.local, routing.ids
         (T, k), dev = ids.shape, ids.device
         dest = ids // L
@@ -270,7 +286,26 @@ class EPDispatcher:
         meta = torch.cat([rows_out[:, None], counts.view(W, L)], 1)  # to rank d: rows, then pairs per its experts
         meta_in = torch.empty_like(meta)
         dist.all_to_all_single(meta_in, meta, group=self.group)      # equal splits: no sizes needed on the host
-        sizes = torch.cat([rows_out, counts.view(W, L).sum(1), meta_in.flatten()]).tolist()   # the host sync
+        sizes = torch.cat([rows_out, counts.view(W, L).sum(1), meta_in.flatten()])
+        ready = None
+        if dev.type == "cuda":   # into pinned memory, asynchronously; `ready` marks the copy done
+            host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
+            host.copy_(sizes, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = sizes
+        routing.plan = EPCounts(dest, sends, host, ready)
+
+    def dispatch_start(self, x: Tensor, routing: Routing) -> None:
+        "Wait for the counts on the host (the one host sync; exchanged first if not yet), then launch rows and slots."
+        if not isinstance(routing.plan, EPCounts):
+            self.exchange_counts(routing)
+        W, L, ids, c = self.size, self.local, routing.ids, routing.plan
+        (T, k), dest, sends = ids.shape, c.dest, c.sends
+        if c.ready is not None:
+            c.ready.synchronize()
+        sizes = c.host.tolist()                                    # the host sync
         rows_out, pairs_out, got = sizes[:W], sizes[W:2 * W], sizes[2 * W:]
         rows_in = got[::L + 1]
         pairs_in = [sum(got[s * (L + 1) + 1:(s + 1) * (L + 1)]) for s in range(W)]

@@ -129,6 +129,8 @@ class LayerRun:
         self.h_in, self.positions = _leaf(h), positions
         yield COMPUTE, self._stage1
         if self.routing is not None:
+            if hasattr(self.dispatcher, "exchange_counts"):   # across ranks: sizes first, rows after a switch
+                yield COMM, self._counts
             yield COMM, self._dispatch
             yield COMPUTE, self._stage3
             yield COMM, self._combine
@@ -153,6 +155,9 @@ class LayerRun:
             self.aux = self.aux_fn(self.key, self.routing)
         self.s1_out = [h, x, self.routing.weights, self.aux]
         self.h1, self.x, self.w = _leaf(h), _leaf(x), _leaf(self.routing.weights)
+
+    def _counts(self):
+        self.dispatcher.exchange_counts(self.routing)
 
     def _dispatch(self):
         _use(self.x)
@@ -276,7 +281,10 @@ model.zero_grad(set_to_none=True)
 #     f.stage3  f.combine | b.stage1_backward  f.stage5
 #
 # so every all-to-all of one micro-batch is issued next to a compute step of the other, and across layer
-# boundaries the same rule keeps pairing them. On a GPU, COMPUTE steps run on `streams.compute` (the stream that
+# boundaries the same rule keeps pairing them. Across ranks (`EPDispatcher`), dispatch needs its split sizes on
+# the host, so a forward layer has one more COMM step, `counts`, just before `dispatch`: the counts exchange is
+# queued, the driver switches, the other micro-batch queues a compute step, and only then does `dispatch` block
+# the host on the sizes, while the GPU still has that compute step to run. On a GPU, COMPUTE steps run on `streams.compute` (the stream that
 # was current when `Streams` was made) and COMM steps on `streams.comm`. Within a task each step waits for the
 # task's previous step through a CUDA event (recorded after every step), so a task is a chain of dependencies
 # alternating between the streams, while the two tasks run concurrently. Autograd runs each backward op on the

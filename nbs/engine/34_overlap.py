@@ -21,10 +21,19 @@
 # - **exposed** = the time covered by communication and by no compute kernel; **hidden** = communication time minus
 #   exposed; the hidden fraction is hidden / communication. Times are measures of unions of intervals, so two
 #   overlapping communication kernels are not counted twice.
-# - **per stage**: the trace's `gpu_user_annotation` ranges (the GPU-side spans of `torch.profiler.record_function`
-#   labels, such as the F, B and W slots of a DualPipeV step) cut the timeline; each label's row sums its windows.
+# - **per stage**, the trace's `gpu_user_annotation` ranges (the GPU-side spans of `torch.profiler.record_function`
+#   labels, such as the F, B and W slots of a DualPipeV step) cut the timeline; each label's row sums its windows;
+# - **idle** = the time inside the trace's GPU span when no kernel at all runs: the GPU waits for the host
+#   (launch overhead, a host synchronisation) rather than for the network.
 #
-# `python -m pith_lit.engine.overlap TRACE.json [TRACE.json ...]` prints one table per trace (one per rank).
+# One caution when reading the numbers: an NCCL kernel starts when its stream reaches it and ends when the
+# transfer is done, so its duration includes **waiting for the peer** to arrive at the same collective. When one
+# rank has more work (more tokens routed to its experts, or a pipeline bubble), the other's communication kernels
+# stretch by that difference. Exposed communication is therefore "the GPU waited on communication", for either
+# reason; the byte volume alone would give much smaller times.
+#
+# `python -m pith_lit.engine.overlap TRACE.json [TRACE.json ...]` prints one table per trace (one per rank), then
+# the kernels that took the most GPU time (`--top N`).
 
 # %%
 #| default_exp engine.overlap
@@ -124,7 +133,20 @@ def overlap_report(trace: dict) -> dict:
         if ev.get("ph") == "X" and ev.get("cat") == "gpu_user_annotation":
             stages[ev["name"]].append((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0))))
     everything = [(min([s for s, _ in comm + compute], default=0.0), max([e for _, e in comm + compute], default=0.0))]
-    return {"total": row(everything), "stages": {k: row(union(v)) for k, v in sorted(stages.items())}}
+    total = row(everything)
+    busy = length(union(comm + compute))
+    total.update(span_ms=length(everything) / 1e3, compute_ms=length(compute) / 1e3,
+                 idle_ms=(length(everything) - busy) / 1e3)
+    return {"total": total, "stages": {k: row(union(v)) for k, v in sorted(stages.items())}}
+
+
+def top_kernels(trace: dict, n: int = 10) -> list[tuple[str, int, float]]:
+    "The `n` kernel names with the most GPU time: (name, launches, total ms), largest first."
+    calls, time = defaultdict(int), defaultdict(float)
+    for name, s, e in _kernels(trace):
+        calls[name] += 1
+        time[name] += (e - s) / 1e3
+    return [(k, calls[k], time[k]) for k in sorted(time, key=time.get, reverse=True)[:n]]
 
 
 # %% [markdown]
@@ -147,6 +169,10 @@ r = overlap_report(demo)
 print(json.dumps(r, indent=1))
 assert abs(r["total"]["comm_ms"] - 0.150) < 1e-9 and abs(r["total"]["exposed_ms"] - 0.080) < 1e-9
 assert abs(r["stages"]["F0+B1"]["hidden_frac"] - 0.7) < 1e-9 and r["stages"]["W1"]["hidden_frac"] == 0.0
+# the span is 0..250 µs; kernels cover 0..110 and 200..250, so the GPU idled for 90 µs
+assert abs(r["total"]["span_ms"] - 0.250) < 1e-9 and abs(r["total"]["idle_ms"] - 0.090) < 1e-9
+assert abs(r["total"]["compute_ms"] - 0.080) < 1e-9   # the matmul 0..60 and the gather 90..110
+assert top_kernels(demo, 2) == [("ncclDevKernel_AllToAll_RING", 1, 0.1), ("sm90_xmma_gemm_bf16", 1, 0.06)]
 
 # %% [markdown]
 # ## Command line
@@ -156,13 +182,20 @@ assert abs(r["stages"]["F0+B1"]["hidden_frac"] - 0.7) < 1e-9 and r["stages"]["W1
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="Hidden and exposed communication in torch.profiler Chrome traces")
     ap.add_argument("traces", nargs="+", help="trace JSON files, e.g. one per rank")
+    ap.add_argument("--top", type=int, default=10, help="list this many kernels by GPU time (0: none)")
     args = ap.parse_args(argv)
     for path in args.traces:
         with open(path) as f:
-            r = overlap_report(json.load(f))
-        print(f"{path}\n  {'stage':24} {'comm ms':>9} {'exposed ms':>11} {'hidden':>7}")
-        for name, row in [("(whole trace)", r["total"]), *r["stages"].items()]:
+            trace = json.load(f)
+        r = overlap_report(trace)
+        t = r["total"]
+        print(f"{path}\n  GPU span {t['span_ms']:.3f} ms: compute {t['compute_ms']:.3f} ms, communication "
+              f"{t['comm_ms']:.3f} ms, idle {t['idle_ms']:.3f} ms")
+        print(f"  {'stage':24} {'comm ms':>9} {'exposed ms':>11} {'hidden':>7}")
+        for name, row in [("(whole trace)", t), *r["stages"].items()]:
             print(f"  {name:24} {row['comm_ms']:9.3f} {row['exposed_ms']:11.3f} {row['hidden_frac']:7.1%}")
+        for name, calls, ms in top_kernels(trace, args.top):
+            print(f"  {ms:9.3f} ms {calls:6d}x  {name[:100]}")
 
 
 if __name__ == "__main__" and __spec__ is not None:

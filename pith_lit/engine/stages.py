@@ -50,6 +50,8 @@ class LayerRun:
         self.h_in, self.positions = _leaf(h), positions
         yield COMPUTE, self._stage1
         if self.routing is not None:
+            if hasattr(self.dispatcher, "exchange_counts"):   # across ranks: sizes first, rows after a switch
+                yield COMM, self._counts
             yield COMM, self._dispatch
             yield COMPUTE, self._stage3
             yield COMM, self._combine
@@ -74,6 +76,9 @@ class LayerRun:
             self.aux = self.aux_fn(self.key, self.routing)
         self.s1_out = [h, x, self.routing.weights, self.aux]
         self.h1, self.x, self.w = _leaf(h), _leaf(x), _leaf(self.routing.weights)
+
+    def _counts(self):
+        self.dispatcher.exchange_counts(self.routing)
 
     def _dispatch(self):
         _use(self.x)
