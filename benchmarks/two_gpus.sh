@@ -2,7 +2,12 @@
 # The two-GPU measurements in benchmarks/RESULTS.md: expert parallelism, the overlapped schedule at pp 1 and
 # DualPipeV at pp 2 against one GPU, on the bench configs. Run from the repository root on a machine with two GPUs:
 #
-#     OUT=/tmp/two_gpus bash benchmarks/two_gpus.sh [STEPS]
+#     OUT=/tmp/two_gpus bash benchmarks/two_gpus.sh [STEPS] [SUITE]
+#
+# SUITE `base` (the default): the bench configs as they are (Qwen3 at global batch 16), one and two GPUs, plain,
+# overlapped and pipelined. SUITE `more`: Qwen3 at global batch 32 (8 micro-batches per rank at ep 2, so most
+# DualPipeV slots pair a forward with a backward), with and without `train.compile`, and DeepSeek-V2-Lite at its
+# full 27 layers on two GPUs at pp 2.
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -12,6 +17,7 @@
 set -u
 OUT=${OUT:-/tmp/two_gpus}
 STEPS=${1:-30}
+SUITE=${2:-base}
 PROFILE=$((STEPS - 5))
 LOGS=runs/two_gpus/logs
 mkdir -p "$OUT" $LOGS
@@ -45,19 +51,38 @@ two() {  # NAME CONFIG ARGS...: two processes, one per GPU, profiling one step
   keep
 }
 
-# The single-GPU baselines, one per GPU, at the same time: plain, and the overlapped schedule (P = 1, nothing to
-# hide on one GPU, so this is its overhead).
-one qwen_1gpu 0 $Q $QSET &
-one qwen_1gpu_overlap 1 $Q $QSET --set parallel.overlap=true &
-wait
-keep
-two qwen_ep2 $Q $QSET --set parallel.ep=2
-two qwen_ep2_overlap $Q $QSET --set parallel.ep=2 --set parallel.overlap=true
-two qwen_pp2 $Q $QSET --set parallel.pp=2
-one dsv2_1gpu 0 $D $DSET
-two dsv2_ep2_overlap $D $DSET --set parallel.ep=2 --set parallel.overlap=true
-two dsv2_pp2 $D $DSET --set parallel.pp=2
-for name in qwen_1gpu_overlap qwen_ep2_overlap; do   # two traces to read at leisure, when small enough
+case $SUITE in
+base)
+  # The single-GPU baselines, one per GPU, at the same time: plain, and the overlapped schedule (P = 1, nothing to
+  # hide on one GPU, so this is its overhead).
+  one qwen_1gpu 0 $Q $QSET &
+  one qwen_1gpu_overlap 1 $Q $QSET --set parallel.overlap=true &
+  wait
+  keep
+  two qwen_ep2 $Q $QSET --set parallel.ep=2
+  two qwen_ep2_overlap $Q $QSET --set parallel.ep=2 --set parallel.overlap=true
+  two qwen_pp2 $Q $QSET --set parallel.pp=2
+  one dsv2_1gpu 0 $D $DSET
+  two dsv2_ep2_overlap $D $DSET --set parallel.ep=2 --set parallel.overlap=true
+  two dsv2_pp2 $D $DSET --set parallel.pp=2
+  ;;
+more)
+  Q32="$QSET --set train.global_batch=32"
+  one qwen32_1gpu 0 $Q $Q32 &
+  one qwen32c_1gpu 1 $Q $Q32 --set train.compile=true &
+  wait
+  keep
+  two qwen32_ep2 $Q $Q32 --set parallel.ep=2
+  two qwen32_ep2_overlap $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true
+  two qwen32c_ep2_overlap $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true --set train.compile=true
+  # DeepSeek-V2-Lite, all 27 layers (15.7B parameters), with the bench config's training settings
+  two dsv2full_pp2 configs/deepseek-v2-lite.toml $DSET --set parallel.pp=2 --set train.global_batch=16 \
+    --set train.micro_batch=4 --set train.lr=3e-4 --set train.dtype=bfloat16 --set train.optim_dtype=bfloat16 \
+    --set data.corpus=stdlib --set data.tokenizer=bytes --set ckpt.every=-1 --set log.sample_tokens=0
+  ;;
+*) echo "unknown suite $SUITE: use base or more"; exit 2 ;;
+esac
+for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap; do   # two traces to read at leisure, when small enough
   f=runs/two_gpus/$name/trace-rank0.json
   [ -f $f ] && [ $(stat -c %s $f) -lt 150000000 ] && gzip -c $f > "$OUT/$name.trace0.json.gz"
 done
