@@ -6,8 +6,8 @@
 #
 # SUITE `base` (the default): the bench configs as they are (Qwen3 at global batch 16), one and two GPUs, plain,
 # overlapped and pipelined. SUITE `more`: Qwen3 at global batch 32 (8 micro-batches per rank at ep 2, so most
-# DualPipeV slots pair a forward with a backward), with and without `train.compile`, and DeepSeek-V2-Lite at its
-# full 27 layers on two GPUs at pp 2.
+# DualPipeV slots pair a forward with a backward), with and without `train.compile`. SUITE `deep`:
+# DeepSeek-V2-Lite at its full 27 layers on two GPUs at pp 2, and compiled Qwen3 at pp 2.
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -75,12 +75,17 @@ more)
   two qwen32_ep2 $Q $Q32 --set parallel.ep=2
   two qwen32_ep2_overlap $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true
   two qwen32c_ep2_overlap $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true --set train.compile=true
-  # DeepSeek-V2-Lite, all 27 layers (15.7B parameters), with the bench config's training settings
-  two dsv2full_pp2 configs/deepseek-v2-lite.toml $DSET --set parallel.pp=2 --set train.global_batch=16 \
-    --set train.micro_batch=4 --set train.lr=3e-4 --set train.dtype=bfloat16 --set train.optim_dtype=bfloat16 \
-    --set data.corpus=stdlib --set data.tokenizer=bytes --set ckpt.every=-1 --set log.sample_tokens=0
   ;;
-*) echo "unknown suite $SUITE: use base or more"; exit 2 ;;
+deep)
+  # DeepSeek-V2-Lite, all 27 layers (15.7B parameters), on two GPUs at pp 2 with the bench config's training
+  # settings; and compiled Qwen3 at pp 2 for the compiled single-GPU run of `more`.
+  two dsv2full_pp2 configs/deepseek-v2-lite.toml $DSET --set parallel.pp=2 --set parallel.ep=1 \
+    --set train.global_batch=16 --set train.micro_batch=4 --set train.lr=3e-4 --set train.dtype=bfloat16 \
+    --set train.optim_dtype=bfloat16 --set data.corpus=stdlib --set data.tokenizer=bytes --set ckpt.every=-1 \
+    --set log.sample_tokens=0
+  two qwen32c_pp2 $Q $QSET --set train.global_batch=32 --set parallel.pp=2 --set train.compile=true
+  ;;
+*) echo "unknown suite $SUITE: use base, more or deep"; exit 2 ;;
 esac
 for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap; do   # two traces to read at leisure, when small enough
   f=runs/two_gpus/$name/trace-rank0.json
