@@ -7,7 +7,8 @@
 # SUITE `base` (the default): the bench configs as they are (Qwen3 at global batch 16), one and two GPUs, plain,
 # overlapped and pipelined. SUITE `more`: Qwen3 at global batch 32 (8 micro-batches per rank at ep 2, so most
 # DualPipeV slots pair a forward with a backward), with and without `train.compile`. SUITE `deep`:
-# DeepSeek-V2-Lite at its full 27 layers on two GPUs at pp 2, and compiled Qwen3 at pp 2.
+# DeepSeek-V2-Lite at its full 27 layers on two GPUs at pp 2, and compiled Qwen3 at pp 2. SUITE `ep`: the
+# overlapped ep 2 run of `more` again, and compiled plain ep 2.
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -85,7 +86,13 @@ deep)
     --set log.sample_tokens=0
   two qwen32c_pp2 $Q $QSET --set train.global_batch=32 --set parallel.pp=2 --set train.compile=true
   ;;
-*) echo "unknown suite $SUITE: use base, more or deep"; exit 2 ;;
+ep)
+  # The ep 2 runs of `more` without their single-GPU baselines: after a change to the overlapped path
+  Q32="$QSET --set train.global_batch=32"
+  two qwen32_ep2_overlap $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true
+  two qwen32c_ep2 $Q $Q32 --set parallel.ep=2 --set train.compile=true
+  ;;
+*) echo "unknown suite $SUITE: use base, more, deep or ep"; exit 2 ;;
 esac
 for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap; do   # two traces to read at leisure, when small enough
   f=runs/two_gpus/$name/trace-rank0.json
