@@ -118,14 +118,12 @@ class LayerRun:
     `grad` the gradient of `h_out`, yields the backward steps; afterwards `grad_in` is the gradient of `h`.
     A step is `(kind, fn)`: `kind` is COMPUTE or COMM, and the driver calls `fn()` before taking the next step.
     `aux_fn(key, routing) -> Tensor` (optional) is the load-balance loss term of this layer, added to the objective
-    with gradient 1; `aux` holds it after stage 1 (None for a dense layer). `aux_fn` may instead return a function
-    that gives the term (`LoadBalance.loss_async`, whose all-reduce is in flight): it is called in stage 5, the
-    layer's last forward step, so the compute stream does not wait for the other ranks in between."""
+    with gradient 1; `aux` holds it after stage 1 (None for a dense layer)."""
 
     def __init__(self, layer, key: str, dispatcher, aux_fn=None, wgrad_queue=None):
         self.layer, self.key, self.dispatcher, self.aux_fn = layer, key, dispatcher, aux_fn
         self.wgrad_queue = wgrad_queue
-        self.aux = self.aux_finish = None
+        self.aux = None
 
     def forward(self, h: Tensor, positions: Tensor):
         self.h_in, self.positions = _leaf(h), positions
@@ -155,8 +153,6 @@ class LayerRun:
             return
         if self.aux_fn is not None:
             self.aux = self.aux_fn(self.key, self.routing)
-            if callable(self.aux):   # deferred (an all-reduce in flight): finished in stage 5, see _stage5
-                self.aux_finish, self.aux = self.aux, None
         self.s1_out = [h, x, self.routing.weights, self.aux]
         self.h1, self.x, self.w = _leaf(h), _leaf(x), _leaf(self.routing.weights)
 
@@ -179,9 +175,6 @@ class LayerRun:
         self.yc = _leaf(self.yc_out)
 
     def _stage5(self):
-        if self.aux_finish is not None:   # the load-balance term joins stage 1's outputs, late
-            self.aux = self.s1_out[3] = self.aux_finish()
-            self.aux_finish = None
         _use(self.yc, self.routing.row_index)
         self.h_out = self.layer.stage5(self.h1, self.yc, replace(self.routing, weights=self.w))
 

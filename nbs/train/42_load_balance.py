@@ -87,12 +87,6 @@ class LoadBalance:
 
     def loss(self, layer_key, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         "`coef · E · Σ_i f_i P_i` for one layer and one micro-batch: `probs (T, E)` with grad, `ids (T, k)` int64."
-        return self.loss_async(layer_key, probs, ids)()
-
-    def loss_async(self, layer_key, probs: torch.Tensor, ids: torch.Tensor):
-        """`loss` in two halves: records the counts and launches their all-reduce (level global, with a group)
-        without waiting; returns a function that waits for it and gives the loss. Meanwhile the GPU's compute
-        stream does not wait for the other ranks, which the overlapped schedule needs."""
         T, E = probs.shape
         if E != self.num_experts or ids.dim() != 2 or ids.shape[0] != T:
             raise ValueError(f"expected probs (T, {self.num_experts}) and ids (T, k) with the same T, got probs "
@@ -107,19 +101,13 @@ class LoadBalance:
         else:
             self.counts[layer_key], self.prob_sum[layer_key] = counts, psum
         if self.coef == 0:
-            return lambda: torch.zeros((), dtype=probs.dtype, device=probs.device)
-        work = None
+            return torch.zeros((), dtype=probs.dtype, device=probs.device)
         if self.level == "global":
             counts = self.counts[layer_key].clone()
             if self.group is not None:
-                work = dist.all_reduce(counts, group=self.group, async_op=True)
-
-        def finish() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            f = (counts / counts.sum()).to(probs.dtype)  # counts.sum() = T·k assignments (summed over what f covers)
-            return self.coef * E * (f * probs.mean(0)).sum()
-        return finish
+                dist.all_reduce(counts, group=self.group)
+        f = (counts / counts.sum()).to(probs.dtype)  # counts.sum() = T·k assignments (summed over what f covers)
+        return self.coef * E * (f * probs.mean(0)).sum()
 
     def stats(self) -> dict:
         """The step's balance `E · Σ_i f_i P_i` per layer from the whole step's counts and mean probabilities
@@ -238,11 +226,6 @@ for args, msg in [((E, 1.0, "batch"), "must be 'micro' or 'global'"), ((E, -1.0,
 # step statistics equal those of a single-process `LoadBalance` that sees all ranks' shares of each micro-batch
 # as one micro-batch. It is exported because spawned processes must import it; `tests/test_lb_optim.py` runs
 # it in two gloo processes.
-#
-# `loss_async` is `loss` cut in two: it launches the all-reduce and returns a function that waits for it and
-# computes the term. The overlapped schedule (engine/32_stages) calls that function in stage 5, so the compute
-# stream of one rank never stops in stage 1 to wait for the others. The worker launches both layers'
-# all-reduces before waiting for either, which is what the schedule does with two micro-batches in flight.
 
 # %%
 #| export
@@ -255,14 +238,11 @@ def check_across_ranks(rank: int, world_size: int, init_method: str, seed: int =
     logits[..., 0] += 2.0                     # an unbalanced router, so f is not uniform
     mine, ref = LoadBalance(E, coef, "global", group=dist.group.WORLD), LoadBalance(E, coef, "global")
     for m in range(micro_batches):
-        pending = []   # every layer's all-reduce is launched before the first is waited for, as in the pipeline
         for l, key in enumerate(layers):
             probs = logits[m, l].softmax(-1)                      # (world, T, E)
             ids = probs.topk(k, -1).indices
             p_mine = probs[rank].clone().requires_grad_()
-            pending.append((key, probs, ids, p_mine, mine.loss_async(key, p_mine, ids[rank])))
-        for key, probs, ids, p_mine, finish in pending:
-            out = finish()
+            out = mine.loss(key, p_mine, ids[rank])
             out.backward()
             p_all = probs.reshape(-1, E).clone().requires_grad_()
             out_ref = ref.loss(key, p_all, ids.reshape(-1, k))

@@ -229,9 +229,7 @@ def build_pipeline(model, parts, group, dispatcher, lb: LoadBalance, n_moe: int,
     """DualPipeV over this rank's `parts` (from `split_model(model, ...)`) with micro_step's objective; `n_moe` is
     the MoE layer count of the whole model, counted before the split."""
     loss_fn = (lambda h, labels: head_loss(model, h, labels)) if parts[0].index == 0 else None
-    def aux_fn(key, routing):   # deferred: the global counts' all-reduce completes while other work runs
-        finish = lb.loss_async(key, routing.probs, routing.ids)
-        return lambda: finish() / (n_moe * aux_div)
+    aux_fn = lambda key, routing: lb.loss(key, routing.probs, routing.ids) / (n_moe * aux_div)
     return DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device)
 
 # %% [markdown]
