@@ -35,8 +35,10 @@
 
 # %%
 #| export
+import hashlib
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from pith_lit.ops.permute import gather_rows, sort_by_expert
@@ -232,3 +234,78 @@ out, (r,) = run_layers([skewed], hp, torch.arange(S), LocalDispatcher(E))
 assert r.counts.tolist() == [0, 0, B * S, 0]
 assert torch.allclose(out, skewed.reference(hp), rtol=0, atol=1e-12)
 print("all tokens on one expert:", r.counts.tolist())
+
+# %% [markdown]
+# ## Initialisation that does not depend on the layout
+#
+# A 30B-parameter model does not fit one GPU in float32, so the trainer builds it on the **meta device**
+# (shapes only, no memory), drops the layers and experts that other ranks own, and only then allocates this
+# rank's parameters and initialises them. For that to give the same model as building it whole, a parameter's
+# random values must not depend on which other parameters exist or in what order they are drawn: with one
+# global generator, dropping layer 3 would shift every draw after it.
+#
+# `SeededInit` gives each parameter its own generator, seeded from (seed, the parameter's name) — names are
+# stable, since pipeline stages keep the absolute layer keys — and each expert of a stacked `(E, ...)` expert
+# tensor its own, from (seed, name, global expert index). An `experts` module that holds a slice of the experts
+# says where it starts in its `first_expert` attribute (set by `engine/31_ep`'s `shard_experts`). The models'
+# `init_weights(seed)` draw every random matrix through it; on the meta device it draws nothing.
+
+# %%
+#| export
+class SeededInit:
+    "N(0, σ) draws keyed by (seed, parameter name[, global expert index]), the same however the model is cut."
+
+    def __init__(self, model: torch.nn.Module, seed: int):
+        self.seed = seed
+        self.names = {id(p): n for n, p in model.named_parameters()}   # tied weights: their first name
+        self.first = {id(p): getattr(m, "first_expert", 0)            # stacked expert tensors: first global index
+                      for name, m in model.named_modules() if name.split(".")[-1] == "experts"
+                      for p in m.parameters(recurse=False)}
+
+    def _generator(self, p: Tensor, *key) -> torch.Generator:
+        digest = hashlib.sha256("/".join(map(str, (self.seed, *key))).encode()).digest()
+        return torch.Generator(p.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+    @torch.no_grad()
+    def normal_(self, p: Tensor, std: float) -> Tensor:
+        "Fill `p` with N(0, std) draws of its own; a no-op on the meta device."
+        if p.is_meta:
+            return p
+        name = self.names[id(p)]
+        if id(p) in self.first:
+            for e in range(p.shape[0]):
+                p[e].normal_(0, std, generator=self._generator(p, name, self.first[id(p)] + e))
+        else:
+            p.normal_(0, std, generator=self._generator(p, name))
+        return p
+
+# %% [markdown]
+# Check: a toy model with a stacked expert tensor, initialised whole and as a slice of experts 2..3 that was
+# built on the meta device, gets bitwise the same values for what both hold; another seed gives other values.
+
+# %%
+class ToyStack(nn.Module):
+    def __init__(self, E, first=0):
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+        self.experts = nn.Module()
+        self.experts.w = nn.Parameter(torch.empty(E, 4, 3))
+        self.experts.first_expert = first
+
+    def init_weights(self, seed):
+        init = SeededInit(self, seed)
+        init.normal_(self.proj.weight, 0.02)
+        init.normal_(self.experts.w, 0.02)
+
+whole = ToyStack(4)
+whole.init_weights(7)
+with torch.device("meta"):
+    part = ToyStack(2, first=2)
+part.init_weights(7)                      # nothing to draw on meta
+part.to_empty(device="cpu")
+part.init_weights(7)
+assert torch.equal(part.proj.weight, whole.proj.weight) and torch.equal(part.experts.w, whole.experts.w[2:])
+other = ToyStack(4)
+other.init_weights(8)
+assert not torch.equal(other.experts.w, whole.experts.w) and abs(whole.experts.w.std().item() / 0.02 - 1) < 0.5
+print("experts 2..3 built on meta and initialised alone == the same experts of the whole model")

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, run_layers
+from pith_lit.models.protocol import LocalDispatcher, Routing, SeededInit, cfg, run_layers
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.permute import weighted_gather
 from pith_lit.ops.swiglu import swiglu
@@ -543,30 +543,34 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self):
+    def init_weights(self, seed: int | None = None):
+        """Norms to 1, biases to 0, matrices N(0, σ) through `SeededInit` (the same values however the model was
+        cut into stages and expert shards); `seed` defaults to torch's initial seed (`torch.manual_seed`)."""
         c = self.config
+        init = SeededInit(self, torch.initial_seed() if seed is None else seed)
         std, out_std = c.initializer_range, c.initializer_range / math.sqrt(2 * c.num_hidden_layers)
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
             elif isinstance(m, nn.Linear) and m.bias is not None:
                 m.bias.zero_()
-        self.model.embed_tokens.weight.normal_(0, std)
-        if not c.tie_word_embeddings:
-            self.lm_head.weight.normal_(0, std)
+        if hasattr(self.model, "embed_tokens"):      # pipeline ranks other than 0 hold no embedding or head
+            init.normal_(self.model.embed_tokens.weight, std)
+        if not c.tie_word_embeddings and hasattr(self, "lm_head"):
+            init.normal_(self.lm_head.weight, std)
         for layer in self.model.layers.values():
             a = layer.self_attn
             for m in a.modules():
                 if isinstance(m, nn.Linear):
-                    m.weight.normal_(0, out_std if m is a.o_proj else std)
+                    init.normal_(m.weight, out_std if m is a.o_proj else std)
             moe = isinstance(layer.mlp, SparseMoE)
             mlp = layer.mlp.shared_experts if moe else layer.mlp
-            mlp.gate_proj.weight.normal_(0, std); mlp.up_proj.weight.normal_(0, std)
-            mlp.down_proj.weight.normal_(0, out_std)
+            init.normal_(mlp.gate_proj.weight, std); init.normal_(mlp.up_proj.weight, std)
+            init.normal_(mlp.down_proj.weight, out_std)
             if moe:
-                layer.mlp.gate.weight.normal_(0, std)
-                layer.mlp.experts.gate_up_proj.normal_(0, std)
-                layer.mlp.experts.down_proj.normal_(0, out_std)
+                init.normal_(layer.mlp.gate.weight, std)
+                init.normal_(layer.mlp.experts.gate_up_proj, std)
+                init.normal_(layer.mlp.experts.down_proj, out_std)
 
     def prolog(self, input_ids: Tensor) -> Tensor:
         "input_ids (B, S) -> h (B, S, H)."

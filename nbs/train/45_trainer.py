@@ -59,7 +59,7 @@ from pith_lit.train.optim import MasterWeights, build_optimizer, clip_grad_norm,
 # %%
 #| export
 def build_model(model_cfg) -> torch.nn.Module:
-    "The model of the family `model_cfg.model_type`, freshly initialised, in float32 on the CPU."
+    "The model of the family `model_cfg.model_type` in float32 on the default device, initialised (not on meta)."
     match model_cfg.model_type:
         case "qwen3_moe":
             from pith_lit.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -301,10 +301,33 @@ def clip_grads(replicated: list, experts: list, max_norm: float, mesh: Mesh | No
 # layers, micro-batches and data ranks), and each MoE layer's balance (`LoadBalance.stats`, already summed over
 # the data ranks; a pipeline rank reports its own layers, and the logged balance is the mean over all of them).
 #
-# A run with `pp > 1` neither writes nor resumes checkpoints yet (see the setup section above), but it can start
-# from a weights-only checkpoint (imported Hugging Face weights, train/47_convert): that holds no optimizer, and
-# each rank reads its own parameters. With `parallel.overlap` at `pp = 1` nothing is split and checkpoints work as
-# without it. The greedy sample at the end needs the whole model and is skipped when it is split.
+# The model is built on the **meta device**: the whole model's shapes cost nothing, each rank cuts out its
+# pipeline stages and expert slices, and only then are this rank's parameters allocated (`to_empty`) and
+# initialised (`init_weights(run.seed)`). Every parameter draws from its own generator keyed by its name and, for
+# experts, the global expert index (models/20_protocol `SeededInit`), so a rank holds exactly the values the same
+# parameters have in the whole model: the layouts start from the same weights, and a 30B model never has to fit
+# one GPU.
+#
+# Checkpoints work at every layout: each rank saves and loads its own stages and expert slices (train/44). A run
+# can also start from a weights-only checkpoint (imported Hugging Face weights, train/47_convert): that holds no
+# optimizer, and each rank reads its own parameters. The greedy sample at the end needs the whole model and is
+# skipped when it is split.
+#
+# What a rank of the real Qwen3-30B-A3B holds at pp 2 × ep 4 (the paper's eight-GPU shape), counted on the meta
+# device: with bf16 weights and gradients, fp32 masters and two fp32 AdamW moments (16 bytes a parameter) it is
+# about 70 GiB, where building the whole model first would have needed 114 GiB of float32 on every GPU.
+
+# %%
+for r in range(2):
+    with torch.device("meta"):
+        big = build_model(load_config(Path("../../configs/qwen3-30b-a3b.toml")).model)
+    n_all = sum(p.numel() for p in big.parameters())
+    split_model(big, r, 2)
+    shard_experts(big, 0, 4)
+    n = sum(p.numel() for p in big.parameters())
+    print(f"pp rank {r} of 2, ep 4: {n / 1e9:.2f}B of {n_all / 1e9:.2f}B parameters, {n * 16 / 2**30:.1f} GiB of "
+          "weights, gradients and optimizer states")
+    assert n * 16 / 2**30 < 80 and n_all * 4 / 2**30 > 110
 
 # %%
 #| export
@@ -322,14 +345,16 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     data_rank, data_world = (mesh.batch.rank(), mesh.batch.size()) if mesh is not None else (0, 1)
     t, run_dir = cfg.train, Path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
-    with device:  # parameters are created and initialised where they will live
+    with torch.device("meta"):  # shapes only: the whole model costs no memory until this rank has cut out its share
         model = build_model(cfg.model)
-    # every rank built the same full model from the seed; what needs all of it comes first
+    # what needs the whole model comes first
     n_params, active = sum(p.numel() for p in model.parameters()), model.active_matmul_params()
     fpt, n_moe = model.flops_per_token(t.seq_len), moe_layer_count(model)
     parts = split_model(model, pp_rank, pp) if pipelined else None   # keep this pipeline rank's stages
     if ep > 1:  # keep this rank's experts
         shard_experts(model, mesh.ep.rank(), ep)
+    model.to_empty(device=device)
+    model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
     if t.compile:  # stages 1 and 5 have static shapes and no host syncs by design; 2-4 stay eager
         for layer in model.model.layers.values():
             layer.stage1 = torch.compile(layer.stage1, fullgraph=True)

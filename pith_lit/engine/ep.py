@@ -235,6 +235,7 @@ def shard_experts(model: nn.Module, ep_rank: int, ep_size: int) -> nn.Module:
                                  f"{ep_size}; choose parallel.ep among the divisors of {E}")
             n = E // ep_size
             setattr(module, pname, nn.Parameter(p[ep_rank * n:(ep_rank + 1) * n].clone(), p.requires_grad))
+            module.first_expert = ep_rank * n   # the global index of the first kept expert: SeededInit keys on it
     return model
 
 

@@ -28,7 +28,7 @@ from .optim import MasterWeights, build_optimizer, clip_grad_norm, count_tokens,
 
 # %% ../../nbs/train/45_trainer.ipynb #8734241e
 def build_model(model_cfg) -> torch.nn.Module:
-    "The model of the family `model_cfg.model_type`, freshly initialised, in float32 on the CPU."
+    "The model of the family `model_cfg.model_type` in float32 on the default device, initialised (not on meta)."
     match model_cfg.model_type:
         case "qwen3_moe":
             from pith_lit.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -162,14 +162,16 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     data_rank, data_world = (mesh.batch.rank(), mesh.batch.size()) if mesh is not None else (0, 1)
     t, run_dir = cfg.train, Path(cfg.run.dir)
     torch.manual_seed(cfg.run.seed)
-    with device:  # parameters are created and initialised where they will live
+    with torch.device("meta"):  # shapes only: the whole model costs no memory until this rank has cut out its share
         model = build_model(cfg.model)
-    # every rank built the same full model from the seed; what needs all of it comes first
+    # what needs the whole model comes first
     n_params, active = sum(p.numel() for p in model.parameters()), model.active_matmul_params()
     fpt, n_moe = model.flops_per_token(t.seq_len), moe_layer_count(model)
     parts = split_model(model, pp_rank, pp) if pipelined else None   # keep this pipeline rank's stages
     if ep > 1:  # keep this rank's experts
         shard_experts(model, mesh.ep.rank(), ep)
+    model.to_empty(device=device)
+    model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
     if t.compile:  # stages 1 and 5 have static shapes and no host syncs by design; 2-4 stay eager
         for layer in model.model.layers.values():
             layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
