@@ -27,6 +27,7 @@ Q=${Q:-configs/bench-qwen3-30b-a3b.toml}      # Q=configs/tiny.toml D=configs/ti
 D=${D:-configs/bench-deepseek-v2-lite.toml}
 # Qwen3 at global batch 16 (8 micro-batches of 2 on one GPU; 4 per rank at ep 2; 8 through DualPipeV at pp 2).
 QSET="--set train.global_batch=16 --set train.steps=$STEPS --set train.warmup=5 --set log.tensorboard=false"
+Q32="$QSET --set train.global_batch=32"    # the suites more, deep and ep
 DSET="--set train.steps=$STEPS --set train.warmup=5 --set log.tensorboard=false"
 
 report() {  # NAME: the communication report of each rank's trace
@@ -68,7 +69,6 @@ base)
   two dsv2_pp2 $D $DSET --set parallel.pp=2
   ;;
 more)
-  Q32="$QSET --set train.global_batch=32"
   one qwen32_1gpu 0 $Q $Q32 &
   one qwen32c_1gpu 1 $Q $Q32 --set train.compile=true &
   wait
@@ -84,11 +84,10 @@ deep)
     --set train.global_batch=16 --set train.micro_batch=4 --set train.lr=3e-4 --set train.dtype=bfloat16 \
     --set train.optim_dtype=bfloat16 --set data.corpus=stdlib --set data.tokenizer=bytes --set ckpt.every=-1 \
     --set log.sample_tokens=0
-  two qwen32c_pp2 $Q $QSET --set train.global_batch=32 --set parallel.pp=2 --set train.compile=true
+  two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 --set train.compile=true
   ;;
 ep)
   # The ep 2 runs of `more` without their single-GPU baselines: after a change to the overlapped path
-  Q32="$QSET --set train.global_batch=32"
   two qwen32_ep2_overlap $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true
   two qwen32c_ep2 $Q $Q32 --set parallel.ep=2 --set train.compile=true
   ;;

@@ -28,3 +28,38 @@ def bin_path(name: str) -> str:
 @pytest.fixture
 def env():
     return subprocess_env()
+
+
+# Checks shared by the model families' tests (test_qwen3_moe, test_deepseek_v2, test_gpt_oss).
+def assert_close(a, b, rel, what=""):
+    "max |a - b| within `rel` of max |b|: a tolerance that does not depend on the size of the values."
+    err, scale = (a - b).abs().max().item(), b.abs().max().item()
+    assert err <= rel * scale, f"{what} max difference {err:.3g} > {rel:g} x max {scale:.3g}"
+
+
+def weighted_sum(t):
+    "A loss whose gradient differs for every output element."
+    import torch
+    return (t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view_as(t)).sum()
+
+
+def assert_grads_match(model, logits, ref, grel) -> dict:
+    "The parameter gradients through `logits` and through `ref` agree within `grel`; returns the former by name."
+    import torch
+    params = dict(model.named_parameters())
+    g = torch.autograd.grad(weighted_sum(logits), list(params.values()))
+    g_ref = torch.autograd.grad(weighted_sum(ref), list(params.values()))
+    for name, a, b in zip(params, g, g_ref):
+        assert_close(a, b, grel, f"grad of {name}")
+    return dict(zip(params, g))
+
+
+def assert_positions_used(model, vocab_size):
+    "(S,) and (B, S) positions give the same result; positions are used (a different one changes the logits)."
+    import torch
+    ids = torch.randint(0, vocab_size, (2, 6))
+    a, _ = model(ids, torch.arange(6))
+    b, _ = model(ids, torch.arange(6).expand(2, 6))
+    c, _ = model(ids, torch.tensor([[0, 1, 2, 3, 4, 5], [0, 2, 4, 6, 8, 10]]))
+    assert torch.equal(a, b)
+    assert torch.equal(a[0], c[0]) and not torch.allclose(a[1], c[1])

@@ -7,13 +7,8 @@ import math
 import pytest
 import torch
 
+from conftest import assert_close, assert_grads_match, assert_positions_used
 from pith_lit.models.deepseek_v2 import Config, DeepseekV2ForCausalLM, rope_frequencies
-
-
-def assert_close(a, b, rel, what=""):
-    "max |a - b| within `rel` of max |b|: a tolerance that does not depend on the size of the values."
-    err, scale = (a - b).abs().max().item(), b.abs().max().item()
-    assert err <= rel * scale, f"{what} max difference {err:.3g} > {rel:g} x max {scale:.3g}"
 
 
 # Every choice at once: two dense layers, group-limited top-3 of 8 experts in 4 groups (2 groups allowed), two
@@ -64,23 +59,11 @@ def test_five_stages_match_reference(over, dtype, rel, grel):
     for r in filter(None, routings):
         assert r.ids.shape == r.weights.shape == r.row_index.shape == (33, 3)
         assert r.counts.sum() == 33 * 3 and r.probs.shape == (33, 8)
-    params = list(model.parameters())
-    g = torch.autograd.grad((logits * torch.linspace(-1, 1, logits.numel(), dtype=dtype).view_as(logits)).sum(),
-                            params)
-    g_ref = torch.autograd.grad((ref * torch.linspace(-1, 1, ref.numel(), dtype=dtype).view_as(ref)).sum(), params)
-    for (name, _), a, b in zip(model.named_parameters(), g, g_ref):
-        assert_close(a, b, grel, f"grad of {name}")
+    assert_grads_match(model, logits, ref, grel)
 
 
 def test_positions_shape():
-    "(S,) and (B, S) positions give the same result; positions are used (a different one changes the logits)."
-    model = make()
-    ids = torch.randint(0, CFG["vocab_size"], (2, 6))
-    a, _ = model(ids, torch.arange(6))
-    b, _ = model(ids, torch.arange(6).expand(2, 6))
-    c, _ = model(ids, torch.tensor([[0, 1, 2, 3, 4, 5], [0, 2, 4, 6, 8, 10]]))
-    assert torch.equal(a, b)
-    assert torch.equal(a[0], c[0]) and not torch.allclose(a[1], c[1])
+    assert_positions_used(make(), CFG["vocab_size"])
 
 
 def hf_config(cfg: Config):

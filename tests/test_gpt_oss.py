@@ -8,13 +8,8 @@ import types
 import pytest
 import torch
 
+from conftest import assert_close, assert_grads_match, assert_positions_used, weighted_sum
 from pith_lit.models.gpt_oss import Config, GptOssForCausalLM, rope_cos_sin, sink_attention, sink_attention_reference
-
-
-def assert_close(a, b, rel, what=""):
-    "max |a - b| within `rel` of max |b|: a tolerance that does not depend on the size of the values."
-    err, scale = (a - b).abs().max().item(), b.abs().max().item()
-    assert err <= rel * scale, f"{what} max difference {err:.3g} > {rel:g} x max {scale:.3g}"
 
 
 # A layer pattern that is not the default alternation, MQA-like grouping (4 query heads per KV head), top-3 of 6,
@@ -37,11 +32,6 @@ def make(seed=1, **over):
     return model
 
 
-def weighted_sum(t):
-    "A loss whose gradient differs for every output element."
-    return (t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view_as(t)).sum()
-
-
 @pytest.mark.parametrize("dtype, rel, grel", [(torch.float32, 1e-5, 1e-4), (torch.float64, 1e-12, 1e-11)])
 def test_five_stages_match_reference(dtype, rel, grel):
     model = make(seed=3).to(dtype)
@@ -54,11 +44,7 @@ def test_five_stages_match_reference(dtype, rel, grel):
         assert r.ids.shape == r.weights.shape == r.row_index.shape == (3 * S, 3)
         assert r.counts.sum() == 3 * S * 3 and r.probs.shape == (3 * S, 6)
         assert torch.allclose(r.weights.sum(-1), torch.ones((), dtype=dtype))
-    params = dict(model.named_parameters())
-    g = torch.autograd.grad(weighted_sum(logits), list(params.values()))
-    g_ref = torch.autograd.grad(weighted_sum(ref), list(params.values()))
-    for name, a, b in zip(params, g, g_ref):
-        assert_close(a, b, grel, f"grad of {name}")
+    for name, a in assert_grads_match(model, logits, ref, grel).items():
         if name.endswith("sinks"):
             assert (a.abs() > 0).all(), f"{name} gets a zero gradient: {a}"
 
@@ -77,14 +63,7 @@ def test_sink_attention_larger_window_and_bf16():
 
 
 def test_positions_shape():
-    "(S,) and (B, S) positions give the same result; positions are used (a different one changes the logits)."
-    model = make()
-    ids = torch.randint(0, CFG["vocab_size"], (2, 6))
-    a, _ = model(ids, torch.arange(6))
-    b, _ = model(ids, torch.arange(6).expand(2, 6))
-    c, _ = model(ids, torch.tensor([[0, 1, 2, 3, 4, 5], [0, 2, 4, 6, 8, 10]]))
-    assert torch.equal(a, b)
-    assert torch.equal(a[0], c[0]) and not torch.allclose(a[1], c[1])
+    assert_positions_used(make(), CFG["vocab_size"])
 
 
 def hf_model(cfg: Config):

@@ -6,13 +6,8 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import assert_close, assert_grads_match, assert_positions_used
 from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
-
-
-def assert_close(a, b, rel, what=""):
-    "max |a - b| within `rel` of max |b|: a tolerance that does not depend on the size of the values."
-    err, scale = (a - b).abs().max().item(), b.abs().max().item()
-    assert err <= rel * scale, f"{what} max difference {err:.3g} > {rel:g} x max {scale:.3g}"
 
 
 # Every layer choice at once: a dense layer from mlp_only_layers and one from the sparse step (layer 0),
@@ -51,23 +46,11 @@ def test_five_stages_match_reference(dtype, rel, grel):
     for r in filter(None, routings):
         assert r.ids.shape == r.weights.shape == r.row_index.shape == (33, 3)
         assert r.counts.sum() == 33 * 3 and r.probs.shape == (33, 6)
-    params = list(model.parameters())
-    g = torch.autograd.grad((logits * torch.linspace(-1, 1, logits.numel(), dtype=dtype).view_as(logits)).sum(),
-                            params)
-    g_ref = torch.autograd.grad((ref * torch.linspace(-1, 1, ref.numel(), dtype=dtype).view_as(ref)).sum(), params)
-    for p, a, b in zip(model.parameters(), g, g_ref):
-        assert_close(a, b, grel, f"grad of {tuple(p.shape)}")
+    assert_grads_match(model, logits, ref, grel)
 
 
 def test_positions_shape():
-    "(S,) and (B, S) positions give the same result; positions are used (a different one changes the logits)."
-    model = make()
-    ids = torch.randint(0, CFG["vocab_size"], (2, 6))
-    a, _ = model(ids, torch.arange(6))
-    b, _ = model(ids, torch.arange(6).expand(2, 6))
-    c, _ = model(ids, torch.tensor([[0, 1, 2, 3, 4, 5], [0, 2, 4, 6, 8, 10]]))
-    assert torch.equal(a, b)
-    assert torch.equal(a[0], c[0]) and not torch.allclose(a[1], c[1])
+    assert_positions_used(make(), CFG["vocab_size"])
 
 
 def hf_model(cfg: Config):

@@ -36,6 +36,7 @@
 # %%
 #| export
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -278,6 +279,32 @@ class SeededInit:
         else:
             p.normal_(0, std, generator=self._generator(p, name))
         return p
+
+# %% [markdown]
+# Every family's `init_weights` starts the same way, so that part lives here: norms to 1, `Linear` biases to 0,
+# and the embedding and an untied head N(0, σ) — on the pipeline ranks that hold them (rank 0). It hands back
+# the `SeededInit` with σ and σ/√(2L), for the family's own matrices.
+
+# %%
+#| export
+@torch.no_grad()
+def init_shared(model: torch.nn.Module, seed: int | None, norm_type: type) -> tuple[SeededInit, float, float]:
+    """The start of every family's `init_weights`: `norm_type` weights to 1, Linear biases to 0, embedding and
+    untied head N(0, σ) where present. `seed` defaults to torch's initial seed (`torch.manual_seed`).
+    Returns (init, σ, σ/√(2L)) with σ = `config.initializer_range` and L the number of layers."""
+    c = model.config
+    init = SeededInit(model, torch.initial_seed() if seed is None else seed)
+    std = c.initializer_range
+    for m in model.modules():
+        if isinstance(m, norm_type):
+            m.weight.fill_(1.0)
+        elif isinstance(m, torch.nn.Linear) and m.bias is not None:
+            m.bias.zero_()
+    if hasattr(model.model, "embed_tokens"):     # pipeline ranks other than 0 hold no embedding or head
+        init.normal_(model.model.embed_tokens.weight, std)
+    if not c.tie_word_embeddings and hasattr(model, "lm_head"):
+        init.normal_(model.lm_head.weight, std)
+    return init, std, std / math.sqrt(2 * c.num_hidden_layers)
 
 # %% [markdown]
 # Check: a toy model with a stacked expert tensor, initialised whole and as a slice of experts 2..3 that was

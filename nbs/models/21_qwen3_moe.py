@@ -24,14 +24,13 @@
 
 # %%
 #| export
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, SeededInit, cfg, run_layers
+from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.permute import weighted_gather
 from pith_lit.ops.swiglu import swiglu
@@ -233,6 +232,8 @@ class Attention(nn.Module):
 ca = Config(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 attn = Attention(ca).double()
 xa, pa = torch.randn(2, 5, 16, dtype=torch.float64), torch.arange(5)
+import math
+
 with torch.no_grad():
     q = attn.q_norm(attn.q_proj(xa).view(2, 5, 4, 8)).transpose(1, 2)
     k = attn.k_norm(attn.k_proj(xa).view(2, 5, 2, 8)).transpose(1, 2).repeat_interleave(2, 1)
@@ -371,18 +372,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     def init_weights(self, seed: int | None = None):
         """Norms to 1, biases to 0, matrices N(0, σ) through `SeededInit` (the same values however the model was
         cut into stages and expert shards); `seed` defaults to torch's initial seed (`torch.manual_seed`)."""
-        c = self.config
-        init = SeededInit(self, torch.initial_seed() if seed is None else seed)
-        std, out_std = c.initializer_range, c.initializer_range / math.sqrt(2 * c.num_hidden_layers)
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-            elif isinstance(m, nn.Linear) and m.bias is not None:
-                m.bias.zero_()
-        if hasattr(self.model, "embed_tokens"):      # pipeline ranks other than 0 hold no embedding or head
-            init.normal_(self.model.embed_tokens.weight, std)
-        if not c.tie_word_embeddings and hasattr(self, "lm_head"):
-            init.normal_(self.lm_head.weight, std)
+        init, std, out_std = init_shared(self, seed, RMSNorm)
         for layer in self.model.layers.values():
             a = layer.self_attn
             for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight): init.normal_(p, std)

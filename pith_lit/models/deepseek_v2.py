@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import LocalDispatcher, Routing, SeededInit, cfg, run_layers
+from .protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
 from ..ops.grouped_linear import grouped_linear
 from ..ops.permute import weighted_gather
 from ..ops.swiglu import swiglu
@@ -302,18 +302,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     def init_weights(self, seed: int | None = None):
         """Norms to 1, biases to 0, matrices N(0, σ) through `SeededInit` (the same values however the model was
         cut into stages and expert shards); `seed` defaults to torch's initial seed (`torch.manual_seed`)."""
-        c = self.config
-        init = SeededInit(self, torch.initial_seed() if seed is None else seed)
-        std, out_std = c.initializer_range, c.initializer_range / math.sqrt(2 * c.num_hidden_layers)
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-            elif isinstance(m, nn.Linear) and m.bias is not None:
-                m.bias.zero_()
-        if hasattr(self.model, "embed_tokens"):      # pipeline ranks other than 0 hold no embedding or head
-            init.normal_(self.model.embed_tokens.weight, std)
-        if not c.tie_word_embeddings and hasattr(self, "lm_head"):
-            init.normal_(self.lm_head.weight, std)
+        init, std, out_std = init_shared(self, seed, RMSNorm)
         for layer in self.model.layers.values():
             a = layer.self_attn
             for m in a.modules():
