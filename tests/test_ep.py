@@ -42,10 +42,11 @@ def router_count(world: int, ep: int, row_bytes: int = 2048 * 2) -> tuple[int, i
 
 
 def check_result(res: dict, world: int, meshes: set):
-    cases = {(c["dp"], c["ep"], c["case"], c["dtype"]) for c in res["checks"]}
-    assert cases == {(dp, ep, case, dtype) for dp, ep in meshes for case, dtype in [
-        ("random", "float32"), ("random", "float64"), ("wide", "float32"), ("wide", "float64"),
-        ("one_expert", "float64"), ("one_rank", "float32")]}
+    cases = {(c["dp"], c["ep"], c["case"], c["dtype"], c["combine"]) for c in res["checks"]}
+    assert cases == {(dp, ep, case, dtype, combine) for dp, ep in meshes for case, dtype, combine in [
+        ("random", "float32", "sum"), ("random", "float64", "sum"), ("wide", "float32", "sum"),
+        ("wide", "float64", "sum"), ("one_expert", "float64", "sum"), ("one_rank", "float32", "sum"),
+        ("random", "float64", "pairs"), ("wide", "float32", "pairs")]}
     for c in res["checks"]:
         assert c["max_rel_err"] <= (1e-5 if c["dtype"] == "float32" else 1e-12), c
         if c["case"] == "wide":
@@ -56,7 +57,8 @@ def check_result(res: dict, world: int, meshes: set):
         if world % ep == 0:
             t = res["traffic"][str(ep)]
             assert (t["dispatch"], t["dispatch_undeduplicated"]) == router_count(world, ep), (ep, t)
-            assert t["combine"] == t["dispatch_undeduplicated"] and t["calls"] == world
+            assert t["combine_pairs"] == t["dispatch_undeduplicated"] and t["calls"] == world
+            assert t["combine"] == t["dispatch"]                   # summed: one row back per row sent
             assert t["dispatch"] < t["dispatch_undeduplicated"]
 
 

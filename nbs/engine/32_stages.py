@@ -31,8 +31,6 @@
 
 # %%
 #| export
-from dataclasses import replace
-
 import torch
 from torch import Tensor
 
@@ -92,13 +90,15 @@ def _use(*tensors) -> None:
 # | step | reads (leaves) | keeps (outputs) | its backward hands back |
 # |---|---|---|---|
 # | stage 1 | `h_in` | `h`, `x`, `routing.weights`, the load-balance loss | `h_in.grad` |
-# | dispatch | `x` | `xg_out` (rows grouped by expert), `counts` | `x.grad` |
+# | dispatch | `x` (and `w` when it sums) | `xg_out` (rows grouped by expert), `counts` | `x.grad` (and `w.grad`) |
 # | stage 3 | `xg` | `y_out` (expert outputs) | `xg.grad` |
 # | combine | `y` | `yc_out` (outputs back home) | `y.grad` |
-# | stage 5 | `h1`, `yc`, `w` | `h_out` | `h1.grad`, `yc.grad`, `w.grad` |
+# | stage 5 | `h1`, `yc`, `w` (unless dispatch summed) | `h_out` | `h1.grad`, `yc.grad`, `w.grad` |
 #
-# The router weights cross from stage 1 to stage 5 directly (as the leaf `w`), so stage 1's backward receives
-# three gradients plus the load-balance loss, whose gradient is 1: the loss `aux_fn(key, routing)` joins stage 1's
+# The router weights leave stage 1 as the leaf `w`, which replaces them on the routing record. Stage 5 reads it,
+# or, when the dispatcher weights and sums on the experts' rank (engine/31_ep's `combine="sum"`), dispatch does and
+# its backward hands back `w.grad`. Either way stage 1's backward receives three gradients plus the load-balance
+# loss, whose gradient is 1: the loss `aux_fn(key, routing)` joins stage 1's
 # backward, as it would in one `loss.backward()`. Each backward step drops what the next one no longer needs.
 #
 # `wgrad_queue` is where the expert weight gradients of stage 3 go when a pipeline defers them to a W slot
@@ -155,12 +155,13 @@ class LayerRun:
             self.aux = self.aux_fn(self.key, self.routing)
         self.s1_out = [h, x, self.routing.weights, self.aux]
         self.h1, self.x, self.w = _leaf(h), _leaf(x), _leaf(self.routing.weights)
+        self.routing.weights = self.w     # a summing dispatcher reads them in dispatch, stage 5 otherwise
 
     def _counts(self):
         self.dispatcher.exchange_counts(self.routing)
 
     def _dispatch(self):
-        _use(self.x)
+        _use(self.x, self.w)
         self.xg_out, self.counts = self.dispatcher.dispatch(self.x, self.routing)
         self.xg = _leaf(self.xg_out)
 
@@ -176,7 +177,7 @@ class LayerRun:
 
     def _stage5(self):
         _use(self.yc, self.routing.row_index)
-        self.h_out = self.layer.stage5(self.h1, self.yc, replace(self.routing, weights=self.w))
+        self.h_out = self.layer.stage5(self.h1, self.yc, self.routing)
 
     # backward steps, in the order they run
     def _stage5_backward(self):
@@ -202,7 +203,7 @@ class LayerRun:
         if self.routing is None:
             grads = [self.g_out]
         else:
-            _use(self.x.grad)
+            _use(self.x.grad, self.w.grad)
             one = None if self.aux is None else torch.ones_like(self.aux)
             grads = [self.h1.grad, self.x.grad, self.w.grad, one]
         _backward(self.s1_out, grads)

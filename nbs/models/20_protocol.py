@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pith_lit.ops.permute import gather_rows, sort_by_expert
+from pith_lit.ops.permute import gather_rows, sort_by_expert, weighted_gather
 
 # %% [markdown]
 # ## Config fields carry their help
@@ -76,7 +76,7 @@ class Routing:
     ids: (T, k) int64 expert ids; weights: (T, k) router weights (the model's compute dtype);
     probs: (T, E) full router probabilities (float32, float64 for a float64 model) or None;
     row_index: (T, k) int64, set by dispatch/combine: the row of the combined expert-output buffer that holds
-    the output of token t's k-th expert; counts: (E,) int64 (token, expert) pairs per expert in this
+    the output of token t's k-th expert (None when combine already weighted and summed); counts: (E,) int64 (token, expert) pairs per expert in this
     micro-batch, set by dispatch; plan: whatever else a dispatcher keeps between dispatch and combine (the
     expert-parallel one keeps its split sizes and index maps there)."""
     ids: Tensor
@@ -98,6 +98,12 @@ class Routing:
 # The expert-parallel dispatcher has the same two methods: its `dispatch` returns the rows for this rank's
 # experts grouped by local expert with `counts` of shape (E_local,), and its `combine` returns the outputs
 # to the tokens' home rank in the order `routing.row_index` names.
+#
+# A dispatcher may also do stage 5's weighted sum itself, on the rank that ran the experts: then only one row
+# per token and rank has to travel back instead of one per (token, expert) pair (engine/31_ep does this). Such a
+# combine returns the (T, H) sums, already weighted, and leaves `routing.row_index` None; its dispatch reads
+# `routing.weights` and is differentiable in them. Stage 5 calls `expert_sum`, which weights and sums in the
+# first case and passes the sums through in the second, so a model works with either kind.
 
 # %%
 #| export
@@ -109,7 +115,9 @@ class LocalDispatcher:
     must process, grouped by local expert in order (`counts[e]` rows for local expert e, padding included);
     it sets `routing.counts` (pairs per global expert) and whatever it needs for `combine`.
     `combine(y (N, H), routing) -> y (M, H)`: the expert outputs back on the tokens' rank, with
-    `routing.row_index[t, j]` the row of token t's j-th expert output. Both are differentiable."""
+    `routing.row_index[t, j]` the row of token t's j-th expert output; or, for a dispatcher that weights and sums
+    on the experts' rank, the (T, H) sums with `routing.row_index` None (`expert_sum` reads either). Both are
+    differentiable."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
@@ -122,6 +130,12 @@ class LocalDispatcher:
     def combine(self, y: Tensor, routing: Routing) -> Tensor:
         "Locally the grouped outputs are the combined buffer: `routing.row_index` already points into them."
         return y
+
+
+def expert_sum(y: Tensor, routing: Routing) -> Tensor:
+    """Stage 5's mixture, (T, H): `Σ_j weights[t, j] · y[row_index[t, j]]` after a combine that returned one row
+    per (token, expert) pair, or `y` itself after one that already weighted and summed (`row_index` None)."""
+    return y if routing.row_index is None else weighted_gather(y, routing.row_index, routing.weights)
 
 # %% [markdown]
 # ## The five calls
@@ -181,7 +195,7 @@ class ToyMoE(nn.Module):
         return torch.cat([torch.tanh(x[s:e] @ w.T) for s, e, w in zip([0] + ends[:-1], ends, self.w)])
 
     def stage5(self, h, y, routing):
-        return h + weighted_gather(y, routing.row_index, routing.weights).view(h.shape)
+        return h + expert_sum(y, routing).view(h.shape)
 
     def reference(self, h):
         x = h.flatten(0, 1)

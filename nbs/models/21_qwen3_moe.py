@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, expert_sum, init_shared, run_layers
 from pith_lit.ops.grouped_linear import grouped_linear
-from pith_lit.ops.permute import weighted_gather
 from pith_lit.ops.swiglu import swiglu
 
 # %%
@@ -330,8 +329,8 @@ class DecoderLayer(nn.Module):
         return self.mlp.experts(x, counts, wgrad_queue)
 
     def stage5(self, h: Tensor, y: Tensor, routing: Routing) -> Tensor:
-        "h + Σ_j weights[t, j] · y[row_index[t, j]], back in (B, S, H)."
-        return h + weighted_gather(y, routing.row_index, routing.weights).view(h.shape)
+        "h + Σ_j weights[t, j] · y[row_index[t, j]] (protocol's `expert_sum`), back in (B, S, H)."
+        return h + expert_sum(y, routing).view(h.shape)
 
 # %% [markdown]
 # ## The model

@@ -295,14 +295,21 @@ print("gather_rows: triton == torch == float64 reference")
 # one program: a plain store, no atomics, deterministic. One program per pair reads `grad_out[t]` (k programs
 # share it, through L2) and its row of `y`, writes its `grad_y` row and its weight's gradient, the dot product
 # accumulated in fp32. Padding rows of `grad_y` must be zero: the buffer is zeroed only when there is
-# padding (N ≠ T·k, known on the host).
+# padding (N ≠ T·k, known on the host). So the contract is: each row belongs to at most one pair, and when
+# N = T·k to exactly one.
+#
+# **No row.** An index of -1 (as in `gather_rows`) means the pair has no row: it adds nothing, its weight gets a
+# zero gradient and no row of `grad_y` is written for it. The expert-parallel combine (engine/31_ep) uses this: a
+# received token row sums only those of its k choices whose expert lives on the receiving rank.
 
 # %%
 #| export
 def weighted_gather_torch(y: Tensor, row_index: Tensor, weights: Tensor) -> Tensor:
-    "Reference: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]`, summed in fp32 (or y's dtype if wider)."
+    "Reference: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]` over j with row_index ≥ 0, summed in fp32 (or wider)."
     acc = torch.promote_types(y.dtype, torch.float32)
-    return (y[row_index].to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(y.dtype)
+    valid = (row_index >= 0).unsqueeze(-1)
+    rows = torch.where(valid, y[row_index.clamp(min=0)].to(acc), torch.zeros((), dtype=acc, device=y.device))
+    return (rows * weights.to(acc).unsqueeze(-1)).sum(1).to(y.dtype)
 
 # %%
 #| export
@@ -315,7 +322,8 @@ def _weighted_gather_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, H, K: tl.constexpr, 
     for j in tl.static_range(K):
         r = tl.load(idx_ptr + t * K + j)
         w = tl.load(w_ptr + t * K + j).to(tl.float32)
-        acc += w * tl.load(y_ptr + r * H + cols, mask=mask, other=0.0).to(tl.float32)
+        n = tl.where(r >= 0, H, 0)             # -1: no row, reads nothing
+        acc += w * tl.load(y_ptr + tl.maximum(r, 0) * H + cols, mask=cols < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -326,10 +334,12 @@ def _weighted_gather_bwd_kernel(go_ptr, y_ptr, idx_ptr, w_ptr, gy_ptr, gw_ptr, H
     t = p // K
     r = tl.load(idx_ptr + p)
     w = tl.load(w_ptr + p).to(tl.float32)
+    n = tl.where(r >= 0, H, 0)                 # a pair without a row reads and writes nothing
+    r = tl.maximum(r, 0)
     dot = tl.zeros([BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
-        mask = cols < H
+        mask = cols < n
         g = tl.load(go_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
         dot += g * tl.load(y_ptr + r * H + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(gy_ptr + r * H + cols, (w * g).to(gy_ptr.dtype.element_ty), mask=mask)
@@ -366,8 +376,8 @@ class _WeightedGather(torch.autograd.Function):
 #| export
 def weighted_gather(y: Tensor, row_index: Tensor, weights: Tensor, impl: str | None = None) -> Tensor:
     """Un-permute and weight: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]` for `y (N, H)`,
-    `row_index (T, k)` int64, `weights (T, k)`; fp32 accumulation, output in `y`'s dtype. Differentiable in
-    `y` and `weights`. `impl`: "triton", "torch", or None (Triton on CUDA)."""
+    `row_index (T, k)` int64 (-1: no row, adds nothing), `weights (T, k)`; fp32 accumulation, output in `y`'s
+    dtype. Differentiable in `y` and `weights`. `impl`: "triton", "torch", or None (Triton on CUDA)."""
     if y.dim() != 2 or row_index.dim() != 2 or row_index.dtype != torch.int64 or weights.shape != row_index.shape:
         raise ValueError(f"weighted_gather wants y (N, H), row_index (T, k) int64 and weights (T, k), got y "
                          f"{tuple(y.shape)}, row_index {tuple(row_index.shape)} {row_index.dtype}, weights "
@@ -409,6 +419,40 @@ for T, k, E, H, pad_to in [(13, 3, 6, 1500, 4), (13, 3, 6, 7, 1), (1, 1, 2, 5, 1
     check_weighted(T, k, E, H, pad_to)
 check_weighted(9, 2, 5, 1030, 4, torch.bfloat16)
 print("weighted_gather: triton and torch match float64, forward and backward")
+
+# %% [markdown]
+# Pairs without a row (index -1): every other pair points at its own row, some rows belong to no pair, and the
+# result must equal a plain loop over the pairs that have one.
+
+# %%
+def check_no_row(T, k, H, keep=0.6):
+    valid = torch.rand(T, k) < keep
+    M = int(valid.sum())
+    row_index = torch.full((T, k), -1, dtype=torch.int64)
+    N = T * k + 1                                           # more rows than pairs: some rows are nobody's
+    row_index[valid] = torch.randperm(N)[:M]
+    y, w, g = torch.randn(N, H), torch.rand(T, k), torch.randn(T, H)
+    want, want_gy = torch.zeros(T, H, dtype=torch.float64), torch.zeros(N, H, dtype=torch.float64)
+    want_gw = torch.zeros(T, k, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            if row_index[t, j] >= 0:
+                r = row_index[t, j]
+                want[t] += w[t, j].double() * y[r].double()
+                want_gy[r] = w[t, j].double() * g[t].double()
+                want_gw[t, j] = (g[t].double() * y[r].double()).sum()
+    for impl in ("triton", "torch"):
+        yy, ww = y.clone().requires_grad_(), w.clone().requires_grad_()
+        out = weighted_gather(yy, row_index, ww, impl=impl)
+        out.backward(g)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(yy.grad.double(), want_gy, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ww.grad.double(), want_gw, rtol=1e-5, atol=1e-4)
+
+for T, k, H in [(11, 3, 1100), (5, 2, 7), (4, 1, 3)]:
+    check_no_row(T, k, H)
+check_no_row(3, 2, 5, keep=0.0)                              # no pair has a row: zeros, zero gradients
+print("weighted_gather: pairs without a row add nothing and get no gradient")
 
 # %% [markdown]
 # ## 4. On the GPU: bf16 at the real size, and speed

@@ -4,8 +4,6 @@
 __all__ = ['COMPUTE', 'COMM', 'LayerRun', 'forward_layers', 'backward_layers', 'Streams', 'run_steps']
 
 # %% ../../nbs/engine/32_stages.ipynb #94097a90
-from dataclasses import replace
-
 import torch
 from torch import Tensor
 
@@ -76,12 +74,13 @@ class LayerRun:
             self.aux = self.aux_fn(self.key, self.routing)
         self.s1_out = [h, x, self.routing.weights, self.aux]
         self.h1, self.x, self.w = _leaf(h), _leaf(x), _leaf(self.routing.weights)
+        self.routing.weights = self.w     # a summing dispatcher reads them in dispatch, stage 5 otherwise
 
     def _counts(self):
         self.dispatcher.exchange_counts(self.routing)
 
     def _dispatch(self):
-        _use(self.x)
+        _use(self.x, self.w)
         self.xg_out, self.counts = self.dispatcher.dispatch(self.x, self.routing)
         self.xg = _leaf(self.xg_out)
 
@@ -97,7 +96,7 @@ class LayerRun:
 
     def _stage5(self):
         _use(self.yc, self.routing.row_index)
-        self.h_out = self.layer.stage5(self.h1, self.yc, replace(self.routing, weights=self.w))
+        self.h_out = self.layer.stage5(self.h1, self.yc, self.routing)
 
     # backward steps, in the order they run
     def _stage5_backward(self):
@@ -123,7 +122,7 @@ class LayerRun:
         if self.routing is None:
             grads = [self.g_out]
         else:
-            _use(self.x.grad)
+            _use(self.x.grad, self.w.grad)
             one = None if self.aux is None else torch.ones_like(self.aux)
             grads = [self.h1.grad, self.x.grad, self.w.grad, one]
         _backward(self.s1_out, grads)

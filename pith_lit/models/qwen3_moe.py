@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from .protocol import LocalDispatcher, Routing, cfg, expert_sum, init_shared, run_layers
 from ..ops.grouped_linear import grouped_linear
-from ..ops.permute import weighted_gather
 from ..ops.swiglu import swiglu
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #8eb992f3
@@ -192,8 +191,8 @@ class DecoderLayer(nn.Module):
         return self.mlp.experts(x, counts, wgrad_queue)
 
     def stage5(self, h: Tensor, y: Tensor, routing: Routing) -> Tensor:
-        "h + Σ_j weights[t, j] · y[row_index[t, j]], back in (B, S, H)."
-        return h + weighted_gather(y, routing.row_index, routing.weights).view(h.shape)
+        "h + Σ_j weights[t, j] · y[row_index[t, j]] (protocol's `expert_sum`), back in (B, S, H)."
+        return h + expert_sum(y, routing).view(h.shape)
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #55bd6111
 class Qwen3MoeModel(nn.Module):

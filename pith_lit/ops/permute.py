@@ -118,9 +118,11 @@ def gather_rows(x: Tensor, src_token: Tensor, impl: str | None = None) -> Tensor
 
 # %% ../../nbs/ops/11_permute.ipynb #49e2600e
 def weighted_gather_torch(y: Tensor, row_index: Tensor, weights: Tensor) -> Tensor:
-    "Reference: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]`, summed in fp32 (or y's dtype if wider)."
+    "Reference: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]` over j with row_index ≥ 0, summed in fp32 (or wider)."
     acc = torch.promote_types(y.dtype, torch.float32)
-    return (y[row_index].to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(y.dtype)
+    valid = (row_index >= 0).unsqueeze(-1)
+    rows = torch.where(valid, y[row_index.clamp(min=0)].to(acc), torch.zeros((), dtype=acc, device=y.device))
+    return (rows * weights.to(acc).unsqueeze(-1)).sum(1).to(y.dtype)
 
 # %% ../../nbs/ops/11_permute.ipynb #74838c32
 @triton.jit
@@ -132,7 +134,8 @@ def _weighted_gather_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, H, K: tl.constexpr, 
     for j in tl.static_range(K):
         r = tl.load(idx_ptr + t * K + j)
         w = tl.load(w_ptr + t * K + j).to(tl.float32)
-        acc += w * tl.load(y_ptr + r * H + cols, mask=mask, other=0.0).to(tl.float32)
+        n = tl.where(r >= 0, H, 0)             # -1: no row, reads nothing
+        acc += w * tl.load(y_ptr + tl.maximum(r, 0) * H + cols, mask=cols < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -143,10 +146,12 @@ def _weighted_gather_bwd_kernel(go_ptr, y_ptr, idx_ptr, w_ptr, gy_ptr, gw_ptr, H
     t = p // K
     r = tl.load(idx_ptr + p)
     w = tl.load(w_ptr + p).to(tl.float32)
+    n = tl.where(r >= 0, H, 0)                 # a pair without a row reads and writes nothing
+    r = tl.maximum(r, 0)
     dot = tl.zeros([BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
-        mask = cols < H
+        mask = cols < n
         g = tl.load(go_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
         dot += g * tl.load(y_ptr + r * H + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(gy_ptr + r * H + cols, (w * g).to(gy_ptr.dtype.element_ty), mask=mask)
@@ -182,8 +187,8 @@ class _WeightedGather(torch.autograd.Function):
 # %% ../../nbs/ops/11_permute.ipynb #c4e72170
 def weighted_gather(y: Tensor, row_index: Tensor, weights: Tensor, impl: str | None = None) -> Tensor:
     """Un-permute and weight: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]` for `y (N, H)`,
-    `row_index (T, k)` int64, `weights (T, k)`; fp32 accumulation, output in `y`'s dtype. Differentiable in
-    `y` and `weights`. `impl`: "triton", "torch", or None (Triton on CUDA)."""
+    `row_index (T, k)` int64 (-1: no row, adds nothing), `weights (T, k)`; fp32 accumulation, output in `y`'s
+    dtype. Differentiable in `y` and `weights`. `impl`: "triton", "torch", or None (Triton on CUDA)."""
     if y.dim() != 2 or row_index.dim() != 2 or row_index.dtype != torch.int64 or weights.shape != row_index.shape:
         raise ValueError(f"weighted_gather wants y (N, H), row_index (T, k) int64 and weights (T, k), got y "
                          f"{tuple(y.shape)}, row_index {tuple(row_index.shape)} {row_index.dtype}, weights "

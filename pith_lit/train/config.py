@@ -39,6 +39,9 @@ class ParallelConfig:
     ep: int = cfg(1, "expert-parallel ranks (the routed experts are divided among them)")
     overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one "
                                "micro-batch beside the backward of another)")
+    ep_combine: Literal["sum", "pairs"] = cfg(
+        "sum", "how expert outputs return at ep > 1: sum = weighted and summed on the experts' rank, one row per "
+               "(token, rank); pairs = one row per (token, expert) pair, weighted at home")
     timeout_s: int = cfg(600, "timeout of a collective, in seconds")
 
 
@@ -95,6 +98,9 @@ class LogConfig:
     sample_tokens: int = cfg(64, "length of the greedy sample printed at the end (0 disables)")
     profile_step: int = cfg(0, "step (counted from 1) to record with torch.profiler into run.dir/trace-rank<R>.json, "
                             "for `python -m pith_lit.engine.overlap` (0 disables)")
+    profile_host: bool = cfg(True, "record host-side operators too (their ranges give the per-slot rows of the "
+                                   "report); false records GPU kernels only, so the profiler does not slow the "
+                                   "host that feeds the GPU (CUDA only)")
 
 # %% ../../nbs/train/40_config.ipynb #ef942eb4
 class ConfigError(ValueError):

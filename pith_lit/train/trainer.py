@@ -189,7 +189,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     data, _ = build_dataset(cfg.data.corpus, cfg.data.tokenizer, run_dir.parent / "cache", t.seq_len, cfg.run.seed,
                             data_rank, data_world, cfg.model.vocab_size, cfg.data.val_frac)
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dense)
-    dispatcher = EPDispatcher(mesh.ep, cfg.model.routed_experts) if ep > 1 else LocalDispatcher(cfg.model.routed_experts)
+    E = cfg.model.routed_experts
+    dispatcher = EPDispatcher(mesh.ep, E, cfg.parallel.ep_combine) if ep > 1 else LocalDispatcher(E)
     n_micro = cfg.num_micro_batches
     aux_div = n_micro * data_world    # the load-balance loss is a mean over micro-batches and data ranks
     pipe = None
@@ -232,9 +233,10 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     with StopFlag() as stop:
         for step in bar:
             prof = None
-            if step + 1 == cfg.log.profile_step:   # one whole step, every rank, CPU ranges and GPU kernels
-                acts = [torch.profiler.ProfilerActivity.CPU] + (
-                    [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            if step + 1 == cfg.log.profile_step:   # one whole step, every rank: host ranges and GPU kernels
+                cuda = device.type == "cuda"
+                acts = ([torch.profiler.ProfilerActivity.CPU] if cfg.log.profile_host or not cuda else []) + (
+                    [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
                 prof = torch.profiler.profile(activities=acts)
                 prof.start()
             t0 = time.perf_counter()
