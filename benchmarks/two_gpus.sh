@@ -8,7 +8,9 @@
 # overlapped and pipelined. SUITE `more`: Qwen3 at global batch 32 (8 micro-batches per rank at ep 2, so most
 # DualPipeV slots pair a forward with a backward), with and without `train.compile`. SUITE `deep`:
 # DeepSeek-V2-Lite at its full 27 layers on two GPUs at pp 2, and compiled Qwen3 at pp 2. SUITE `ep`: the
-# overlapped ep 2 run of `more` again, and compiled plain ep 2.
+# overlapped ep 2 run of `more` again, and compiled plain ep 2. SUITES `combine` and `compiled`: ep 2 with combine
+# summed on the experts' rank, uncompiled and compiled, overlapped and plain, some traces recorded without
+# host-side operators (see the suites).
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -48,7 +50,7 @@ two() {  # NAME CONFIG ARGS...: two processes, one per GPU, profiling one step
   local name=$1; shift
   timeout 400 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.train "$@" \
     --set run.dir=runs/two_gpus/$name --set log.profile_step=$PROFILE > "$LOGS/$name.log" 2>&1
-  echo "$name: exit $?"
+  echo "$name: exit $? at $(date +%T)"
   report $name
   keep
 }
@@ -91,9 +93,28 @@ ep)
   two qwen32_ep2_overlap $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true
   two qwen32c_ep2 $Q $Q32 --set parallel.ep=2 --set train.compile=true
   ;;
-*) echo "unknown suite $SUITE: use base, more, deep or ep"; exit 2 ;;
+combine)
+  # Combine summed on the experts' rank (parallel.ep_combine = sum, the default) at ep 2, overlapped and plain,
+  # and the overlapped run again profiled without host-side operators (log.profile_host = false).
+  two qwen32_ep2_overlap_sum $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true
+  two qwen32_ep2_overlap_sum_gpu $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true --set log.profile_host=false
+  two qwen32_ep2_sum $Q $Q32 --set parallel.ep=2
+  ;;
+compiled)
+  # The same with train.compile: ep 2 overlapped (profiled without host-side operators) and plain.
+  two qwen32c_ep2_overlap_sum_gpu $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true --set train.compile=true \
+    --set log.profile_host=false
+  two qwen32c_ep2_sum $Q $Q32 --set parallel.ep=2 --set train.compile=true
+  ;;
+single)
+  # The single-GPU baselines of `more` alone, one per GPU: for a session that runs only `combine` and `compiled`.
+  one qwen32_1gpu 0 $Q $Q32 &
+  one qwen32c_1gpu 1 $Q $Q32 --set train.compile=true &
+  wait
+  ;;
+*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled or single"; exit 2 ;;
 esac
-for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap; do   # two traces to read at leisure, when small enough
+for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap qwen32c_ep2_overlap_sum_gpu; do   # two traces to read at leisure, when small enough
   f=runs/two_gpus/$name/trace-rank0.json
   [ -f $f ] && [ $(stat -c %s $f) -lt 150000000 ] && gzip -c $f > "$OUT/$name.trace0.json.gz"
 done
