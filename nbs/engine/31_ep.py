@@ -613,7 +613,8 @@ def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, c
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"{case} {dtype}: {worst} differs by {errs[worst]:.3g} relative (> {tol:g})"
     return {"dp": mesh.dp.size(), "ep": W, "case": case, "dtype": str(dtype).removeprefix("torch."),
-            "combine": combine, "top_k": top_k, "max_rel_err": errs[worst], "worst": worst, "traffic": asdict(dispatcher.traffic)}
+            "combine": combine, "top_k": top_k, "max_rel_err": errs[worst], "worst": worst,
+            "traffic": asdict(dispatcher.traffic)}
 
 # %% [markdown]
 # ## 6. The saving at Qwen3-30B-A3B's shape

@@ -305,7 +305,7 @@ print("gather_rows: triton == torch == float64 reference")
 # %%
 #| export
 def weighted_gather_torch(y: Tensor, row_index: Tensor, weights: Tensor) -> Tensor:
-    "Reference: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]` over j with row_index ≥ 0, summed in fp32 (or wider)."
+    "Reference: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]` over j with row_index ≥ 0, in fp32 or wider."
     acc = torch.promote_types(y.dtype, torch.float32)
     valid = (row_index >= 0).unsqueeze(-1)
     rows = torch.where(valid, y[row_index.clamp(min=0)].to(acc), torch.zeros((), dtype=acc, device=y.device))

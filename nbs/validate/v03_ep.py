@@ -56,10 +56,11 @@ res = json.loads(proc.stdout.strip().splitlines()[-1])
 
 # %%
 for c in res["checks"]:
-    print(f"dp={c['dp']} ep={c['ep']} {c['case']:>10} {c['dtype']:>7} top-{c['top_k']}: "
+    print(f"dp={c['dp']} ep={c['ep']} {c['case']:>10} {c['dtype']:>7} top-{c['top_k']} combine {c['combine']:>5}: "
           f"max relative error {c['max_rel_err']:.2e} ({c['worst']})")
-tol = {"float32": 1e-5, "float64": 1e-12}   # on CUDA the float64 cases run in float32 (no float64 grouped_mm)
-ok_checks = len(res["checks"]) == (12 if nproc % 4 == 0 else 6) and all(
+# on CUDA the float64 cases run in float32 (no float64 grouped_mm), and float32 gets 1e-4 (engine/31_ep says why)
+tol = {"float32": 1e-4 if device == "cuda" else 1e-5, "float64": 1e-12}
+ok_checks = len(res["checks"]) == (16 if nproc % 4 == 0 else 8) and all(
     c["max_rel_err"] <= tol[c["dtype"]] for c in res["checks"])
 
 # %% [markdown]
@@ -88,6 +89,7 @@ for ep in eps:
     want = router_count(nproc, ep)
     same = (t["dispatch"], t["dispatch_undeduplicated"]) == want
     ok_traffic &= same and t["dispatch"] < t["dispatch_undeduplicated"]
+    ok_traffic &= t["combine"] == t["dispatch"] and t["combine_pairs"] == t["dispatch_undeduplicated"]
     per_token[ep] = (t["dispatch"] / (nproc * tokens), t["dispatch_undeduplicated"] / (nproc * tokens))
     print(f"ep={ep}: {per_token[ep][0] / 1024:.2f} KiB/token deduplicated vs {per_token[ep][1] / 1024:.2f} "
           f"(saving {t['dispatch_undeduplicated'] / t['dispatch']:.2f}×), metadata "

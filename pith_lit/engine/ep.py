@@ -365,7 +365,8 @@ def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, c
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"{case} {dtype}: {worst} differs by {errs[worst]:.3g} relative (> {tol:g})"
     return {"dp": mesh.dp.size(), "ep": W, "case": case, "dtype": str(dtype).removeprefix("torch."),
-            "combine": combine, "top_k": top_k, "max_rel_err": errs[worst], "worst": worst, "traffic": asdict(dispatcher.traffic)}
+            "combine": combine, "top_k": top_k, "max_rel_err": errs[worst], "worst": worst,
+            "traffic": asdict(dispatcher.traffic)}
 
 # %% ../../nbs/engine/31_ep.ipynb #317c0deb
 def qwen3_routing(rank: int, tokens: int, hidden: int = 2048, num_experts: int = 128,

@@ -118,7 +118,7 @@ def gather_rows(x: Tensor, src_token: Tensor, impl: str | None = None) -> Tensor
 
 # %% ../../nbs/ops/11_permute.ipynb #49e2600e
 def weighted_gather_torch(y: Tensor, row_index: Tensor, weights: Tensor) -> Tensor:
-    "Reference: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]` over j with row_index ≥ 0, summed in fp32 (or wider)."
+    "Reference: `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]` over j with row_index ≥ 0, in fp32 or wider."
     acc = torch.promote_types(y.dtype, torch.float32)
     valid = (row_index >= 0).unsqueeze(-1)
     rows = torch.where(valid, y[row_index.clamp(min=0)].to(acc), torch.zeros((), dtype=acc, device=y.device))
