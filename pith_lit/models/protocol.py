@@ -29,8 +29,8 @@ class Routing:
     probs: (T, E) full router probabilities (float32, float64 for a float64 model) or None;
     row_index: (T, k) int64, set by dispatch/combine: the row of the combined expert-output buffer that holds
     the output of token t's k-th expert (None when combine already weighted and summed); counts: (E,) int64
-    (token, expert) pairs per expert in this micro-batch, set by dispatch; plan: whatever else a dispatcher keeps between dispatch and combine (the
-    expert-parallel one keeps its split sizes and index maps there)."""
+    (token, expert) pairs per expert in this micro-batch, set by dispatch; plan: whatever else a dispatcher keeps
+    between dispatch and combine (the expert-parallel one keeps its split sizes and index maps there)."""
     ids: Tensor
     weights: Tensor
     probs: Tensor | None
