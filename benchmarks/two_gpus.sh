@@ -8,9 +8,10 @@
 # overlapped and pipelined. SUITE `more`: Qwen3 at global batch 32 (8 micro-batches per rank at ep 2, so most
 # DualPipeV slots pair a forward with a backward), with and without `train.compile`. SUITE `deep`:
 # DeepSeek-V2-Lite at its full 27 layers on two GPUs at pp 2, and compiled Qwen3 at pp 2. SUITE `ep`: the
-# overlapped ep 2 run of `more` again, and compiled plain ep 2. SUITES `combine` and `compiled`: ep 2 with combine
-# summed on the experts' rank, uncompiled and compiled, overlapped and plain, some traces recorded without
-# host-side operators (see the suites).
+# overlapped ep 2 run of `more` again, and compiled plain ep 2. SUITES `combine`, `compiled` and `syncfree`: ep 2
+# with combine summed on the experts' rank, with and without the sync-free dispatcher, uncompiled and compiled,
+# overlapped and plain, some traces recorded without host-side operators (see the suites); `single`: the
+# single-GPU baselines of `more` alone.
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -106,15 +107,25 @@ compiled)
     --set log.profile_host=false
   two qwen32c_ep2_sum $Q $Q32 --set parallel.ep=2 --set train.compile=true
   ;;
+syncfree)
+  # The sync-free dispatcher (parallel.ep_sync_free: no host synchronisation per layer), uncompiled and compiled,
+  # plain and overlapped (the overlapped runs profiled without host-side operators).
+  two qwen32_ep2_free $Q $Q32 --set parallel.ep=2 --set parallel.ep_sync_free=true
+  two qwen32_ep2_overlap_free_gpu $Q $Q32 --set parallel.ep=2 --set parallel.ep_sync_free=true \
+    --set parallel.overlap=true --set log.profile_host=false
+  two qwen32c_ep2_free $Q $Q32 --set parallel.ep=2 --set parallel.ep_sync_free=true --set train.compile=true
+  two qwen32c_ep2_overlap_free_gpu $Q $Q32 --set parallel.ep=2 --set parallel.ep_sync_free=true \
+    --set parallel.overlap=true --set train.compile=true --set log.profile_host=false
+  ;;
 single)
   # The single-GPU baselines of `more` alone, one per GPU: for a session that runs only `combine` and `compiled`.
   one qwen32_1gpu 0 $Q $Q32 &
   one qwen32c_1gpu 1 $Q $Q32 --set train.compile=true &
   wait
   ;;
-*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled or single"; exit 2 ;;
+*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree or single"; exit 2 ;;
 esac
-for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap qwen32c_ep2_overlap_sum_gpu; do   # two traces to read at leisure, when small enough
+for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap qwen32c_ep2_overlap_free_gpu; do   # two traces to read at leisure, when small enough
   f=runs/two_gpus/$name/trace-rank0.json
   [ -f $f ] && [ $(stat -c %s $f) -lt 150000000 ] && gzip -c $f > "$OUT/$name.trace0.json.gz"
 done

@@ -110,6 +110,12 @@ def test_dualpipev_needs_two_micro_batches_per_stage():
     assert validate(from_dict({}, ["parallel.pp=2", "train.global_batch=16"]), 2).num_micro_batches == 4
 
 
+def test_sync_free_needs_summed_combine():
+    msg = error(["parallel.ep_sync_free=true", "parallel.ep_combine=pairs"])
+    assert msg.startswith("parallel.ep_sync_free = true needs parallel.ep_combine = sum") and "set ep_combine" in msg
+    assert validate(from_dict({}, ["parallel.ep_sync_free=true"]), 1)   # with the default combine it is fine
+
+
 def test_overlap_needs_two_micro_batches():
     assert error(["parallel.overlap=true", "train.global_batch=4"]) == (
         "train.global_batch = 4: gives 1 micro-batches per step (global_batch / (micro_batch × dp × ep)), but DualPipeV "

@@ -42,17 +42,21 @@ def router_count(world: int, ep: int, row_bytes: int = 2048 * 2) -> tuple[int, i
 
 
 def check_result(res: dict, world: int, meshes: set):
-    cases = {(c["dp"], c["ep"], c["case"], c["dtype"], c["combine"]) for c in res["checks"]}
-    assert cases == {(dp, ep, case, dtype, combine) for dp, ep in meshes for case, dtype, combine in [
-        ("random", "float32", "sum"), ("random", "float64", "sum"), ("wide", "float32", "sum"),
-        ("wide", "float64", "sum"), ("one_expert", "float64", "sum"), ("one_rank", "float32", "sum"),
-        ("random", "float64", "pairs"), ("wide", "float32", "pairs")]}
+    cases = {(c["dp"], c["ep"], c["case"], c["dtype"], c["combine"], c["sync_free"]) for c in res["checks"]}
+    assert cases == {(dp, ep, *case) for dp, ep in meshes for case in [
+        ("random", "float32", "sum", False), ("random", "float64", "sum", False), ("wide", "float32", "sum", False),
+        ("wide", "float64", "sum", False), ("one_expert", "float64", "sum", False),
+        ("one_rank", "float32", "sum", False), ("random", "float64", "pairs", False),
+        ("wide", "float32", "pairs", False), ("random", "float64", "sum", True), ("wide", "float32", "sum", True),
+        ("one_rank", "float64", "sum", True)]}
     for c in res["checks"]:
         assert c["max_rel_err"] <= (1e-5 if c["dtype"] == "float32" else 1e-12), c
         if c["case"] == "wide":
             assert c["top_k"] > 8 // c["ep"]                     # more experts per token than per rank
-        if c["case"] == "one_rank":
+        if c["case"] == "one_rank" and not c["sync_free"]:
             assert c["traffic"]["dispatch"] == 0                 # rank 0 keeps everything; the others get nothing
+        if c["sync_free"]:                                       # whole blocks of T rows go to every other rank
+            assert c["traffic"]["dispatch"] > 0
     for ep in (2, 4):
         if world % ep == 0:
             t = res["traffic"][str(ep)]

@@ -71,14 +71,18 @@ def test_metrics_and_tensorboard(tmp_path):
     assert (tmp_path / "config.toml").exists() and isinstance(out["sample"], str)
 
 
-def test_expert_parallel_matches_single_process(tmp_path):
+@pytest.mark.parametrize("variant", [[], ["parallel.ep_sync_free=true", "parallel.overlap=true"]],
+                         ids=["plain", "sync_free_overlapped"])
+def test_expert_parallel_matches_single_process(tmp_path, variant):
     """ep 2 under torchrun (2 gloo processes, each with half the experts and half of every batch) against one
-    process with all experts and the whole batch: the same loss curve. The load-balance term is off: its running
-    global statistic depends on the order in which micro-batches are seen, which differs between the two runs."""
+    process with all experts and the whole batch: the same loss curve; plain, and with the sync-free dispatcher
+    under the overlapped schedule. The load-balance term is off: its running global statistic depends on the
+    order in which micro-batches are seen, which differs between the two runs."""
     over = ["train.steps=6", "train.warmup=1", "train.lb_coef=0", "ckpt.every=-1", *QUIET]
     single = train(load_config(overrides=over + [f"run.dir={tmp_path}/one"]), quiet=True)["history"]
+    ep_over = over + [f"run.dir={tmp_path}/ep2", "parallel.ep=2", *variant]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "pith_lit.train", *[a for o in over + [f"run.dir={tmp_path}/ep2", "parallel.ep=2"] for a in ("--set", o)]]
+           "pith_lit.train", *[a for o in ep_over for a in ("--set", o)]]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ep2 = [json.loads(line) for line in (tmp_path / "ep2" / "metrics.jsonl").read_text().splitlines()]

@@ -223,6 +223,21 @@ assert torch.equal(xa.grad, 2 * g) and h.work is None and h.buffers == ()
 #   on the home rank the returned pairs are in (expert rank, token, slot) order, and `routing.row_index` is the
 #   position of each pair in that order: exactly the `row_index` of `sort_by_expert(dest, ep)`, a stable sort
 #   of the pairs by destination rank.
+#
+# **Without the host: `sync_free=True`.** The one host sync per layer costs more than it looks on a GPU: when
+# the host blocks on the sizes, everything it had queued runs out, and after the sync the GPU waits for each
+# new launch until the host is ahead again (engine/34_overlap measures this as idle time). Every size can
+# instead be a bound known in advance. A token sends at most one row to each rank, so each rank sends a block
+# of exactly T rows to every rank: first the rows of the tokens that go there (in token order, as above), then
+# zero rows whose slots all say "elsewhere". The exchanges have equal splits and need no counts. On the expert
+# rank the `sort_by_expert` of all ep·T·k received slots puts this rank's pairs first, and the grouped buffer
+# keeps all ep·T·k rows: the real pairs (their number, n, stays on the GPU, as `counts`), then rows that copy
+# nothing and that no one reads. `grouped_linear` leaves rows after its last group alone (ops/12), and the
+# weighted sums read only real pairs. The cost is bytes and memory: a block travels whole (at ep = 2 with
+# top-8, 99.6% of tokens have an expert on the other rank, so almost nothing is padding; at ep = 8 about a
+# third is), and the expert buffers are ep·T·k rows instead of about T·k. It needs `combine="sum"`, whose return
+# trip has the same block sizes. `traffic` then counts the whole blocks, what really travels, and leaves
+# `dispatch_undeduplicated` at 0 (counting it would need the sizes on the host).
 
 # %%
 #| export
@@ -255,7 +270,7 @@ class EPCounts:
     "The counts exchange of one micro-batch, launched by `exchange_counts` and not yet read on the host."
     dest: Tensor                 # (T, k) rank of each pair's expert
     sends: Tensor                # (T, ep) bool: token t sends a row to rank d
-    host: Tensor                 # sizes, on the host (pinned) once `ready` has fired
+    host: Tensor | None          # sizes, on the host (pinned) once `ready` has fired; None when sync-free
     ready: object = None         # the CUDA event after the copy to the host; None on the CPU
 
 # %% [markdown]
@@ -278,16 +293,20 @@ class EPDispatcher:
     `combine(y (N, H), routing)`: with `combine="sum"`, (T, H), each token's router-weighted sum of its experts'
     outputs (dispatch is then differentiable in `routing.weights`, and `routing.row_index` stays None); with
     `"pairs"`, (T·k, H), one row per (token, expert) pair at `routing.row_index`. `dispatch_start`/`dispatch_wait`
-    and `combine_start`/`combine_wait` are the two halves. `traffic` counts the bytes sent to other ranks."""
+    and `combine_start`/`combine_wait` are the two halves. `sync_free` sizes every exchange by its bound instead
+    of reading counts on the host (see above). `traffic` counts the bytes sent to other ranks."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, combine: str = "sum"):
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, combine: str = "sum", sync_free: bool = False):
         self.group, self.size, self.rank = group, group.size(), group.rank()
         if num_experts % self.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {self.size}; "
                              "choose parallel.ep among the divisors of the model's num_experts")
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine={combine!r}: choose one of {COMBINE_MODES}")
-        self.sum = combine == "sum"
+        if sync_free and combine != "sum":
+            raise ValueError("sync_free needs combine='sum': a per-pair combine's sizes are only known on the host "
+                             "after the counts exchange")
+        self.sum, self.sync_free = combine == "sum", sync_free
         self.num_experts, self.local = num_experts, num_experts // self.size
         self.traffic = Traffic()
 
@@ -311,6 +330,9 @@ class EPDispatcher:
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=dev)
         routing.counts = counts.scatter_add_(0, flat, torch.ones_like(flat))   # not bincount: that syncs on CUDA
         sends = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dest, True)
+        if self.sync_free:                      # nothing to exchange: every size is a bound known in advance
+            routing.plan = EPCounts(dest, sends, None)
+            return
         rows_out = sends.sum(0)
         meta = torch.cat([rows_out[:, None], counts.view(W, L)], 1)  # to rank d: rows, then pairs per its experts
         meta_in = torch.empty_like(meta)
@@ -332,6 +354,8 @@ class EPDispatcher:
             self.exchange_counts(routing)
         W, L, ids, c = self.size, self.local, routing.ids, routing.plan
         (T, k), dest, sends = ids.shape, c.dest, c.sends
+        if self.sync_free:
+            return self._dispatch_start_bounded(x, routing)
         if c.ready is not None:
             c.ready.synchronize()
         sizes = c.host.tolist()                                    # the host sync
@@ -365,6 +389,32 @@ class EPDispatcher:
         tr.dispatch_meta += sum(rows_out[i] for i in others) * meta_row + (W - 1) * (1 + L) * 8
         tr.calls += 1
 
+    def _dispatch_start_bounded(self, x: Tensor, routing: Routing) -> None:
+        "`dispatch_start` without the host: T rows to every rank, the rows for rank d first in block d, then zeros."
+        W, L, ids, c = self.size, self.local, routing.ids, routing.plan
+        (T, k), dev = ids.shape, ids.device
+        rank_of_row = torch.arange(W, device=dev).repeat_interleave(T)[:, None]     # (W·T, 1) destination
+        place = torch.where(c.sends.T, c.sends.T.cumsum(1) - 1, T)                  # (W, T) row in its block
+        src = torch.full((W, T + 1), -1, dtype=torch.int64, device=dev)
+        src.scatter_(1, place, torch.arange(T, device=dev).expand(W, T))            # column T collects the rest
+        src = src[:, :T].flatten()                                                  # token of each sent row, or -1
+        t = src.clamp(min=0)
+        there = (c.dest[t] == rank_of_row) & (src >= 0)[:, None]
+        wide = torch.promote_types(routing.weights.dtype, torch.float32)
+        slots = torch.where(there, ids[t] - rank_of_row * L, L).to(wide)
+        meta = torch.cat([slots, torch.where(there, routing.weights[t].to(wide), 0.0)], 1)
+        plan = EPPlan([T * k] * W, [T * k] * W, [T] * W, [T] * W)
+        offset = torch.arange(W, device=dev)[:, None] * T
+        plan.home = torch.where(c.sends.T, place + offset, -1).T.contiguous()
+        x_in, hx = all_to_all_start(gather_rows(x, src), [T] * W, [T] * W, self.group)
+        s_in, hs = all_to_all_start(meta, [T] * W, [T] * W, self.group)
+        plan.pending = (x_in, hx, s_in, hs)
+        routing.plan = plan
+        sent = T * (W - 1)                      # what travels: whole blocks, padding included
+        self.traffic.dispatch += sent * x.shape[1] * x.element_size()
+        self.traffic.dispatch_meta += sent * meta.shape[1] * meta.element_size()
+        self.traffic.calls += 1
+
     def dispatch_wait(self, routing: Routing) -> tuple[Tensor, Tensor]:
         "Wait for the rows; expand them to (token, expert) pairs grouped by local expert."
         plan, L = routing.plan, self.local
@@ -372,8 +422,12 @@ class EPDispatcher:
         x_in, meta = all_to_all_wait(x_in, hx), all_to_all_wait(s_in, hs)
         k = routing.ids.shape[1]
         slots = meta[:, :k].long()
-        n = sum(plan.pairs_in)
         src_row, grouped_row, counts = sort_by_expert(slots, L + 1)   # slot L ("elsewhere") sorts last
+        if self.sync_free:   # every slot gets a grouped row; those after this rank's pairs copy nothing
+            mine = torch.arange(src_row.numel(), device=src_row.device) < counts[:L].sum()
+            n, src_row = src_row.numel(), torch.where(mine, src_row, -1)
+        else:
+            n = sum(plan.pairs_in)
         if self.sum:
             plan.pair_row = torch.where(slots < L, grouped_row, -1)
             plan.weights = meta[:, k:]
@@ -438,6 +492,12 @@ summed = EPDispatcher(solo, E)               # combine="sum": the same sums, for
 for a, b in zip(through(summed), local):
     torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
 assert pairs.traffic == summed.traffic == Traffic(calls=1)   # nothing crossed to another rank
+free = EPDispatcher(solo, E, sync_free=True)  # sizes by bounds: T·k grouped rows, the real pairs first
+xg, c, counts, out, gx, gw = through(free)
+n = int(c.sum())
+assert xg.shape[0] == T * k and n == T * k    # with one rank every slot is a real pair
+for a, b in zip((xg[:n], c, counts, out, gx, gw), local):
+    torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
 
 # %% [markdown]
 # ## 4. Which parameters live where, and how their gradients are summed
@@ -567,10 +627,11 @@ def _max_rel_err(a: Tensor, b: Tensor) -> float:
     return err / scale if scale else err
 
 
-def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, combine: str = "sum") -> dict:
+def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, combine: str = "sum",
+              sync_free: bool = False) -> dict:
     """One case (`random`, `wide` (top-k > experts per rank), `one_expert`, `one_rank`) on this rank of `mesh`
     (pp = cp = 1), against the single-process reference; raises AssertionError on a mismatch. Each rank of
-    `mesh.batch` (dp × ep) takes its own shard of the batch. `combine` is the dispatcher's combine mode."""
+    `mesh.batch` (dp × ep) takes its own shard of the batch. `combine` and `sync_free` configure the dispatcher."""
     W, r, E = mesh.ep.size(), mesh.ep.rank(), 8
     L = E // W
     top_k = {"random": 2, "wide": min(L + 1, E), "one_expert": 1, "one_rank": L}[case]
@@ -592,7 +653,7 @@ def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, c
     (ref_loss / n).backward()
 
     shard_experts(model, r, W)
-    dispatcher = EPDispatcher(mesh.ep, E, combine)
+    dispatcher = EPDispatcher(mesh.ep, E, combine, sync_free)
     mine = slice(mesh.batch.rank() * B, (mesh.batch.rank() + 1) * B)
     loss, routings = _loss_sum(model, inputs[mine], labels[mine], dispatcher)
     (loss / n).backward()
@@ -613,7 +674,7 @@ def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, c
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"{case} {dtype}: {worst} differs by {errs[worst]:.3g} relative (> {tol:g})"
     return {"dp": mesh.dp.size(), "ep": W, "case": case, "dtype": str(dtype).removeprefix("torch."),
-            "combine": combine, "top_k": top_k, "max_rel_err": errs[worst], "worst": worst,
+            "combine": combine, "sync_free": sync_free, "top_k": top_k, "max_rel_err": errs[worst], "worst": worst,
             "traffic": asdict(dispatcher.traffic)}
 
 # %% [markdown]
@@ -694,11 +755,12 @@ def main(argv=None) -> None:
     checks = []
     for dp in (1, 2) if world % 4 == 0 else (1,):    # ep = world; and dp = 2 × ep = world/2 where it fits
         mesh = build_mesh(1, dp, 1, world // dp, a.device, a.timeout_s)
-        checks += [selfcheck(mesh, case, dtype, device, combine)
-                   for case, dtype, combine in [
-                       ("random", f32, "sum"), ("random", f64, "sum"), ("wide", f32, "sum"), ("wide", f64, "sum"),
-                       ("one_expert", f64, "sum"), ("one_rank", f32, "sum"), ("random", f64, "pairs"),
-                       ("wide", f32, "pairs")]]
+        checks += [selfcheck(mesh, case, dtype, device, combine, free)
+                   for case, dtype, combine, free in [
+                       ("random", f32, "sum", False), ("random", f64, "sum", False), ("wide", f32, "sum", False),
+                       ("wide", f64, "sum", False), ("one_expert", f64, "sum", False), ("one_rank", f32, "sum", False),
+                       ("random", f64, "pairs", False), ("wide", f32, "pairs", False), ("random", f64, "sum", True),
+                       ("wide", f32, "sum", True), ("one_rank", f64, "sum", True)]]
     result = {"world": world, "checks": checks, "traffic": traffic(a.tokens, device, a.timeout_s)}
     if rank == 0:
         print(json.dumps(result), flush=True)
@@ -724,9 +786,9 @@ proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standal
 assert proc.returncode == 0, proc.stderr[-4000:]
 two = json.loads(proc.stdout.strip().splitlines()[-1])
 for c in two["checks"]:
-    print(f"{c['case']:>10} {c['dtype']:>7} top-{c['top_k']} combine {c['combine']:>5}: max relative error "
-          f"{c['max_rel_err']:.2e}")
-assert len(two["checks"]) == 8
+    print(f"{c['case']:>10} {c['dtype']:>7} top-{c['top_k']} combine {c['combine']:>5}"
+          f"{' sync-free' if c['sync_free'] else '':10}: max relative error {c['max_rel_err']:.2e}")
+assert len(two["checks"]) == 11
 
 # %% [markdown]
 # ### The saving, counted two ways

@@ -113,7 +113,7 @@ class EPCounts:
     "The counts exchange of one micro-batch, launched by `exchange_counts` and not yet read on the host."
     dest: Tensor                 # (T, k) rank of each pair's expert
     sends: Tensor                # (T, ep) bool: token t sends a row to rank d
-    host: Tensor                 # sizes, on the host (pinned) once `ready` has fired
+    host: Tensor | None          # sizes, on the host (pinned) once `ready` has fired; None when sync-free
     ready: object = None         # the CUDA event after the copy to the host; None on the CPU
 
 # %% ../../nbs/engine/31_ep.ipynb #92101889
@@ -128,16 +128,20 @@ class EPDispatcher:
     `combine(y (N, H), routing)`: with `combine="sum"`, (T, H), each token's router-weighted sum of its experts'
     outputs (dispatch is then differentiable in `routing.weights`, and `routing.row_index` stays None); with
     `"pairs"`, (T·k, H), one row per (token, expert) pair at `routing.row_index`. `dispatch_start`/`dispatch_wait`
-    and `combine_start`/`combine_wait` are the two halves. `traffic` counts the bytes sent to other ranks."""
+    and `combine_start`/`combine_wait` are the two halves. `sync_free` sizes every exchange by its bound instead
+    of reading counts on the host (see above). `traffic` counts the bytes sent to other ranks."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, combine: str = "sum"):
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, combine: str = "sum", sync_free: bool = False):
         self.group, self.size, self.rank = group, group.size(), group.rank()
         if num_experts % self.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {self.size}; "
                              "choose parallel.ep among the divisors of the model's num_experts")
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine={combine!r}: choose one of {COMBINE_MODES}")
-        self.sum = combine == "sum"
+        if sync_free and combine != "sum":
+            raise ValueError("sync_free needs combine='sum': a per-pair combine's sizes are only known on the host "
+                             "after the counts exchange")
+        self.sum, self.sync_free = combine == "sum", sync_free
         self.num_experts, self.local = num_experts, num_experts // self.size
         self.traffic = Traffic()
 
@@ -161,6 +165,9 @@ class EPDispatcher:
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=dev)
         routing.counts = counts.scatter_add_(0, flat, torch.ones_like(flat))   # not bincount: that syncs on CUDA
         sends = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dest, True)
+        if self.sync_free:                      # nothing to exchange: every size is a bound known in advance
+            routing.plan = EPCounts(dest, sends, None)
+            return
         rows_out = sends.sum(0)
         meta = torch.cat([rows_out[:, None], counts.view(W, L)], 1)  # to rank d: rows, then pairs per its experts
         meta_in = torch.empty_like(meta)
@@ -182,6 +189,8 @@ class EPDispatcher:
             self.exchange_counts(routing)
         W, L, ids, c = self.size, self.local, routing.ids, routing.plan
         (T, k), dest, sends = ids.shape, c.dest, c.sends
+        if self.sync_free:
+            return self._dispatch_start_bounded(x, routing)
         if c.ready is not None:
             c.ready.synchronize()
         sizes = c.host.tolist()                                    # the host sync
@@ -215,6 +224,32 @@ class EPDispatcher:
         tr.dispatch_meta += sum(rows_out[i] for i in others) * meta_row + (W - 1) * (1 + L) * 8
         tr.calls += 1
 
+    def _dispatch_start_bounded(self, x: Tensor, routing: Routing) -> None:
+        "`dispatch_start` without the host: T rows to every rank, the rows for rank d first in block d, then zeros."
+        W, L, ids, c = self.size, self.local, routing.ids, routing.plan
+        (T, k), dev = ids.shape, ids.device
+        rank_of_row = torch.arange(W, device=dev).repeat_interleave(T)[:, None]     # (W·T, 1) destination
+        place = torch.where(c.sends.T, c.sends.T.cumsum(1) - 1, T)                  # (W, T) row in its block
+        src = torch.full((W, T + 1), -1, dtype=torch.int64, device=dev)
+        src.scatter_(1, place, torch.arange(T, device=dev).expand(W, T))            # column T collects the rest
+        src = src[:, :T].flatten()                                                  # token of each sent row, or -1
+        t = src.clamp(min=0)
+        there = (c.dest[t] == rank_of_row) & (src >= 0)[:, None]
+        wide = torch.promote_types(routing.weights.dtype, torch.float32)
+        slots = torch.where(there, ids[t] - rank_of_row * L, L).to(wide)
+        meta = torch.cat([slots, torch.where(there, routing.weights[t].to(wide), 0.0)], 1)
+        plan = EPPlan([T * k] * W, [T * k] * W, [T] * W, [T] * W)
+        offset = torch.arange(W, device=dev)[:, None] * T
+        plan.home = torch.where(c.sends.T, place + offset, -1).T.contiguous()
+        x_in, hx = all_to_all_start(gather_rows(x, src), [T] * W, [T] * W, self.group)
+        s_in, hs = all_to_all_start(meta, [T] * W, [T] * W, self.group)
+        plan.pending = (x_in, hx, s_in, hs)
+        routing.plan = plan
+        sent = T * (W - 1)                      # what travels: whole blocks, padding included
+        self.traffic.dispatch += sent * x.shape[1] * x.element_size()
+        self.traffic.dispatch_meta += sent * meta.shape[1] * meta.element_size()
+        self.traffic.calls += 1
+
     def dispatch_wait(self, routing: Routing) -> tuple[Tensor, Tensor]:
         "Wait for the rows; expand them to (token, expert) pairs grouped by local expert."
         plan, L = routing.plan, self.local
@@ -222,8 +257,12 @@ class EPDispatcher:
         x_in, meta = all_to_all_wait(x_in, hx), all_to_all_wait(s_in, hs)
         k = routing.ids.shape[1]
         slots = meta[:, :k].long()
-        n = sum(plan.pairs_in)
         src_row, grouped_row, counts = sort_by_expert(slots, L + 1)   # slot L ("elsewhere") sorts last
+        if self.sync_free:   # every slot gets a grouped row; those after this rank's pairs copy nothing
+            mine = torch.arange(src_row.numel(), device=src_row.device) < counts[:L].sum()
+            n, src_row = src_row.numel(), torch.where(mine, src_row, -1)
+        else:
+            n = sum(plan.pairs_in)
         if self.sum:
             plan.pair_row = torch.where(slots < L, grouped_row, -1)
             plan.weights = meta[:, k:]
@@ -319,10 +358,11 @@ def _max_rel_err(a: Tensor, b: Tensor) -> float:
     return err / scale if scale else err
 
 
-def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, combine: str = "sum") -> dict:
+def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, combine: str = "sum",
+              sync_free: bool = False) -> dict:
     """One case (`random`, `wide` (top-k > experts per rank), `one_expert`, `one_rank`) on this rank of `mesh`
     (pp = cp = 1), against the single-process reference; raises AssertionError on a mismatch. Each rank of
-    `mesh.batch` (dp × ep) takes its own shard of the batch. `combine` is the dispatcher's combine mode."""
+    `mesh.batch` (dp × ep) takes its own shard of the batch. `combine` and `sync_free` configure the dispatcher."""
     W, r, E = mesh.ep.size(), mesh.ep.rank(), 8
     L = E // W
     top_k = {"random": 2, "wide": min(L + 1, E), "one_expert": 1, "one_rank": L}[case]
@@ -344,7 +384,7 @@ def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, c
     (ref_loss / n).backward()
 
     shard_experts(model, r, W)
-    dispatcher = EPDispatcher(mesh.ep, E, combine)
+    dispatcher = EPDispatcher(mesh.ep, E, combine, sync_free)
     mine = slice(mesh.batch.rank() * B, (mesh.batch.rank() + 1) * B)
     loss, routings = _loss_sum(model, inputs[mine], labels[mine], dispatcher)
     (loss / n).backward()
@@ -365,7 +405,7 @@ def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, c
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"{case} {dtype}: {worst} differs by {errs[worst]:.3g} relative (> {tol:g})"
     return {"dp": mesh.dp.size(), "ep": W, "case": case, "dtype": str(dtype).removeprefix("torch."),
-            "combine": combine, "top_k": top_k, "max_rel_err": errs[worst], "worst": worst,
+            "combine": combine, "sync_free": sync_free, "top_k": top_k, "max_rel_err": errs[worst], "worst": worst,
             "traffic": asdict(dispatcher.traffic)}
 
 # %% ../../nbs/engine/31_ep.ipynb #317c0deb
@@ -420,11 +460,12 @@ def main(argv=None) -> None:
     checks = []
     for dp in (1, 2) if world % 4 == 0 else (1,):    # ep = world; and dp = 2 × ep = world/2 where it fits
         mesh = build_mesh(1, dp, 1, world // dp, a.device, a.timeout_s)
-        checks += [selfcheck(mesh, case, dtype, device, combine)
-                   for case, dtype, combine in [
-                       ("random", f32, "sum"), ("random", f64, "sum"), ("wide", f32, "sum"), ("wide", f64, "sum"),
-                       ("one_expert", f64, "sum"), ("one_rank", f32, "sum"), ("random", f64, "pairs"),
-                       ("wide", f32, "pairs")]]
+        checks += [selfcheck(mesh, case, dtype, device, combine, free)
+                   for case, dtype, combine, free in [
+                       ("random", f32, "sum", False), ("random", f64, "sum", False), ("wide", f32, "sum", False),
+                       ("wide", f64, "sum", False), ("one_expert", f64, "sum", False), ("one_rank", f32, "sum", False),
+                       ("random", f64, "pairs", False), ("wide", f32, "pairs", False), ("random", f64, "sum", True),
+                       ("wide", f32, "sum", True), ("one_rank", f64, "sum", True)]]
     result = {"world": world, "checks": checks, "traffic": traffic(a.tokens, device, a.timeout_s)}
     if rank == 0:
         print(json.dumps(result), flush=True)

@@ -83,7 +83,8 @@ class _GroupedLinear(torch.autograd.Function):
 def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
                    impl: str | None = None) -> Tensor:
     """Per-expert linear on grouped rows: `y[rows of e] = x[rows of e] @ w[e]ᵀ` for `x (N, in)`, `w (E, out, in)`,
-    `counts (E,)` int64 with sum N. With `wgrad_queue`, the weight gradient is deferred to `wgrad_queue.drain()`
+    `counts (E,)` int64 with sum at most N: rows after the last group (a buffer sized by a bound) are neither
+    read nor written, and their outputs and input gradients are left unspecified. With `wgrad_queue`, the weight gradient is deferred to `wgrad_queue.drain()`
     (accumulated into `w.grad`). `impl`: "grouped_mm", "loop", or None (grouped_mm on CUDA, loop elsewhere)."""
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
         raise ValueError(f"grouped_linear wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
@@ -92,8 +93,8 @@ def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGrad
         raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
     if impl not in (None, "grouped_mm", "loop"):
         raise ValueError(f"impl must be 'grouped_mm', 'loop' or None (choose by device), got {impl!r}")
-    torch._assert_async(counts.sum() == x.shape[0],
-                        f"grouped_linear: counts must sum to the {x.shape[0]} rows of x")
+    torch._assert_async(counts.sum() <= x.shape[0],
+                        f"grouped_linear: counts must sum to at most the {x.shape[0]} rows of x")
     use_grouped_mm = x.is_cuda if impl is None else impl == "grouped_mm"
     return _GroupedLinear.apply(x, w, counts, wgrad_queue, use_grouped_mm)
 

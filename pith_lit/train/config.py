@@ -42,6 +42,9 @@ class ParallelConfig:
     ep_combine: Literal["sum", "pairs"] = cfg(
         "sum", "how expert outputs return at ep > 1: sum = weighted and summed on the experts' rank, one row per "
                "(token, rank); pairs = one row per (token, expert) pair, weighted at home")
+    ep_sync_free: bool = cfg(False, "at ep > 1, size the all-to-alls by bounds instead of exchanging counts: no "
+                                    "host synchronisation per layer, but every rank sends T rows to every rank "
+                                    "and the expert buffers hold ep·T·top_k rows (needs ep_combine = sum)")
     timeout_s: int = cfg(600, "timeout of a collective, in seconds")
 
 
@@ -318,6 +321,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _need(m.num_hidden_layers >= 2 * p.pp,
               f"parallel.pp = {p.pp}: DualPipeV cuts the model into 2·pp = {2 * p.pp} stages of at least one layer, "
               f"but model.num_hidden_layers = {m.num_hidden_layers}; use parallel.pp <= {m.num_hidden_layers // 2}")
+    _need(not p.ep_sync_free or p.ep_combine == "sum",
+          "parallel.ep_sync_free = true needs parallel.ep_combine = sum (a per-pair combine's sizes are only known "
+          "on the host); set ep_combine = sum or ep_sync_free = false")
     _need(0 <= cfg.log.profile_step <= t.steps,
           f"log.profile_step = {cfg.log.profile_step}: not a step of this run; use 1..{t.steps} (train.steps), or 0 "
           "for no trace")

@@ -190,7 +190,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                             data_rank, data_world, cfg.model.vocab_size, cfg.data.val_frac)
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dense)
     E = cfg.model.routed_experts
-    dispatcher = EPDispatcher(mesh.ep, E, cfg.parallel.ep_combine) if ep > 1 else LocalDispatcher(E)
+    dispatcher = (EPDispatcher(mesh.ep, E, cfg.parallel.ep_combine, cfg.parallel.ep_sync_free) if ep > 1
+                  else LocalDispatcher(E))
     n_micro = cfg.num_micro_batches
     aux_div = n_micro * data_world    # the load-balance loss is a mean over micro-batches and data ranks
     pipe = None
