@@ -11,7 +11,7 @@
 # overlapped ep 2 run of `more` again, and compiled plain ep 2. SUITES `combine`, `compiled` and `syncfree`: ep 2
 # with combine summed on the experts' rank, with and without the sync-free dispatcher, uncompiled and compiled,
 # overlapped and plain, some traces recorded without host-side operators (see the suites); `single`: the
-# single-GPU baselines of `more` alone.
+# single-GPU baselines of `more` alone; `dsv2free`: DeepSeek-V2-Lite with the sync-free dispatcher.
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -117,13 +117,20 @@ syncfree)
   two qwen32c_ep2_overlap_free_gpu $Q $Q32 --set parallel.ep=2 --set parallel.ep_sync_free=true \
     --set parallel.overlap=true --set train.compile=true --set log.profile_host=false
   ;;
+dsv2free)
+  # DeepSeek-V2-Lite bench with the sync-free dispatcher at ep 2, plain and overlapped, and its single-GPU baseline.
+  one dsv2_1gpu 0 $D $DSET
+  two dsv2_ep2_free $D $DSET --set parallel.ep=2 --set parallel.ep_sync_free=true
+  two dsv2_ep2_overlap_free_gpu $D $DSET --set parallel.ep=2 --set parallel.ep_sync_free=true \
+    --set parallel.overlap=true --set log.profile_host=false
+  ;;
 single)
   # The single-GPU baselines of `more` alone, one per GPU: for a session that runs only `combine` and `compiled`.
   one qwen32_1gpu 0 $Q $Q32 &
   one qwen32c_1gpu 1 $Q $Q32 --set train.compile=true &
   wait
   ;;
-*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree or single"; exit 2 ;;
+*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free or single"; exit 2 ;;
 esac
 for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap qwen32c_ep2_overlap_free_gpu; do   # two traces to read at leisure, when small enough
   f=runs/two_gpus/$name/trace-rank0.json
