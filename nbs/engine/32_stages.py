@@ -285,7 +285,10 @@ model.zero_grad(set_to_none=True)
 # boundaries the same rule keeps pairing them. Across ranks (`EPDispatcher`), dispatch needs its split sizes on
 # the host, so a forward layer has one more COMM step, `counts`, just before `dispatch`: the counts exchange is
 # queued, the driver switches, the other micro-batch queues a compute step, and only then does `dispatch` block
-# the host on the sizes, while the GPU still has that compute step to run. On a GPU, COMPUTE steps run on `streams.compute` (the stream that
+# the host on the sizes, while the GPU still has that compute step to run. (That step is one expert backward, and
+# on two H200s it was not enough: the host block still drained the GPU's queue. With `sync_free=True` the
+# dispatcher never blocks and `counts` only computes where the rows go; see engine/31_ep and benchmarks/RESULTS.md.)
+# On a GPU, COMPUTE steps run on `streams.compute` (the stream that
 # was current when `Streams` was made) and COMM steps on `streams.comm`. Within a task each step waits for the
 # task's previous step through a CUDA event (recorded after every step), so a task is a chain of dependencies
 # alternating between the streams, while the two tasks run concurrently. Autograd runs each backward op on the
