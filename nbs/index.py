@@ -39,7 +39,8 @@ from pith_lit.train.trainer import train
 # Each decoder layer is cut where communication would happen once experts live on other GPUs:
 # `stage1` (attention, norm, router) → **dispatch** → `stage3` (experts on rows grouped by expert) →
 # **combine** → `stage5` (router-weighted sum and residual). Dispatch and combine belong to the engine; on one
-# device they are local permutations (`LocalDispatcher`). Cutting layers this way is what later lets one
+# device they are local permutations (`LocalDispatcher`); across GPUs the expert-parallel combine can do the
+# weighted sum itself, on the experts' rank, so that fewer bytes travel (`engine/31_ep`). Cutting layers this way is what later lets one
 # micro-batch's all-to-all run while another computes (`models/20_protocol`, `engine/32_stages`).
 
 # %%
