@@ -11,7 +11,8 @@
 # overlapped ep 2 run of `more` again, and compiled plain ep 2. SUITES `combine`, `compiled` and `syncfree`: ep 2
 # with combine summed on the experts' rank, with and without the sync-free dispatcher, uncompiled and compiled,
 # overlapped and plain, some traces recorded without host-side operators (see the suites); `single`: the
-# single-GPU baselines of `more` alone; `dsv2free`: DeepSeek-V2-Lite with the sync-free dispatcher.
+# single-GPU baselines of `more` alone; `dsv2free`: DeepSeek-V2-Lite with the sync-free dispatcher; `mb4`: Qwen3
+# at micro-batch 4 with the sync-free dispatcher.
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -124,13 +125,20 @@ dsv2free)
   two dsv2_ep2_overlap_free_gpu $D $DSET --set parallel.ep=2 --set parallel.ep_sync_free=true \
     --set parallel.overlap=true --set log.profile_host=false
   ;;
+mb4)
+  # Micro-batch 4 (half the kernel launches per token) with the sync-free dispatcher at ep 2, and its 1-GPU run.
+  one qwen32mb4_1gpu 0 $Q $Q32 --set train.micro_batch=4
+  two qwen32mb4_ep2_overlap_free_gpu $Q $Q32 --set train.micro_batch=4 --set parallel.ep=2 \
+    --set parallel.ep_sync_free=true --set parallel.overlap=true --set log.profile_host=false
+  two qwen32mb4_ep2_free $Q $Q32 --set train.micro_batch=4 --set parallel.ep=2 --set parallel.ep_sync_free=true
+  ;;
 single)
   # The single-GPU baselines of `more` alone, one per GPU: for a session that runs only `combine` and `compiled`.
   one qwen32_1gpu 0 $Q $Q32 &
   one qwen32c_1gpu 1 $Q $Q32 --set train.compile=true &
   wait
   ;;
-*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free or single"; exit 2 ;;
+*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4 or single"; exit 2 ;;
 esac
 for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap qwen32c_ep2_overlap_free_gpu; do   # two traces to read at leisure, when small enough
   f=runs/two_gpus/$name/trace-rank0.json
