@@ -33,6 +33,11 @@ D=${D:-configs/bench-deepseek-v2-lite.toml}
 QSET="--set train.global_batch=16 --set train.steps=$STEPS --set train.warmup=5 --set log.tensorboard=false"
 Q32="$QSET --set train.global_batch=32"    # the suites more, deep and ep
 DSET="--set train.steps=$STEPS --set train.warmup=5 --set log.tensorboard=false"
+EP2="--set parallel.ep=2"
+OVL="--set parallel.overlap=true"
+FREE="--set parallel.ep_sync_free=true"
+COMPILE="--set train.compile=true"
+GPUONLY="--set log.profile_host=false"   # trace GPU kernels only
 
 report() {  # NAME: the communication report of each rank's trace
   for r in 0 1; do
@@ -41,11 +46,16 @@ report() {  # NAME: the communication report of each rank's trace
   done
 }
 keep() { tar czf "$OUT/two_gpus.tgz" --exclude 'trace-*' runs/two_gpus; }
+singles() {  # the single-GPU baselines of Qwen3 at global batch 32, plain and compiled, one per GPU
+  one qwen32_1gpu 0 $Q $Q32 &
+  one qwen32c_1gpu 1 $Q $Q32 $COMPILE &
+  wait
+}
 one() {  # NAME GPU CONFIG ARGS...: one process on one GPU, profiling one step
   local name=$1 gpu=$2; shift 2
   CUDA_VISIBLE_DEVICES=$gpu timeout 400 python3 -m pith_lit.train "$@" --set run.dir=runs/two_gpus/$name \
     --set log.profile_step=$PROFILE > "$LOGS/$name.log" 2>&1
-  echo "$name: exit $?"
+  echo "$name: exit $? at $(date +%T)"
   report $name
 }
 two() {  # NAME CONFIG ARGS...: two processes, one per GPU, profiling one step
@@ -73,9 +83,7 @@ base)
   two dsv2_pp2 $D $DSET --set parallel.pp=2
   ;;
 more)
-  one qwen32_1gpu 0 $Q $Q32 &
-  one qwen32c_1gpu 1 $Q $Q32 --set train.compile=true &
-  wait
+  singles
   keep
   two qwen32_ep2 $Q $Q32 --set parallel.ep=2
   two qwen32_ep2_overlap $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true
@@ -97,50 +105,44 @@ ep)
   ;;
 combine)
   # Combine summed on the experts' rank (parallel.ep_combine = sum, the default) at ep 2, overlapped and plain,
-  # and the overlapped run again profiled without host-side operators (log.profile_host = false).
-  two qwen32_ep2_overlap_sum $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true
-  two qwen32_ep2_overlap_sum_gpu $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true --set log.profile_host=false
-  two qwen32_ep2_sum $Q $Q32 --set parallel.ep=2
+  # and the overlapped run again profiled without host-side operators.
+  two qwen32_ep2_overlap_sum $Q $Q32 $EP2 $OVL
+  two qwen32_ep2_overlap_sum_gpu $Q $Q32 $EP2 $OVL $GPUONLY
+  two qwen32_ep2_sum $Q $Q32 $EP2
   ;;
 compiled)
   # The same with train.compile: ep 2 overlapped (profiled without host-side operators) and plain.
-  two qwen32c_ep2_overlap_sum_gpu $Q $Q32 --set parallel.ep=2 --set parallel.overlap=true --set train.compile=true \
-    --set log.profile_host=false
-  two qwen32c_ep2_sum $Q $Q32 --set parallel.ep=2 --set train.compile=true
+  two qwen32c_ep2_overlap_sum_gpu $Q $Q32 $EP2 $OVL $COMPILE $GPUONLY
+  two qwen32c_ep2_sum $Q $Q32 $EP2 $COMPILE
   ;;
 syncfree)
   # The sync-free dispatcher (parallel.ep_sync_free: no host synchronisation per layer), uncompiled and compiled,
   # plain and overlapped (the overlapped runs profiled without host-side operators).
-  two qwen32_ep2_free $Q $Q32 --set parallel.ep=2 --set parallel.ep_sync_free=true
-  two qwen32_ep2_overlap_free_gpu $Q $Q32 --set parallel.ep=2 --set parallel.ep_sync_free=true \
-    --set parallel.overlap=true --set log.profile_host=false
-  two qwen32c_ep2_free $Q $Q32 --set parallel.ep=2 --set parallel.ep_sync_free=true --set train.compile=true
-  two qwen32c_ep2_overlap_free_gpu $Q $Q32 --set parallel.ep=2 --set parallel.ep_sync_free=true \
-    --set parallel.overlap=true --set train.compile=true --set log.profile_host=false
+  two qwen32_ep2_free $Q $Q32 $EP2 $FREE
+  two qwen32_ep2_overlap_free_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY
+  two qwen32c_ep2_free $Q $Q32 $EP2 $FREE $COMPILE
+  two qwen32c_ep2_overlap_free_gpu $Q $Q32 $EP2 $FREE $OVL $COMPILE $GPUONLY
   ;;
 dsv2free)
   # DeepSeek-V2-Lite bench with the sync-free dispatcher at ep 2, plain and overlapped, and its single-GPU baseline.
   one dsv2_1gpu 0 $D $DSET
-  two dsv2_ep2_free $D $DSET --set parallel.ep=2 --set parallel.ep_sync_free=true
-  two dsv2_ep2_overlap_free_gpu $D $DSET --set parallel.ep=2 --set parallel.ep_sync_free=true \
-    --set parallel.overlap=true --set log.profile_host=false
+  two dsv2_ep2_free $D $DSET $EP2 $FREE
+  two dsv2_ep2_overlap_free_gpu $D $DSET $EP2 $FREE $OVL $GPUONLY
   ;;
 mb4)
   # Micro-batch 4 (half the kernel launches per token) with the sync-free dispatcher at ep 2, and its 1-GPU run.
-  one qwen32mb4_1gpu 0 $Q $Q32 --set train.micro_batch=4
-  two qwen32mb4_ep2_overlap_free_gpu $Q $Q32 --set train.micro_batch=4 --set parallel.ep=2 \
-    --set parallel.ep_sync_free=true --set parallel.overlap=true --set log.profile_host=false
-  two qwen32mb4_ep2_free $Q $Q32 --set train.micro_batch=4 --set parallel.ep=2 --set parallel.ep_sync_free=true
+  MB4="--set train.micro_batch=4"
+  one qwen32mb4_1gpu 0 $Q $Q32 $MB4
+  two qwen32mb4_ep2_overlap_free_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $GPUONLY
+  two qwen32mb4_ep2_free $Q $Q32 $MB4 $EP2 $FREE
   ;;
 single)
-  # The single-GPU baselines of `more` alone, one per GPU: for a session that runs only `combine` and `compiled`.
-  one qwen32_1gpu 0 $Q $Q32 &
-  one qwen32c_1gpu 1 $Q $Q32 --set train.compile=true &
-  wait
+  # The single-GPU baselines of `more` alone: for a session that runs only `combine`, `compiled` or `syncfree`.
+  singles
   ;;
 *) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4 or single"; exit 2 ;;
 esac
-for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap qwen32c_ep2_overlap_free_gpu; do   # two traces to read at leisure, when small enough
+for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap qwen32c_ep2_overlap_free_gpu; do   # traces to read at leisure, when small enough
   f=runs/two_gpus/$name/trace-rank0.json
   [ -f $f ] && [ $(stat -c %s $f) -lt 150000000 ] && gzip -c $f > "$OUT/$name.trace0.json.gz"
 done

@@ -295,8 +295,9 @@ print("gather_rows: triton == torch == float64 reference")
 # one program: a plain store, no atomics, deterministic. One program per pair reads `grad_out[t]` (k programs
 # share it, through L2) and its row of `y`, writes its `grad_y` row and its weight's gradient, the dot product
 # accumulated in fp32. Padding rows of `grad_y` must be zero: the buffer is zeroed only when there is
-# padding (N ≠ T·k, known on the host). So the contract is: each row belongs to at most one pair, and when
-# N = T·k to exactly one.
+# padding (N ≠ T·k, known on the host). So the contract is: each row belongs to at most one pair; a row that
+# belongs to none gets a zero gradient when N ≠ T·k and an unspecified one when N = T·k. (engine/31_ep's
+# sync-free buffer has N = T·k with rows that no pair reads; nothing reads their gradient either.)
 #
 # **No row.** An index of -1 (as in `gather_rows`) means the pair has no row: it adds nothing, its weight gets a
 # zero gradient and no row of `grad_y` is written for it. The expert-parallel combine (engine/31_ep) uses this: a

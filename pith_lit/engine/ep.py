@@ -2,7 +2,8 @@
 
 # %% auto #0
 __all__ = ['COMBINE_MODES', 'A2AHandle', 'all_to_all_start', 'all_to_all_wait', 'Traffic', 'EPPlan', 'EPCounts', 'EPDispatcher',
-           'is_expert_param', 'shard_experts', 'all_reduce_grads', 'selfcheck', 'qwen3_routing', 'traffic', 'main']
+           'is_expert_param', 'shard_experts', 'all_reduce_grads', 'tolerance', 'selfcheck', 'qwen3_routing', 'traffic',
+           'main']
 
 # %% ../../nbs/engine/31_ep.ipynb #101d95b1
 import argparse
@@ -187,10 +188,10 @@ class EPDispatcher:
         "Wait for the counts on the host (the one host sync; exchanged first if not yet), then launch rows and slots."
         if not isinstance(routing.plan, EPCounts):
             self.exchange_counts(routing)
-        W, L, ids, c = self.size, self.local, routing.ids, routing.plan
-        (T, k), dest, sends = ids.shape, c.dest, c.sends
         if self.sync_free:
             return self._dispatch_start_bounded(x, routing)
+        W, L, c = self.size, self.local, routing.plan
+        T, dest, sends = routing.ids.shape[0], c.dest, c.sends
         if c.ready is not None:
             c.ready.synchronize()
         sizes = c.host.tolist()                                    # the host sync
@@ -200,16 +201,11 @@ class EPDispatcher:
 
         dest_tok = torch.nonzero_static(sends.T, size=sum(rows_out))  # (S, 2): (rank, token), by rank, then token
         d, t = dest_tok[:, 0:1], dest_tok[:, 1]
-        there = dest[t] == d
-        slots = torch.where(there, ids[t] - d * L, L).to(torch.int32)
+        meta = self._meta(routing, t, d, dest[t] == d)
         plan = EPPlan(pairs_in, pairs_out, rows_in, rows_out)
-        if self.sum:   # the weights travel with the slots (ids exact in float32), differentiably
-            wide = torch.promote_types(routing.weights.dtype, torch.float32)
-            meta = torch.cat([slots.to(wide), torch.where(there, routing.weights[t].to(wide), 0.0)], 1)
+        if self.sum:
             order = sends.T.flatten().cumsum(0).view(W, T) - 1    # row of the sent buffer for (rank, token)
             plan.home = torch.where(sends.T, order, -1).T.contiguous()
-        else:
-            meta = slots
         x_in, hx = all_to_all_start(gather_rows(x, t), rows_out, rows_in, self.group)
         s_in, hs = all_to_all_start(meta, rows_out, rows_in, self.group)
         plan.pending = (x_in, hx, s_in, hs)
@@ -224,21 +220,28 @@ class EPDispatcher:
         tr.dispatch_meta += sum(rows_out[i] for i in others) * meta_row + (W - 1) * (1 + L) * 8
         tr.calls += 1
 
+    def _meta(self, routing: Routing, t: Tensor, d: Tensor, there: Tensor) -> Tensor:
+        """What travels with the rows of tokens `t` to ranks `d` ((S, 1)), `there` (S, k) marking the choices whose
+        expert lives on `d`: each choice's local slot (L: elsewhere), int32; with combine "sum" followed by the
+        choices' router weights (0 elsewhere), in one float32 (or wider) buffer, differentiable in the weights."""
+        slots = torch.where(there, routing.ids[t] - d * self.local, self.local)
+        if not self.sum:
+            return slots.to(torch.int32)
+        wide = torch.promote_types(routing.weights.dtype, torch.float32)   # slot ids are exact in float32
+        return torch.cat([slots.to(wide), torch.where(there, routing.weights[t].to(wide), 0.0)], 1)
+
     def _dispatch_start_bounded(self, x: Tensor, routing: Routing) -> None:
         "`dispatch_start` without the host: T rows to every rank, the rows for rank d first in block d, then zeros."
-        W, L, ids, c = self.size, self.local, routing.ids, routing.plan
-        (T, k), dev = ids.shape, ids.device
+        W, c = self.size, routing.plan
+        (T, k), dev = routing.ids.shape, routing.ids.device
         rank_of_row = torch.arange(W, device=dev).repeat_interleave(T)[:, None]     # (W·T, 1) destination
         place = torch.where(c.sends.T, c.sends.T.cumsum(1) - 1, T)                  # (W, T) row in its block
         src = torch.full((W, T + 1), -1, dtype=torch.int64, device=dev)
         src.scatter_(1, place, torch.arange(T, device=dev).expand(W, T))            # column T collects the rest
         src = src[:, :T].flatten()                                                  # token of each sent row, or -1
         t = src.clamp(min=0)
-        there = (c.dest[t] == rank_of_row) & (src >= 0)[:, None]
-        wide = torch.promote_types(routing.weights.dtype, torch.float32)
-        slots = torch.where(there, ids[t] - rank_of_row * L, L).to(wide)
-        meta = torch.cat([slots, torch.where(there, routing.weights[t].to(wide), 0.0)], 1)
-        plan = EPPlan([T * k] * W, [T * k] * W, [T] * W, [T] * W)
+        meta = self._meta(routing, t, rank_of_row, (c.dest[t] == rank_of_row) & (src >= 0)[:, None])
+        plan = EPPlan([T * k] * W, [T * k] * W, [T] * W, [T] * W)   # pair counts: bounds, unused by "sum"
         offset = torch.arange(W, device=dev)[:, None] * T
         plan.home = torch.where(c.sends.T, place + offset, -1).T.contiguous()
         x_in, hx = all_to_all_start(gather_rows(x, src), [T] * W, [T] * W, self.group)
@@ -281,7 +284,8 @@ class EPDispatcher:
             rows, send, recv = gather_rows(y, plan.back), plan.pairs_in, plan.pairs_out
         out, h = all_to_all_start(rows, send, recv, self.group)
         plan.pending = (out, h)
-        self.traffic.combine += y.shape[1] * y.element_size() * sum(send[i] for i in range(self.size) if i != self.rank)
+        others = sum(send[i] for i in range(self.size) if i != self.rank)
+        self.traffic.combine += y.shape[1] * y.element_size() * others
 
     def combine_wait(self, routing: Routing) -> Tensor:
         """Wait for the returned rows. "sum": add each token's rows from its ranks, giving (T, H) already weighted
@@ -334,6 +338,11 @@ def all_reduce_grads(model: nn.Module, dense: dist.ProcessGroup, expert: dist.Pr
                 g.copy_(part.view_as(g))
 
 # %% ../../nbs/engine/31_ep.ipynb #bbc91811
+def tolerance(dtype: str, device: str) -> float:
+    "The largest relative error `selfcheck` accepts in a `dtype` (`float32`, `float64`) run on `device`."
+    return 1e-12 if dtype == "float64" else 1e-4 if device == "cuda" else 1e-5
+
+
 def _force_routing(model: Qwen3MoeForCausalLM, favoured: list[int]) -> None:
     "Make every token of every MoE layer rank the `favoured` experts first, in that order."
     with torch.no_grad():
@@ -397,7 +406,7 @@ def selfcheck(mesh: Mesh, case: str, dtype: torch.dtype, device: torch.device, c
         assert all(bool((i == E - 1).all()) for i in moe_ids), "routing was not forced to the last expert"
     if case == "one_rank":
         assert all(bool((i < L).all()) for i in moe_ids), "routing was not forced to rank 0's experts"
-    tol = 1e-12 if dtype == torch.float64 else 1e-4 if device.type == "cuda" else 1e-5
+    tol = tolerance(str(dtype).removeprefix("torch."), device.type)
     errs = {"loss": _max_rel_err(total, ref_loss.detach())}
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         want = q.grad[r * L:(r + 1) * L] if is_expert_param(name) else q.grad

@@ -84,8 +84,8 @@ def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGrad
                    impl: str | None = None) -> Tensor:
     """Per-expert linear on grouped rows: `y[rows of e] = x[rows of e] @ w[e]ᵀ` for `x (N, in)`, `w (E, out, in)`,
     `counts (E,)` int64 with sum at most N: rows after the last group (a buffer sized by a bound) are neither
-    read nor written, and their outputs and input gradients are left unspecified. With `wgrad_queue`, the weight gradient is deferred to `wgrad_queue.drain()`
-    (accumulated into `w.grad`). `impl`: "grouped_mm", "loop", or None (grouped_mm on CUDA, loop elsewhere)."""
+    read nor written, and their outputs and input gradients are left unspecified. With `wgrad_queue`, the weight
+    gradient is deferred to `wgrad_queue.drain()` (accumulated into `w.grad`). `impl`: "grouped_mm", "loop", or None (grouped_mm on CUDA, loop elsewhere)."""
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
         raise ValueError(f"grouped_linear wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
                          f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
