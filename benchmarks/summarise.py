@@ -5,13 +5,15 @@ metrics.jsonl and, when `log.profile_step` was set, trace-rank<R>.json). For eac
 tokens/s of the steps after warm-up (the profiled step left out), per GPU and for the whole job, MFU, peak
 memory, the loss at the first and last step, the largest relative loss difference from the single-GPU run of
 the same model (the run whose name ends in `_1gpu` and starts with the same word), the share of
-communication hidden under compute and the share of the GPU span with no kernel running, from the traces."""
+communication hidden under compute, for a two-GPU run the share of the transfer proper (both ranks inside the
+collective, `peer_report`) hidden ("xfer"), and the share of the GPU span with no kernel running, from the
+traces."""
 import json
 import sys
 import tomllib
 from pathlib import Path
 
-from pith_lit.engine.overlap import overlap_report
+from pith_lit.engine.overlap import overlap_report, peer_report
 
 
 def summarise(run: Path) -> dict:
@@ -28,11 +30,16 @@ def summarise(run: Path) -> dict:
            "peak_mem_gb": max(r["peak_mem_gb"] for r in recs), "loss_first": recs[0]["loss"],
            "loss_last": recs[-1]["loss"], "balance_last": recs[-1]["balance"], "losses": [r["loss"] for r in recs]}
     out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / world if out["tokens_per_s"] else None
-    comm = []
-    for trace in sorted(run.glob("trace-rank*.json")):
-        rep = overlap_report(json.loads(trace.read_text()))
-        comm.append({"trace": trace.name, **rep["total"],
+    comm, traces = [], [json.loads(t.read_text()) for t in sorted(run.glob("trace-rank*.json"))]
+    for name, trace in zip(sorted(run.glob("trace-rank*.json")), traces):
+        rep = overlap_report(trace)
+        comm.append({"trace": name.name, **rep["total"],
                      "stages": {k: v for k, v in rep["stages"].items() if v["comm_ms"] > 0}})
+    if len(traces) == 2 and world == 2 and comm[0]["comm_ms"] > 0:   # the two ranks of one group: see peer_report
+        peers = [peer_report(traces[0], traces[1]), peer_report(traces[1], traces[0])]
+        out["peers"] = peers
+        moved = sum(p["transfer_ms"] for p in peers)
+        out["transfer_hidden_frac"] = 1 - sum(p["transfer_exposed_ms"] for p in peers) / moved if moved else None
     if comm:
         out["comm"] = comm
         total = sum(c["comm_ms"] for c in comm)
@@ -55,13 +62,14 @@ def main(runs_dir: str, out_json: str | None = None) -> list[dict]:
         Path(out_json).write_text(json.dumps(rows, indent=1))
     fmt = lambda v, f: "-" if v is None else format(v, f)
     print(f"{'run':20} {'gpus':>4} {'tok/s':>9} {'tok/s/gpu':>9} {'vs 1gpu':>7} {'mfu':>6} {'peak GiB':>8} "
-          f"{'loss':>13} {'max dloss':>9} {'balance':>7} {'hidden':>6} {'idle':>6}")
+          f"{'loss':>13} {'max dloss':>9} {'balance':>7} {'hidden':>6} {'xfer':>6} {'idle':>6}")
     for r in rows:
         print(f"{r['run']:20} {r['gpus']:>4} {fmt(r['tokens_per_s'], ',.0f'):>9} "
               f"{fmt(r['tokens_per_s_per_gpu'], ',.0f'):>9} {fmt(r.get('per_gpu_vs_1gpu'), '.3f'):>7} "
               f"{fmt(r['mfu'], '.1%'):>6} {r['peak_mem_gb']:8.1f} {r['loss_first']:6.3f}>{r['loss_last']:6.3f} "
               f"{fmt(r.get('max_rel_loss_diff_vs_1gpu'), '.2e'):>9} {r['balance_last']:7.2f} "
-              f"{fmt(r.get('hidden_frac'), '.1%'):>6} {fmt(r.get('idle_frac'), '.1%'):>6}")
+              f"{fmt(r.get('hidden_frac'), '.1%'):>6} {fmt(r.get('transfer_hidden_frac'), '.1%'):>6} "
+              f"{fmt(r.get('idle_frac'), '.1%'):>6}")
     return rows
 
 

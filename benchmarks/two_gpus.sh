@@ -12,7 +12,8 @@
 # with combine summed on the experts' rank, with and without the sync-free dispatcher, uncompiled and compiled,
 # overlapped and plain, some traces recorded without host-side operators (see the suites); `single`: the
 # single-GPU baselines of `more` alone; `dsv2free`: DeepSeek-V2-Lite with the sync-free dispatcher; `mb4`: Qwen3
-# at micro-batch 4 with the sync-free dispatcher.
+# at micro-batch 4 with the sync-free dispatcher; `streams`: the overlapped sync-free run with a second ep
+# communicator for backward and with high-priority communication streams.
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -39,11 +40,13 @@ FREE="--set parallel.ep_sync_free=true"
 COMPILE="--set train.compile=true"
 GPUONLY="--set log.profile_host=false"   # trace GPU kernels only
 
-report() {  # NAME: the communication report of each rank's trace
+report() {  # NAME: the communication report of each rank's trace, and of both together (waiting and transfer)
   for r in 0 1; do
     [ -f runs/two_gpus/$1/trace-rank$r.json ] && \
       python3 -m pith_lit.engine.overlap runs/two_gpus/$1/trace-rank$r.json > "$LOGS/$1.overlap$r.txt"
   done
+  [ -f runs/two_gpus/$1/trace-rank1.json ] && python3 -m pith_lit.engine.overlap --peers \
+    runs/two_gpus/$1/trace-rank0.json runs/two_gpus/$1/trace-rank1.json > "$LOGS/$1.peers.txt"
 }
 keep() { tar czf "$OUT/two_gpus.tgz" --exclude 'trace-*' runs/two_gpus; }
 singles() {  # the single-GPU baselines of Qwen3 at global batch 32, plain and compiled, one per GPU
@@ -136,12 +139,71 @@ mb4)
   two qwen32mb4_ep2_overlap_free_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $GPUONLY
   two qwen32mb4_ep2_free $Q $Q32 $MB4 $EP2 $FREE
   ;;
+streams)
+  # The overlapped ep 2 sync-free run with host operators recorded (both ranks' traces kept), then with backward's
+  # all-to-alls on a second communicator (parallel.ep_backward_group), with high-priority communication streams
+  # (parallel.comm_priority), and both; the last also at micro-batch 4.
+  TWIN="--set parallel.ep_backward_group=true"
+  PRIO="--set parallel.comm_priority=true"
+  KEEP="qwen32_ep2_overlap_free qwen32_ep2_overlap_free_twin_gpu qwen32_ep2_overlap_free_prio_gpu"
+  KEEP="$KEEP qwen32_ep2_overlap_free_twinprio_gpu qwen32mb4_ep2_overlap_free_twinprio_gpu"
+  two qwen32_ep2_overlap_free $Q $Q32 $EP2 $FREE $OVL
+  two qwen32_ep2_overlap_free_twin_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWIN
+  two qwen32_ep2_overlap_free_prio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $PRIO
+  two qwen32_ep2_overlap_free_twinprio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWIN $PRIO
+  two qwen32mb4_ep2_overlap_free_twinprio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWIN $PRIO --set train.micro_batch=4
+  ;;
+mb4more)
+  # Micro-batch 4, sync-free, continued: the overlapped run without and with the second communicator and
+  # high-priority streams (the latter with host operators recorded), and everything compiled, with its 1-GPU run.
+  MB4="--set train.micro_batch=4"
+  TWINPRIO="--set parallel.ep_backward_group=true --set parallel.comm_priority=true"
+  KEEP="qwen32mb4_ep2_overlap_free_gpu qwen32mb4_ep2_overlap_free_twinprio qwen32mb4c_ep2_overlap_free_twinprio_gpu"
+  one qwen32mb4c_1gpu 0 $Q $Q32 $MB4 $COMPILE
+  two qwen32mb4_ep2_overlap_free_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $GPUONLY
+  two qwen32mb4_ep2_overlap_free_twinprio $Q $Q32 $MB4 $EP2 $FREE $OVL $TWINPRIO
+  two qwen32mb4c_ep2_free $Q $Q32 $MB4 $EP2 $FREE $COMPILE
+  two qwen32mb4c_ep2_overlap_free_twinprio_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $TWINPRIO $COMPILE $GPUONLY
+  ;;
+paired)
+  # After the overlapped schedule's pairing fix (no counts step with the sync-free dispatcher; at P = 1 only the
+  # first forward and the last backward alone): micro-batch 2 with and without the second communicator and
+  # high-priority streams, compiled micro-batch 4, and compiled micro-batch 4 at global batch 64 (8 micro-batches
+  # per rank) with its single-GPU run.
+  MB4="--set train.micro_batch=4"
+  G64="--set train.global_batch=64"
+  TWINPRIO="--set parallel.ep_backward_group=true --set parallel.comm_priority=true"
+  KEEP="qwen32_ep2_overlap_free_gpu qwen32mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_gpu"
+  two qwen32_ep2_overlap_free_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY
+  two qwen32_ep2_overlap_free_twinprio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWINPRIO
+  two qwen32mb4c_ep2_overlap_free_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
+  two qwen64mb4c_ep2_overlap_free_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
+  one qwen64mb4c_1gpu 0 $Q $Q32 $G64 $MB4 $COMPILE
+  ;;
+carveout)
+  # The runs of `paired` with 16 SMs left free by the matmuls (parallel.comm_sms) for the communication stream's
+  # and NCCL's kernels, with and without the second communicator and high-priority streams.
+  MB4="--set train.micro_batch=4"
+  G64="--set train.global_batch=64"
+  TWINPRIO="--set parallel.ep_backward_group=true --set parallel.comm_priority=true"
+  SM16="--set parallel.comm_sms=16"
+  KEEP="qwen32mb4c_ep2_overlap_free_twinprio_sm16_gpu qwen64mb4c_ep2_overlap_free_twinprio_sm16_gpu"
+  two qwen32mb4c_ep2_overlap_free_sm16_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $SM16
+  two qwen32mb4c_ep2_overlap_free_twinprio_sm16_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $SM16 $TWINPRIO
+  two qwen32_ep2_overlap_free_twinprio_sm16_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $SM16 $TWINPRIO
+  two qwen64mb4c_ep2_overlap_free_twinprio_sm16_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $SM16 \
+    $TWINPRIO
+  ;;
 single)
   # The single-GPU baselines of `more` alone: for a session that runs only `combine`, `compiled` or `syncfree`.
   singles
   ;;
-*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4 or single"; exit 2 ;;
+*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4, mb4more, streams, paired, carveout or single"
+   exit 2 ;;
 esac
+for name in ${KEEP:-}; do   # both ranks' traces of each run a suite names in KEEP, one archive per run
+  ls runs/two_gpus/$name/trace-rank*.json > /dev/null 2>&1 && tar czf "$OUT/$name.traces.tgz" runs/two_gpus/$name/trace-rank*.json
+done
 for name in qwen_1gpu_overlap qwen_ep2_overlap qwen32_ep2_overlap qwen32c_ep2_overlap_free_gpu; do   # traces to read at leisure, when small enough
   f=runs/two_gpus/$name/trace-rank0.json
   [ -f $f ] && [ $(stat -c %s $f) -lt 150000000 ] && gzip -c $f > "$OUT/$name.trace0.json.gz"

@@ -172,11 +172,13 @@ class Mesh:
         return {f.name: dist.get_process_group_ranks(getattr(self, f.name)) for f in fields(self)[1:]}
 
 
-def _backend_options(timeout: timedelta):
-    "(backend, options carrying `timeout`) for the groups DeviceMesh creates; None keeps the backend's defaults."
+def _backend_options(timeout: timedelta, high_priority: bool = False):
+    """(backend, options carrying `timeout`) for the groups DeviceMesh creates; None keeps the backend's defaults.
+    `high_priority`: NCCL runs the group's collectives on a high-priority CUDA stream."""
     match dist.get_backend():
         case "nccl":
             opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = high_priority
         case "gloo":
             opts = dist.ProcessGroupGloo._Options()
         case _:
@@ -185,15 +187,36 @@ def _backend_options(timeout: timedelta):
     return dist.get_backend(), opts
 
 
-def build_mesh(pp: int, dp: int, cp: int, ep: int, device_type: str, timeout_s: float) -> Mesh:
-    "The (pp, dp, cp, ep) mesh over all processes of the default group; every rank must call it."
+def twin_group(mesh: "Mesh", axis: str, timeout_s: float, high_priority: bool = False) -> dist.ProcessGroup:
+    """A second communicator over the ranks of this rank's `axis` group. Collectives of one communicator run one
+    after another (NCCL: on one stream); two let two streams of collectives proceed side by side. Every rank
+    must call it: it creates the twin of every group along `axis`, in the same order everywhere."""
+    names = mesh.device_mesh.mesh_dim_names
+    grid = mesh.device_mesh.mesh.movedim(names.index(axis), -1)
+    rows = grid.reshape(-1, grid.shape[-1]).tolist()
+    opts = _backend_options(timedelta(seconds=timeout_s), high_priority)
+    mine = None
+    for ranks in rows:
+        g = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s),
+                           pg_options=opts[1] if opts is not None and opts[0] == "nccl" else None)
+        if dist.get_rank() in ranks:
+            mine = g
+    return mine
+
+
+def build_mesh(pp: int, dp: int, cp: int, ep: int, device_type: str, timeout_s: float,
+               comm_priority: bool = False) -> Mesh:
+    """The (pp, dp, cp, ep) mesh over all processes of the default group; every rank must call it.
+    `comm_priority`: the ep and pp groups' NCCL streams get high priority, so their kernels start as soon as SMs
+    free up beside long compute kernels."""
     world, sizes = dist.get_world_size(), (pp, dp, cp, ep)
     if min(sizes) < 1 or pp * dp * cp * ep != world:
         raise ValueError(f"parallel.pp × dp × cp × ep = {pp} × {dp} × {cp} × {ep} = {pp * dp * cp * ep}, but "
                          f"{world} processes were launched; make the product equal the number of processes "
                          "(or launch that many)")
     timeout, names = timedelta(seconds=timeout_s), ("pp", "dp", "cp", "ep")
-    override = {n: o for n in names if (o := _backend_options(timeout)) is not None}
+    override = {n: o for n in names if (o := _backend_options(timeout, comm_priority and n in ("pp", "ep")))
+                is not None}
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names, backend_override=override or None)
 
     def product(*dims):

@@ -129,7 +129,7 @@ class LayerRun:
         self.h_in, self.positions = _leaf(h), positions
         yield COMPUTE, self._stage1
         if self.routing is not None:
-            if hasattr(self.dispatcher, "exchange_counts"):   # across ranks: sizes first, rows after a switch
+            if getattr(self.dispatcher, "counts_step", False):   # sizes across ranks first, rows after a switch
                 yield COMM, self._counts
             yield COMM, self._dispatch
             yield COMPUTE, self._stage3
@@ -317,11 +317,12 @@ def backward_layers(runs: list[LayerRun], grad: Tensor):
 
 
 class Streams:
-    "The compute stream (current when made) and a communication stream, on a CUDA device; both None on the CPU."
-    def __init__(self, device: torch.device):
+    """The compute stream (current when made) and a communication stream, on a CUDA device; both None on the CPU.
+    `high_priority`: the communication stream's kernels are scheduled ahead of the compute stream's."""
+    def __init__(self, device: torch.device, high_priority: bool = False):
         cuda = torch.device(device).type == "cuda"
         self.compute = torch.cuda.current_stream(device) if cuda else None
-        self.comm = torch.cuda.Stream(device) if cuda else None
+        self.comm = torch.cuda.Stream(device, priority=-1 if high_priority else 0) if cuda else None
 
 
 class _Task:
@@ -356,6 +357,23 @@ def run_steps(streams: Streams, *tasks, trace: list | None = None) -> None:
                 break
     if streams.comm is not None:
         streams.compute.wait_stream(streams.comm)
+
+
+EXCHANGES = ("dispatch", "combine", "combine_backward", "dispatch_backward")   # the steps that move rows
+
+
+def uncovered(trace: list) -> list[tuple[int, str]]:
+    """The exchanges of a `run_steps` trace that no compute step of the other task follows before their own task's
+    next compute step (which may need their result): nothing is issued to run beside them. Every other step
+    name but `counts` is compute."""
+    compute = lambda name: name not in EXCHANGES and name != "counts"
+    out = []
+    for i, (task, name) in enumerate(trace):
+        if name in EXCHANGES:
+            later = [t for t, n in trace[i + 1:] if compute(n)]
+            if not later or later[0] == task:
+                out.append((task, name))
+    return out
 
 # %% [markdown]
 # ### The whole model, stage by stage
@@ -436,10 +454,37 @@ for overlapped in (False, True):
     results.append((runs_a[-1].h_out, runs_b[0].grad_in, grads_of(m)))
 
 print(" ".join(f"{'BA'[i]}.{name}" for i, name in trace))
+assert uncovered(trace) == [], uncovered(trace)
 (h_seq, gin_seq, g_seq), (h_ovl, gin_ovl, g_ovl) = results
 assert torch.equal(h_seq, h_ovl) and torch.equal(gin_seq, gin_ovl)
 assert g_seq.keys() == g_ovl.keys() and all(torch.equal(g_seq[k], g_ovl[k]) for k in g_seq)
 print("overlapped == forward then backward, bitwise")
+
+# %% [markdown]
+# `uncovered(trace)` lists the exchanges after which the other task issues no compute before their own task's next
+# compute step: nothing is queued to run beside them, so on a GPU they are exposed. Above there are none: with
+# two COMM steps per MoE layer each way, the tasks switch in lock step. A forward with one more COMM step per
+# layer (the `counts` step of a dispatcher whose sizes travel to the host) drifts against the backward: the
+# check below gives the local dispatcher such a step, which does nothing, and a part of the exchanges lose their
+# partner. (On two H200s, before the sync-free dispatcher stopped asking for that step, this pattern left a third
+# of the expert all-to-alls of the overlapped schedule with no compute beside them.)
+
+# %%
+class CountsFirst(LocalDispatcher):
+    "The local dispatcher with an (empty) counts step before dispatch, as a dispatcher that syncs on sizes has."
+    counts_step = True
+    def exchange_counts(self, routing): pass
+
+m = copy.deepcopy(model)
+runs_b, g_b, _ = prepared_backward(m, idsB, labels)
+drift = CountsFirst(cfg.num_experts)
+runs_a = [LayerRun(layer, k, drift, lb_loss) for k, layer in m.model.layers.items()]
+trace = []
+run_steps(cpu, backward_layers(runs_b, g_b), forward_layers(runs_a, m.prolog(idsA), torch.arange(8)), trace=trace)
+left = uncovered(trace)
+n = sum(name in EXCHANGES for _, name in trace)
+print(f"with a counts step: {len(left)} of {n} exchanges have no compute of the other task beside them: {left}")
+assert left
 
 # %% [markdown]
 # ## On the GPU

@@ -154,7 +154,10 @@ def split_model(model, pp_rank: int, pp_size: int) -> tuple[StagePart, StagePart
 # 3. `P−r−1` times: B of phase 1 with zero bubble, W, F of phase 1: the W fills the wait for the next input;
 # 4. the steady state, `M−2P+r+1` times: F&B (forward phase 0, backward phase 1), F&B (forward phase 1, backward
 #    phase 0). On the last rank the first pair runs F and B one after the other: F needs no transfer there, so it
-#    runs while B's gradient is on its way;
+#    runs while B's gradient is on its way. With P = 1 nothing travels and B's gradient comes from the loss on
+#    the same rank, so that pair overlaps too: then only the first micro-batch's forward and the last one's
+#    backward run alone, and at most a share 1 − 1/M of the expert all-to-alls can hide under the other
+#    micro-batch's compute;
 # 5. `P−r−1` times: B of phase 1, F&B (forward phase 1, backward phase 0);
 # 6. `r+1` pairs of backwards, phase 1 then phase 0; the second half of them defer their weight gradients;
 # 7. `P−r−1` times: W, then B of phase 0 with zero bubble;
@@ -229,7 +232,7 @@ def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
         weights()
         fwd(1, recv=False)
     for i in range(M - 2 * P + rank + 1):                     # 4
-        if i == 0 and last:
+        if i == 0 and last and P > 1:
             fwd(0, recv=False, send=False)
             send_f(1)
             bwd(1, send=False)
@@ -581,7 +584,8 @@ class DualPipeV:
     token loss from the last hidden states. `aux_fn(layer_key, routing)`: the load-balance term added to the
     objective (optional). After a step, `timeline.events()` lists its actions."""
 
-    def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu"):
+    def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu",
+                 comm_priority: bool = False):
         self.rank = 0 if group is None else dist.get_rank(group)
         self.size = 1 if group is None else dist.get_world_size(group)
         if tuple(p.index for p in parts) != (self.rank, 2 * self.size - 1 - self.rank):
@@ -590,7 +594,7 @@ class DualPipeV:
                              "split the model with split_model(model, pp_rank, pp_size) of this group")
         self.parts, self.group, self.dispatcher = parts, group, dispatcher
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
-        self.streams, self.timeline = Streams(self.device), Timeline(self.device)
+        self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
         if self.size > 1:       # the group's first collective, with every rank present (batch_isend_irecv needs it)
             dist.barrier(group=group)
 

@@ -33,7 +33,8 @@
 # reason; the byte volume alone would give much smaller times.
 #
 # `python -m pith_lit.engine.overlap TRACE.json [TRACE.json ...]` prints one table per trace (one per rank), then
-# the kernels that took the most GPU time (`--top N`).
+# the kernels that took the most GPU time (`--top N`); with `--peers` and the two traces of a two-rank group it
+# splits each rank's communication into waiting for the other rank and transfer (below).
 
 # %%
 #| default_exp engine.overlap
@@ -175,6 +176,70 @@ assert abs(r["total"]["compute_ms"] - 0.080) < 1e-9   # the matmul 0..60 and the
 assert top_kernels(demo, 2) == [("ncclDevKernel_AllToAll_RING", 1, 0.1), ("sm90_xmma_gemm_bf16", 1, 0.06)]
 
 # %% [markdown]
+# ## Waiting for the peer, and moving bytes
+#
+# With the traces of both ranks of a two-rank group the two parts can be told apart. Every rank issues the same
+# collectives in the same order on each of its NCCL streams, so the i-th NCCL kernel of a stream on one rank and
+# the i-th of the matching stream on the other are the same collective (streams are matched by the order of their
+# first NCCL kernel). A collective finishes at about the same moment on both ranks; the rank that started it
+# earlier **waited for its peer** until the later one started, and from then on both were present: that part is
+# the **transfer**. `peer_report(a, b)` splits rank a's NCCL time this way and says how much of each part compute
+# covered. The two traces' clocks are aligned by the median difference of the collectives' end times (on one host
+# they share a clock and the offset is near zero).
+#
+# Waiting exposed is a rank that had nothing to compute while the other rank was late (load imbalance, a slower
+# host); transfer exposed is bytes moving with nothing beside them, the part the schedule is meant to hide.
+
+# %%
+#| export
+def _nccl_streams(trace: dict) -> list[list[tuple[float, float]]]:
+    "Per stream with NCCL kernels, in the order of each stream's first one: the (start, end) of its NCCL kernels."
+    by = defaultdict(list)
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") == "kernel" and "nccl" in ev["name"].lower():
+            by[ev.get("tid")].append((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0))))
+    return [sorted(v) for v in sorted(by.values(), key=min)]
+
+
+def peer_report(trace: dict, peer: dict) -> dict:
+    """Rank `trace`'s NCCL time (ms) split into waiting for `peer` (the other rank of a two-rank group) and
+    transfer with both present, each with its exposed part (no compute kernel beside it)."""
+    mine, theirs = _nccl_streams(trace), _nccl_streams(peer)
+    if [len(s) for s in mine] != [len(s) for s in theirs]:
+        raise ValueError(f"the traces' NCCL kernels per stream differ ({[len(s) for s in mine]} against "
+                         f"{[len(s) for s in theirs]}): record the same step of the same run on both ranks")
+    ends = sorted(a[1] - b[1] for s, t in zip(mine, theirs) for a, b in zip(s, t))
+    offset = ends[len(ends) // 2] if ends else 0.0            # peer time + offset = this trace's time
+    wait, transfer = [], []
+    for s, t in zip(mine, theirs):
+        for (a0, a1), (b0, _) in zip(s, t):
+            both = min(max(a0, b0 + offset), a1)
+            wait += [(a0, both)] if both > a0 else []
+            transfer += [(both, a1)] if a1 > both else []
+    compute = union((s, e) for n, s, e in _kernels(trace) if "nccl" not in n.lower())
+    wait, transfer = union(wait), union(transfer)
+    w, x = length(subtract(wait, compute)), length(subtract(transfer, compute))
+    return {"wait_ms": length(wait) / 1e3, "wait_exposed_ms": w / 1e3, "transfer_ms": length(transfer) / 1e3,
+            "transfer_exposed_ms": x / 1e3, "offset_us": offset,
+            "transfer_hidden_frac": 1 - x / length(transfer) if transfer else 1.0}
+
+# %% [markdown]
+# Check by hand: rank a starts an all-to-all at 0 and rank b at 40 (µs), both finish at 100; a computes from 0 to
+# 30 and from 70 to 90. Rank a waited 40 µs (10 of them exposed) and was present with b for 60 µs, of which 20
+# had compute beside them. Rank b waited for nothing. Then b's clock is shifted by 1000 µs: the offset absorbs it.
+
+# %%
+a = {"traceEvents": [kernel("ncclDevKernel_SendRecv", 0, 100), kernel("gemm", 0, 30), kernel("gemm", 70, 20)]}
+b = {"traceEvents": [kernel("ncclDevKernel_SendRecv", 40, 60)]}
+ra, rb = peer_report(a, b), peer_report(b, a)
+print(ra, rb, sep="\n")
+assert abs(ra["wait_ms"] - 0.040) < 1e-9 and abs(ra["wait_exposed_ms"] - 0.010) < 1e-9
+assert abs(ra["transfer_ms"] - 0.060) < 1e-9 and abs(ra["transfer_exposed_ms"] - 0.040) < 1e-9
+assert rb["wait_ms"] == 0 and abs(rb["transfer_ms"] - 0.060) < 1e-9 and rb["transfer_hidden_frac"] == 0
+late = {"traceEvents": [dict(e, ts=e["ts"] + 1000) for e in b["traceEvents"]]}
+assert peer_report(a, late) == dict(ra, offset_us=-1000.0)
+
+# %% [markdown]
 # ## Command line
 
 # %%
@@ -183,10 +248,23 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="Hidden and exposed communication in torch.profiler Chrome traces")
     ap.add_argument("traces", nargs="+", help="trace JSON files, e.g. one per rank")
     ap.add_argument("--top", type=int, default=10, help="list this many kernels by GPU time (0: none)")
+    ap.add_argument("--peers", action="store_true", help="the traces are the two ranks of one group: split each "
+                    "rank's NCCL time into waiting for the other rank and transfer (see peer_report)")
     args = ap.parse_args(argv)
+    traces = []
     for path in args.traces:
         with open(path) as f:
-            trace = json.load(f)
+            traces.append(json.load(f))
+    if args.peers:
+        if len(traces) != 2:
+            ap.error(f"--peers needs the traces of the two ranks of a group, got {len(traces)}")
+        for path, trace, other in zip(args.traces, traces, traces[::-1]):
+            p = peer_report(trace, other)
+            print(f"{path}\n  waiting for the peer {p['wait_ms']:.3f} ms ({p['wait_exposed_ms']:.3f} exposed); "
+                  f"transfer {p['transfer_ms']:.3f} ms ({p['transfer_exposed_ms']:.3f} exposed, "
+                  f"{p['transfer_hidden_frac']:.1%} hidden); clock offset {p['offset_us']:.1f} µs")
+        return
+    for path, trace in zip(args.traces, traces):
         r = overlap_report(trace)
         t = r["total"]
         print(f"{path}\n  GPU span {t['span_ms']:.3f} ms: compute {t['compute_ms']:.3f} ms, communication "

@@ -78,6 +78,14 @@ class ParallelConfig:
     ep_sync_free: bool = cfg(False, "at ep > 1, size the all-to-alls by bounds instead of exchanging counts: no "
                                     "host synchronisation per layer, but every rank sends T rows to every rank "
                                     "and the expert buffers hold ep·T·top_k rows (needs ep_combine = sum)")
+    ep_backward_group: bool = cfg(False, "at ep > 1, run backward's all-to-alls on a second communicator over the "
+                                         "same ranks, so the overlapped schedule's forward and backward "
+                                         "exchanges do not queue behind each other on one NCCL stream")
+    comm_priority: bool = cfg(False, "run the ep and pp groups' NCCL streams and the overlapped schedule's "
+                                     "communication stream at high CUDA priority")
+    comm_sms: int = cfg(16, "with DualPipeV on GPUs (pp > 1 or overlap), SMs that grouped GEMMs and cuBLAS matmuls "
+                            "leave free, so the communication stream's and NCCL's kernels run beside them rather "
+                            "than after them (torch's experimental SM carveout; 0: matmuls take every SM)")
     timeout_s: int = cfg(600, "timeout of a collective, in seconds")
 
 
@@ -441,7 +449,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         v = getattr(getattr(cfg, sec), name)
         _need(v > 0, f"{sec}.{name} = {v!r}: must be > 0")
     for sec, name in [("train", "warmup"), ("train", "weight_decay"), ("train", "grad_clip"),
-                      ("train", "lb_coef"), ("log", "sample_tokens")] + [
+                      ("train", "lb_coef"), ("log", "sample_tokens"), ("parallel", "comm_sms")] + [
                       ("model", n) for n in numbers if n in may_be_zero]:
         v = getattr(getattr(cfg, sec), name)
         _need(v >= 0, f"{sec}.{name} = {v!r}: must be >= 0")

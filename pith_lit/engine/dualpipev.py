@@ -130,7 +130,7 @@ def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
         weights()
         fwd(1, recv=False)
     for i in range(M - 2 * P + rank + 1):                     # 4
-        if i == 0 and last:
+        if i == 0 and last and P > 1:
             fwd(0, recv=False, send=False)
             send_f(1)
             bwd(1, send=False)
@@ -388,7 +388,8 @@ class DualPipeV:
     token loss from the last hidden states. `aux_fn(layer_key, routing)`: the load-balance term added to the
     objective (optional). After a step, `timeline.events()` lists its actions."""
 
-    def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu"):
+    def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu",
+                 comm_priority: bool = False):
         self.rank = 0 if group is None else dist.get_rank(group)
         self.size = 1 if group is None else dist.get_world_size(group)
         if tuple(p.index for p in parts) != (self.rank, 2 * self.size - 1 - self.rank):
@@ -397,7 +398,7 @@ class DualPipeV:
                              "split the model with split_model(model, pp_rank, pp_size) of this group")
         self.parts, self.group, self.dispatcher = parts, group, dispatcher
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
-        self.streams, self.timeline = Streams(self.device), Timeline(self.device)
+        self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
         if self.size > 1:       # the group's first collective, with every rank present (batch_isend_irecv needs it)
             dist.barrier(group=group)
 

@@ -24,18 +24,20 @@ from ..ops.permute import gather_rows, sort_by_expert, weighted_gather
 # %% ../../nbs/engine/31_ep.ipynb #6d28c2fe
 @dataclass(eq=False)
 class A2AHandle:
-    "One uneven all-to-all over `group`: `send[i]` rows go to rank i, `recv[i]` rows come from it."
+    """One uneven all-to-all over `group`: `send[i]` rows go to rank i, `recv[i]` rows come from it. The reverse
+    exchange of backward runs over `group_back` (the same ranks, perhaps another communicator; default `group`)."""
     send: list[int]
     recv: list[int]
     group: dist.ProcessGroup
+    group_back: dist.ProcessGroup | None = None
     work: object = None    # the collective in flight between a launch and its wait (a torch Work)
     buffers: tuple = ()    # (input, output) of that collective, kept alive until the wait
 
 
-def _launch(h: A2AHandle, x: Tensor, send: list[int], recv: list[int]) -> Tensor:
+def _launch(h: A2AHandle, x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    h.work = dist.all_to_all_single(out, x, recv, send, group=h.group, async_op=True)
+    h.work = dist.all_to_all_single(out, x, recv, send, group=group, async_op=True)
     h.buffers = (x, out)
     return out
 
@@ -51,7 +53,7 @@ class _A2AStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h):
         ctx.h = h
-        return _launch(h, x, h.send, h.recv)
+        return _launch(h, x, h.send, h.recv, h.group)
 
     @staticmethod
     def backward(ctx, _):       # the gradient arrives through the handle: launched by _A2AWait.backward
@@ -67,16 +69,19 @@ class _A2AWait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _launch(ctx.h, grad, ctx.h.recv, ctx.h.send)   # the reverse exchange, waited for by _A2AStart.backward
+        h = ctx.h       # the reverse exchange, waited for by _A2AStart.backward
+        _launch(h, grad, h.recv, h.send, h.group_back or h.group)
         return grad, None
 
 
-def all_to_all_start(x: Tensor, send: list[int], recv: list[int], group) -> tuple[Tensor, A2AHandle]:
-    "Launch the exchange of the rows of `x` (`send[i]` to rank i, `recv[i]` from it); differentiable."
+def all_to_all_start(x: Tensor, send: list[int], recv: list[int], group,
+                     group_back=None) -> tuple[Tensor, A2AHandle]:
+    """Launch the exchange of the rows of `x` (`send[i]` to rank i, `recv[i]` from it); differentiable. Backward's
+    reverse exchange runs over `group_back` when given (a twin communicator of `group`)."""
     if len(send) != group.size() or len(recv) != group.size() or sum(send) != x.shape[0]:
         raise ValueError(f"all_to_all_start: send {send} and recv {recv} need one entry per rank of a group of "
                          f"{group.size()}, and send must sum to the {x.shape[0]} rows of x")
-    h = A2AHandle(list(send), list(recv), group)
+    h = A2AHandle(list(send), list(recv), group, group_back)
     return _A2AStart.apply(x, h), h
 
 
@@ -130,10 +135,14 @@ class EPDispatcher:
     outputs (dispatch is then differentiable in `routing.weights`, and `routing.row_index` stays None); with
     `"pairs"`, (T·k, H), one row per (token, expert) pair at `routing.row_index`. `dispatch_start`/`dispatch_wait`
     and `combine_start`/`combine_wait` are the two halves. `sync_free` sizes every exchange by its bound instead
-    of reading counts on the host (see above). `traffic` counts the bytes sent to other ranks."""
+    of reading counts on the host (see above). `traffic` counts the bytes sent to other ranks. `group_back`, a
+    twin communicator of `group` (`twin_group`), carries backward's exchanges, so that an overlapped schedule's
+    forward and backward all-to-alls do not queue behind each other."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, combine: str = "sum", sync_free: bool = False):
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, combine: str = "sum", sync_free: bool = False,
+                 group_back: dist.ProcessGroup | None = None):
         self.group, self.size, self.rank = group, group.size(), group.rank()
+        self.group_back = group_back
         if num_experts % self.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {self.size}; "
                              "choose parallel.ep among the divisors of the model's num_experts")
@@ -145,6 +154,12 @@ class EPDispatcher:
         self.sum, self.sync_free = combine == "sum", sync_free
         self.num_experts, self.local = num_experts, num_experts // self.size
         self.traffic = Traffic()
+
+    @property
+    def counts_step(self) -> bool:
+        """Whether a schedule should call `exchange_counts` as a communication step of its own before dispatch:
+        only when sizes travel (not `sync_free`), so the host can queue other work before it waits for them."""
+        return not self.sync_free
 
     def dispatch(self, x: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
         self.dispatch_start(x, routing)
@@ -206,8 +221,8 @@ class EPDispatcher:
         if self.sum:
             order = sends.T.flatten().cumsum(0).view(W, T) - 1    # row of the sent buffer for (rank, token)
             plan.home = torch.where(sends.T, order, -1).T.contiguous()
-        x_in, hx = all_to_all_start(gather_rows(x, t), rows_out, rows_in, self.group)
-        s_in, hs = all_to_all_start(meta, rows_out, rows_in, self.group)
+        x_in, hx = all_to_all_start(gather_rows(x, t), rows_out, rows_in, self.group, self.group_back)
+        s_in, hs = all_to_all_start(meta, rows_out, rows_in, self.group, self.group_back)
         plan.pending = (x_in, hx, s_in, hs)
         routing.plan = plan
 
@@ -244,8 +259,8 @@ class EPDispatcher:
         plan = EPPlan([T * k] * W, [T * k] * W, [T] * W, [T] * W)   # pair counts: bounds, unused by "sum"
         offset = torch.arange(W, device=dev)[:, None] * T
         plan.home = torch.where(c.sends.T, place + offset, -1).T.contiguous()
-        x_in, hx = all_to_all_start(gather_rows(x, src), [T] * W, [T] * W, self.group)
-        s_in, hs = all_to_all_start(meta, [T] * W, [T] * W, self.group)
+        x_in, hx = all_to_all_start(gather_rows(x, src), [T] * W, [T] * W, self.group, self.group_back)
+        s_in, hs = all_to_all_start(meta, [T] * W, [T] * W, self.group, self.group_back)
         plan.pending = (x_in, hx, s_in, hs)
         routing.plan = plan
         sent = T * (W - 1)                      # what travels: whole blocks, padding included
@@ -282,7 +297,7 @@ class EPDispatcher:
             rows, send, recv = weighted_gather(y, plan.pair_row, plan.weights), plan.rows_in, plan.rows_out
         else:
             rows, send, recv = gather_rows(y, plan.back), plan.pairs_in, plan.pairs_out
-        out, h = all_to_all_start(rows, send, recv, self.group)
+        out, h = all_to_all_start(rows, send, recv, self.group, self.group_back)
         plan.pending = (out, h)
         others = sum(send[i] for i in range(self.size) if i != self.rank)
         self.traffic.combine += y.shape[1] * y.element_size() * others

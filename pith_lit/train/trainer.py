@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..engine.dualpipev import DualPipeV, split_model
 from ..engine.ep import EPDispatcher, all_reduce_grads, is_expert_param, shard_experts
-from ..engine.mesh import Mesh, build_mesh, init_distributed, launch_env
+from ..engine.mesh import Mesh, build_mesh, init_distributed, launch_env, twin_group
 from ..models.protocol import LocalDispatcher, run_layers
 from . import checkpoint
 from .config import Config, ConfigError, dump_toml, to_dict
@@ -69,7 +69,7 @@ def setup_distributed(cfg: Config) -> tuple[int, torch.device, Mesh | None]:
             torch.cuda.set_device(device)
         return 0, device, None
     rank, _, device = init_distributed(p.timeout_s, cfg.device_type)
-    return rank, device, build_mesh(p.pp, p.dp, p.cp, p.ep, cfg.device_type, p.timeout_s)
+    return rank, device, build_mesh(p.pp, p.dp, p.cp, p.ep, cfg.device_type, p.timeout_s, p.comm_priority)
 
 
 def all_reduce_(t: torch.Tensor, group) -> torch.Tensor:
@@ -126,12 +126,12 @@ def moe_layer_count(model) -> int:
 
 
 def build_pipeline(model, parts, group, dispatcher, lb: LoadBalance, n_moe: int, aux_div: int,
-                   device) -> DualPipeV:
+                   device, comm_priority: bool = False) -> DualPipeV:
     """DualPipeV over this rank's `parts` (from `split_model(model, ...)`) with micro_step's objective; `n_moe` is
     the MoE layer count of the whole model, counted before the split."""
     loss_fn = (lambda h, labels: head_loss(model, h, labels)) if parts[0].index == 0 else None
     aux_fn = lambda key, routing: lb.loss(key, routing.probs, routing.ids) / (n_moe * aux_div)
-    return DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device)
+    return DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device, comm_priority)
 
 # %% ../../nbs/train/45_trainer.ipynb #2a137616
 def clip_grads(replicated: list, experts: list, max_norm: float, mesh: Mesh | None) -> torch.Tensor:
@@ -190,14 +190,21 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                             data_rank, data_world, cfg.model.vocab_size, cfg.data.val_frac)
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dense)
     E = cfg.model.routed_experts
-    dispatcher = (EPDispatcher(mesh.ep, E, cfg.parallel.ep_combine, cfg.parallel.ep_sync_free) if ep > 1
-                  else LocalDispatcher(E))
+    p = cfg.parallel
+    back = twin_group(mesh, "ep", p.timeout_s, p.comm_priority) if ep > 1 and p.ep_backward_group else None
+    dispatcher = (EPDispatcher(mesh.ep, E, p.ep_combine, p.ep_sync_free, back) if ep > 1 else LocalDispatcher(E))
     n_micro = cfg.num_micro_batches
     aux_div = n_micro * data_world    # the load-balance loss is a mean over micro-batches and data ranks
     pipe = None
+    if pipelined and p.comm_sms and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if p.comm_sms >= sms:
+            raise ConfigError(f"parallel.comm_sms = {p.comm_sms}, but this GPU has {sms} SMs; leave the matmuls "
+                              f"some (e.g. comm_sms = {sms // 8})")
+        torch._C._set_sm_carveout_experimental(p.comm_sms)   # a process-wide setting, read at each matmul launch
     if pipelined:
         pipe = build_pipeline(model, parts, mesh.pp if mesh is not None else None, dispatcher, lb, n_moe, aux_div,
-                              device)
+                              device, p.comm_priority)
     model_cfg = to_dict(cfg)["model"]
     extra = {"master": master} if master is not None else {}
     world = dist.get_world_size() if mesh is not None else 1
