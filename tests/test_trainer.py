@@ -71,13 +71,17 @@ def test_metrics_and_tensorboard(tmp_path):
     assert (tmp_path / "config.toml").exists() and isinstance(out["sample"], str)
 
 
-@pytest.mark.parametrize("variant", [[], ["parallel.ep_sync_free=true", "parallel.overlap=true"]],
-                         ids=["plain", "sync_free_overlapped"])
+OVERLAPPED = ["parallel.ep_sync_free=true", "parallel.overlap=true"]
+
+
+@pytest.mark.parametrize("variant", [[], OVERLAPPED, OVERLAPPED + ["parallel.ep_backward_group=true"]],
+                         ids=["plain", "sync_free_overlapped", "sync_free_overlapped_backward_group"])
 def test_expert_parallel_matches_single_process(tmp_path, variant):
     """ep 2 under torchrun (2 gloo processes, each with half the experts and half of every batch) against one
-    process with all experts and the whole batch: the same loss curve; plain, and with the sync-free dispatcher
-    under the overlapped schedule. The load-balance term is off: its running global statistic depends on the
-    order in which micro-batches are seen, which differs between the two runs."""
+    process with all experts and the whole batch: the same loss curve; plain, with the sync-free dispatcher
+    under the overlapped schedule, and with backward's exchanges on a second communicator. The load-balance term
+    is off: its running global statistic depends on the order in which micro-batches are seen, which differs
+    between the two runs."""
     over = ["train.steps=6", "train.warmup=1", "train.lb_coef=0", "ckpt.every=-1", *QUIET]
     single = train(load_config(overrides=over + [f"run.dir={tmp_path}/one"]), quiet=True)["history"]
     ep_over = over + [f"run.dir={tmp_path}/ep2", "parallel.ep=2", *variant]
