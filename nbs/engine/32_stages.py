@@ -466,8 +466,9 @@ print("overlapped == forward then backward, bitwise")
 # two COMM steps per MoE layer each way, the tasks switch in lock step. A forward with one more COMM step per
 # layer (the `counts` step of a dispatcher whose sizes travel to the host) drifts against the backward: the
 # check below gives the local dispatcher such a step, which does nothing, and a part of the exchanges lose their
-# partner. (On two H200s, before the sync-free dispatcher stopped asking for that step, this pattern left a third
-# of the expert all-to-alls of the overlapped schedule with no compute beside them.)
+# partner: in a chunk of six MoE layers, 8 of the 24 exchanges. The sync-free dispatcher, which exchanges nothing
+# before dispatch, asks for no such step (`counts_step` is False); see benchmarks/RESULTS.md for what it did on
+# two H200s.
 
 # %%
 class CountsFirst(LocalDispatcher):
