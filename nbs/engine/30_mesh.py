@@ -21,6 +21,7 @@
 # | `launch_env()` | rank, world size, local rank and rendezvous address from torchrun's or SLURM's variables |
 # | `init_distributed(timeout_s, device_type)` | the default process group (NCCL on CUDA, gloo on CPU) |
 # | `build_mesh(pp, dp, cp, ep, device_type, timeout_s)` | a `Mesh`: a group per axis, and three products |
+# | `twin_group(mesh, axis, timeout_s)` | a second communicator over this rank's `axis` group (its own NCCL stream) |
 # | `run_ranked(fn)` | run `fn`; on an exception print it with the rank and end the process at once |
 
 # %%
@@ -249,7 +250,10 @@ def expected(rank, group_axes):
 
 for rank in range(16):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=16)
-    got = build_mesh(**sizes, device_type="cpu", timeout_s=60).ranks()
+    mesh = build_mesh(**sizes, device_type="cpu", timeout_s=60)
+    got = mesh.ranks()
+    twin = twin_group(mesh, "ep", 60)      # a second communicator over the same ranks as mesh.ep
+    assert twin is not mesh.ep and dist.get_process_group_ranks(twin) == got["ep"], (rank, twin)
     dist.destroy_process_group()
     assert got == {name: expected(rank, a) for name, a in axes.items()}, (rank, got)
 got   # the groups of rank 15
