@@ -495,6 +495,14 @@ assert left
 # same data, so only atomics in the scatter-adds can make them differ, by a rounding. A profile then shows where
 # the kernels ran: dispatch and combine (gathers here, with one GPU) on the second stream, beside the other
 # micro-batch's compute. A real overlap of all-to-alls needs expert parallelism across GPUs.
+#
+# Two streams are not enough by themselves. The grouped GEMMs of stage 3 (`torch._grouped_mm`) are persistent
+# kernels: one block per SM, each looping over tiles until the whole product is done, so a kernel queued on the
+# communication stream (an index sort, a gather, NCCL's all-to-all) starts only when the GEMM ends. On two H200s
+# that left most of the all-to-alls' transfer exposed although the issue order paired every one of them with
+# compute. The trainer therefore sets torch's experimental SM carveout under DualPipeV
+# (`parallel.comm_sms`, 16 by default): grouped GEMMs and cuBLAS matmuls then use all SMs but 16, and the
+# communication side runs on those (benchmarks/RESULTS.md has the measurements).
 
 # %%
 #| cuda
