@@ -384,6 +384,9 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
         if p.comm_sms >= sms:
             raise ConfigError(f"parallel.comm_sms = {p.comm_sms}, but this GPU has {sms} SMs; leave the matmuls "
                               f"some (e.g. comm_sms = {sms // 8})")
+        if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            raise ConfigError(f"parallel.comm_sms = {p.comm_sms} needs torch's SM carveout, which torch "
+                              f"{torch.__version__} lacks; set parallel.comm_sms = 0 or install a newer torch")
         torch._C._set_sm_carveout_experimental(p.comm_sms)   # a process-wide setting, read at each matmul launch
     if pipelined:
         pipe = build_pipeline(model, parts, mesh.pp if mesh is not None else None, dispatcher, lb, n_moe, aux_div,
