@@ -13,7 +13,10 @@
 # overlapped and plain, some traces recorded without host-side operators (see the suites); `single`: the
 # single-GPU baselines of `more` alone; `dsv2free`: DeepSeek-V2-Lite with the sync-free dispatcher; `mb4`: Qwen3
 # at micro-batch 4 with the sync-free dispatcher; `streams`: the overlapped sync-free run with a second ep
-# communicator for backward and with high-priority communication streams.
+# communicator for backward and with high-priority communication streams; `paired` and `carveout`: after the
+# overlapped schedule's pairing change, without and with SMs left for communication (parallel.comm_sms);
+# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped. The suites measured before
+# parallel.comm_sms existed run with it at 0, as they were measured; `carveout` and `gb64` use its value.
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -39,6 +42,7 @@ OVL="--set parallel.overlap=true"
 FREE="--set parallel.ep_sync_free=true"
 COMPILE="--set train.compile=true"
 GPUONLY="--set log.profile_host=false"   # trace GPU kernels only
+case $SUITE in carveout|gb64) SMS="" ;; *) SMS="--set parallel.comm_sms=0" ;; esac   # see above
 
 report() {  # NAME: the communication report of each rank's trace, and of both together (waiting and transfer)
   for r in 0 1; do
@@ -63,7 +67,7 @@ one() {  # NAME GPU CONFIG ARGS...: one process on one GPU, profiling one step
 }
 two() {  # NAME CONFIG ARGS...: two processes, one per GPU, profiling one step
   local name=$1; shift
-  timeout 400 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.train "$@" \
+  timeout 400 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.train "$@" $SMS \
     --set run.dir=runs/two_gpus/$name --set log.profile_step=$PROFILE > "$LOGS/$name.log" 2>&1
   echo "$name: exit $? at $(date +%T)"
   report $name
@@ -194,11 +198,19 @@ carveout)
   two qwen64mb4c_ep2_overlap_free_twinprio_sm16_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $SM16 \
     $TWINPRIO
   ;;
+gb64)
+  # Compiled micro-batch 4 at global batch 64: the plain loop, and the overlapped schedule with the default
+  # parallel.comm_sms alone (the `carveout` run at this size also had the second communicator).
+  G64MB4="--set train.global_batch=64 --set train.micro_batch=4"
+  KEEP="qwen64mb4c_ep2_overlap_free_gpu"
+  two qwen64mb4c_ep2_free $Q $Q32 $G64MB4 $EP2 $FREE $COMPILE
+  two qwen64mb4c_ep2_overlap_free_gpu $Q $Q32 $G64MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
+  ;;
 single)
   # The single-GPU baselines of `more` alone: for a session that runs only `combine`, `compiled` or `syncfree`.
   singles
   ;;
-*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4, mb4more, streams, paired, carveout or single"
+*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4, mb4more, streams, paired, carveout, gb64 or single"
    exit 2 ;;
 esac
 for name in ${KEEP:-}; do   # both ranks' traces of each run a suite names in KEEP, one archive per run

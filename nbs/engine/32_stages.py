@@ -500,7 +500,7 @@ assert left
 # kernels: one block per SM, each looping over tiles until the whole product is done, so a kernel queued on the
 # communication stream (an index sort, a gather, NCCL's all-to-all) starts only when the GEMM ends. On two H200s
 # that left most of the all-to-alls' transfer exposed although the issue order paired every one of them with
-# compute. The trainer therefore sets torch's experimental SM carveout under DualPipeV
+# compute. The trainer therefore sets torch's experimental SM carveout under DualPipeV at ep > 1
 # (`parallel.comm_sms`, 16 by default): grouped GEMMs and cuBLAS matmuls then use all SMs but 16, and the
 # communication side runs on those (benchmarks/RESULTS.md has the measurements).
 

@@ -50,9 +50,9 @@ class ParallelConfig:
                                          "exchanges do not queue behind each other on one NCCL stream")
     comm_priority: bool = cfg(False, "run the ep and pp groups' NCCL streams and the overlapped schedule's "
                                      "communication stream at high CUDA priority")
-    comm_sms: int = cfg(16, "with DualPipeV on GPUs (pp > 1 or overlap), SMs that grouped GEMMs and cuBLAS matmuls "
-                            "leave free, so the communication stream's and NCCL's kernels run beside them rather "
-                            "than after them (torch's experimental SM carveout; 0: matmuls take every SM)")
+    comm_sms: int = cfg(16, "with DualPipeV (pp > 1 or overlap) at ep > 1 on GPUs, SMs that grouped GEMMs and "
+                            "cuBLAS matmuls leave free, so the all-to-alls' kernels run beside them rather than "
+                            "after them (torch's experimental SM carveout; 0: matmuls take every SM)")
     timeout_s: int = cfg(600, "timeout of a collective, in seconds")
 
 

@@ -196,7 +196,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     n_micro = cfg.num_micro_batches
     aux_div = n_micro * data_world    # the load-balance loss is a mean over micro-batches and data ranks
     pipe = None
-    if pipelined and p.comm_sms and device.type == "cuda":
+    if pipelined and ep > 1 and p.comm_sms and device.type == "cuda":   # measured there; nothing to hide at ep 1
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if p.comm_sms >= sms:
             raise ConfigError(f"parallel.comm_sms = {p.comm_sms}, but this GPU has {sms} SMs; leave the matmuls "
