@@ -30,10 +30,11 @@ def summarise(run: Path) -> dict:
            "peak_mem_gb": max(r["peak_mem_gb"] for r in recs), "loss_first": recs[0]["loss"],
            "loss_last": recs[-1]["loss"], "balance_last": recs[-1]["balance"], "losses": [r["loss"] for r in recs]}
     out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / world if out["tokens_per_s"] else None
-    comm, traces = [], [json.loads(t.read_text()) for t in sorted(run.glob("trace-rank*.json"))]
-    for name, trace in zip(sorted(run.glob("trace-rank*.json")), traces):
+    paths = sorted(run.glob("trace-rank*.json"))
+    comm, traces = [], [json.loads(t.read_text()) for t in paths]
+    for path, trace in zip(paths, traces):
         rep = overlap_report(trace)
-        comm.append({"trace": name.name, **rep["total"],
+        comm.append({"trace": path.name, **rep["total"],
                      "stages": {k: v for k, v in rep["stages"].items() if v["comm_ms"] > 0}})
     if len(traces) == 2 and world == 2 and comm[0]["comm_ms"] > 0:   # the two ranks of one group: see peer_report
         peers = [peer_report(traces[0], traces[1]), peer_report(traces[1], traces[0])]

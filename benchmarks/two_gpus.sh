@@ -42,6 +42,11 @@ OVL="--set parallel.overlap=true"
 FREE="--set parallel.ep_sync_free=true"
 COMPILE="--set train.compile=true"
 GPUONLY="--set log.profile_host=false"   # trace GPU kernels only
+MB4="--set train.micro_batch=4"
+G64="--set train.global_batch=64"
+TWIN="--set parallel.ep_backward_group=true"   # backward's all-to-alls on a second communicator
+PRIO="--set parallel.comm_priority=true"       # high-priority communication streams
+SM16="--set parallel.comm_sms=16"
 case $SUITE in carveout|gb64) SMS="" ;; *) SMS="--set parallel.comm_sms=0" ;; esac   # see above
 
 report() {  # NAME: the communication report of each rank's trace, and of both together (waiting and transfer)
@@ -138,7 +143,6 @@ dsv2free)
   ;;
 mb4)
   # Micro-batch 4 (half the kernel launches per token) with the sync-free dispatcher at ep 2, and its 1-GPU run.
-  MB4="--set train.micro_batch=4"
   one qwen32mb4_1gpu 0 $Q $Q32 $MB4
   two qwen32mb4_ep2_overlap_free_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $GPUONLY
   two qwen32mb4_ep2_free $Q $Q32 $MB4 $EP2 $FREE
@@ -147,39 +151,32 @@ streams)
   # The overlapped ep 2 sync-free run with host operators recorded (both ranks' traces kept), then with backward's
   # all-to-alls on a second communicator (parallel.ep_backward_group), with high-priority communication streams
   # (parallel.comm_priority), and both; the last also at micro-batch 4.
-  TWIN="--set parallel.ep_backward_group=true"
-  PRIO="--set parallel.comm_priority=true"
   KEEP="qwen32_ep2_overlap_free qwen32_ep2_overlap_free_twin_gpu qwen32_ep2_overlap_free_prio_gpu"
   KEEP="$KEEP qwen32_ep2_overlap_free_twinprio_gpu qwen32mb4_ep2_overlap_free_twinprio_gpu"
   two qwen32_ep2_overlap_free $Q $Q32 $EP2 $FREE $OVL
   two qwen32_ep2_overlap_free_twin_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWIN
   two qwen32_ep2_overlap_free_prio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $PRIO
   two qwen32_ep2_overlap_free_twinprio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWIN $PRIO
-  two qwen32mb4_ep2_overlap_free_twinprio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWIN $PRIO --set train.micro_batch=4
+  two qwen32mb4_ep2_overlap_free_twinprio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWIN $PRIO $MB4
   ;;
 mb4more)
   # Micro-batch 4, sync-free, continued: the overlapped run without and with the second communicator and
   # high-priority streams (the latter with host operators recorded), and everything compiled, with its 1-GPU run.
-  MB4="--set train.micro_batch=4"
-  TWINPRIO="--set parallel.ep_backward_group=true --set parallel.comm_priority=true"
   KEEP="qwen32mb4_ep2_overlap_free_gpu qwen32mb4_ep2_overlap_free_twinprio qwen32mb4c_ep2_overlap_free_twinprio_gpu"
   one qwen32mb4c_1gpu 0 $Q $Q32 $MB4 $COMPILE
   two qwen32mb4_ep2_overlap_free_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $GPUONLY
-  two qwen32mb4_ep2_overlap_free_twinprio $Q $Q32 $MB4 $EP2 $FREE $OVL $TWINPRIO
+  two qwen32mb4_ep2_overlap_free_twinprio $Q $Q32 $MB4 $EP2 $FREE $OVL $TWIN $PRIO
   two qwen32mb4c_ep2_free $Q $Q32 $MB4 $EP2 $FREE $COMPILE
-  two qwen32mb4c_ep2_overlap_free_twinprio_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $TWINPRIO $COMPILE $GPUONLY
+  two qwen32mb4c_ep2_overlap_free_twinprio_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $TWIN $PRIO $COMPILE $GPUONLY
   ;;
 paired)
   # After the overlapped schedule's pairing fix (no counts step with the sync-free dispatcher; at P = 1 only the
   # first forward and the last backward alone): micro-batch 2 with and without the second communicator and
   # high-priority streams, compiled micro-batch 4, and compiled micro-batch 4 at global batch 64 (8 micro-batches
   # per rank) with its single-GPU run.
-  MB4="--set train.micro_batch=4"
-  G64="--set train.global_batch=64"
-  TWINPRIO="--set parallel.ep_backward_group=true --set parallel.comm_priority=true"
   KEEP="qwen32_ep2_overlap_free_gpu qwen32mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_gpu"
   two qwen32_ep2_overlap_free_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY
-  two qwen32_ep2_overlap_free_twinprio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWINPRIO
+  two qwen32_ep2_overlap_free_twinprio_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $TWIN $PRIO
   two qwen32mb4c_ep2_overlap_free_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
   two qwen64mb4c_ep2_overlap_free_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
   one qwen64mb4c_1gpu 0 $Q $Q32 $G64 $MB4 $COMPILE
@@ -187,24 +184,20 @@ paired)
 carveout)
   # The runs of `paired` with 16 SMs left free by the matmuls (parallel.comm_sms) for the communication stream's
   # and NCCL's kernels, with and without the second communicator and high-priority streams.
-  MB4="--set train.micro_batch=4"
-  G64="--set train.global_batch=64"
-  TWINPRIO="--set parallel.ep_backward_group=true --set parallel.comm_priority=true"
-  SM16="--set parallel.comm_sms=16"
   KEEP="qwen32mb4c_ep2_overlap_free_twinprio_sm16_gpu qwen64mb4c_ep2_overlap_free_twinprio_sm16_gpu"
   two qwen32mb4c_ep2_overlap_free_sm16_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $SM16
-  two qwen32mb4c_ep2_overlap_free_twinprio_sm16_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $SM16 $TWINPRIO
-  two qwen32_ep2_overlap_free_twinprio_sm16_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $SM16 $TWINPRIO
+  two qwen32mb4c_ep2_overlap_free_twinprio_sm16_gpu $Q $Q32 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $SM16 $TWIN $PRIO
+  two qwen32_ep2_overlap_free_twinprio_sm16_gpu $Q $Q32 $EP2 $FREE $OVL $GPUONLY $SM16 $TWIN $PRIO
   two qwen64mb4c_ep2_overlap_free_twinprio_sm16_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $SM16 \
-    $TWINPRIO
+    $TWIN $PRIO
   ;;
 gb64)
-  # Compiled micro-batch 4 at global batch 64: the plain loop, and the overlapped schedule with the default
+  # Compiled micro-batch 4 at global batch 64: one GPU, the plain loop, and the overlapped schedule with the default
   # parallel.comm_sms alone (the `carveout` run at this size also had the second communicator).
-  G64MB4="--set train.global_batch=64 --set train.micro_batch=4"
-  KEEP="qwen64mb4c_ep2_overlap_free_gpu"
-  two qwen64mb4c_ep2_free $Q $Q32 $G64MB4 $EP2 $FREE $COMPILE
-  two qwen64mb4c_ep2_overlap_free_gpu $Q $Q32 $G64MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
+  KEEP="qwen64mb4c_ep2_overlap_free_sm16_gpu"
+  one qwen64mb4c_1gpu 0 $Q $Q32 $G64 $MB4 $COMPILE
+  two qwen64mb4c_ep2_free $Q $Q32 $G64 $MB4 $EP2 $FREE $COMPILE
+  two qwen64mb4c_ep2_overlap_free_sm16_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
   ;;
 single)
   # The single-GPU baselines of `more` alone: for a session that runs only `combine`, `compiled` or `syncfree`.

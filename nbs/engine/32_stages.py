@@ -287,7 +287,8 @@ model.zero_grad(set_to_none=True)
 # queued, the driver switches, the other micro-batch queues a compute step, and only then does `dispatch` block
 # the host on the sizes, while the GPU still has that compute step to run. (That step is one expert backward, and
 # on two H200s it was not enough: the host block still drained the GPU's queue. With `sync_free=True` the
-# dispatcher never blocks and `counts` only computes where the rows go; see engine/31_ep and benchmarks/RESULTS.md.)
+# dispatcher never blocks and asks for no `counts` step, its `counts_step` being False, so the two tasks switch in
+# lock step; see `uncovered` below, engine/31_ep and benchmarks/RESULTS.md.)
 # On a GPU, COMPUTE steps run on `streams.compute` (the stream that
 # was current when `Streams` was made) and COMM steps on `streams.comm`. Within a task each step waits for the
 # task's previous step through a CUDA event (recorded after every step), so a task is a chain of dependencies
@@ -367,13 +368,8 @@ def uncovered(trace: list) -> list[tuple[int, str]]:
     next compute step (which may need their result): nothing is issued to run beside them. Every other step
     name but `counts` is compute."""
     compute = lambda name: name not in EXCHANGES and name != "counts"
-    out = []
-    for i, (task, name) in enumerate(trace):
-        if name in EXCHANGES:
-            later = [t for t, n in trace[i + 1:] if compute(n)]
-            if not later or later[0] == task:
-                out.append((task, name))
-    return out
+    return [(task, name) for i, (task, name) in enumerate(trace) if name in EXCHANGES
+            and next((t for t, n in trace[i + 1:] if compute(n)), task) == task]
 
 # %% [markdown]
 # ### The whole model, stage by stage

@@ -199,10 +199,5 @@ def uncovered(trace: list) -> list[tuple[int, str]]:
     next compute step (which may need their result): nothing is issued to run beside them. Every other step
     name but `counts` is compute."""
     compute = lambda name: name not in EXCHANGES and name != "counts"
-    out = []
-    for i, (task, name) in enumerate(trace):
-        if name in EXCHANGES:
-            later = [t for t, n in trace[i + 1:] if compute(n)]
-            if not later or later[0] == task:
-                out.append((task, name))
-    return out
+    return [(task, name) for i, (task, name) in enumerate(trace) if name in EXCHANGES
+            and next((t for t, n in trace[i + 1:] if compute(n)), task) == task]
