@@ -8,6 +8,36 @@ import torch
 import torch.distributed as dist
 
 # %% ../../nbs/train/42_load_balance.ipynb #31050b87
+class _Pending:
+    "The global counts of one deferred `loss` call while their all-reduce may still be running."
+
+    def __init__(self, counts: torch.Tensor, work, mean_probs: torch.Tensor, scale: float):
+        self.counts, self.work, self.mean_probs, self.scale = counts, work, mean_probs, scale
+
+    def f(self, dtype: torch.dtype) -> torch.Tensor:
+        "The assignment fractions, once the counts have arrived (on a GPU: the current stream waits for them)."
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return (self.counts / self.counts.sum()).to(dtype)
+
+
+class _DeferredTerm(torch.autograd.Function):
+    """`coef · E · Σ_i f_i · mean_t probs[t, i]` with f not yet known: the forward returns 0 (the value is
+    `_Pending`'s, read later), the backward waits for f and returns the gradient `coef · E · f_i / T`."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, pending: _Pending) -> torch.Tensor:
+        ctx.pending, ctx.shape = pending, probs.shape
+        return probs.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        T, E = ctx.shape
+        f = ctx.pending.f(grad.dtype)
+        return (grad * ctx.pending.scale * f / T).expand(T, E), None
+
+# %% ../../nbs/train/42_load_balance.ipynb #5bfac0db
 class LoadBalance:
     """The auxiliary load-balance loss `coef · E · Σ_i f_i P_i` for every MoE layer, plus step-level statistics.
 
@@ -18,9 +48,14 @@ class LoadBalance:
     `stats()` after the last one.
     With a group, every rank of the group must make the same `loss` and `stats` calls in the same order
     (they are collectives).
+
+    `deferred=True` (level "global" only) does not wait for the counts in the forward: `loss` starts their
+    all-reduce and returns a zero that carries the gradient, whose backward waits for the counts; `settle()`
+    returns the sum of the values those calls would have returned. See "Not waiting in the forward" below.
     """
 
-    def __init__(self, num_experts: int, coef: float, level: str, group: dist.ProcessGroup | None = None):
+    def __init__(self, num_experts: int, coef: float, level: str, group: dist.ProcessGroup | None = None,
+                 deferred: bool = False):
         if level not in ("micro", "global"):
             raise ValueError(f"load-balance level must be 'micro' or 'global', got {level!r} (set train.lb_level)")
         if coef < 0:
@@ -29,12 +64,15 @@ class LoadBalance:
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         self.num_experts, self.coef, self.level, self.group = num_experts, coef, level, group
+        self.deferred = deferred and level == "global"
+        self.pending: list[_Pending] = []
         self.start_step()
 
     def start_step(self):
         "Forget the previous step: per layer, assignment counts and the sum of router probabilities."
         self.counts: dict = {}     # layer_key -> (E,) float64, this rank's assignments so far this step
         self.prob_sum: dict = {}   # layer_key -> (E,) float64, this rank's Σ_t probs[t, :] so far this step
+        self.pending = []
 
     def loss(self, layer_key, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         "`coef · E · Σ_i f_i P_i` for one layer and one micro-batch: `probs (T, E)` with grad, `ids (T, k)` int64."
@@ -55,10 +93,22 @@ class LoadBalance:
             return torch.zeros((), dtype=probs.dtype, device=probs.device)
         if self.level == "global":
             counts = self.counts[layer_key].clone()
+            work = None
             if self.group is not None:
-                dist.all_reduce(counts, group=self.group)
+                work = dist.all_reduce(counts, group=self.group, async_op=self.deferred)
+            if self.deferred:
+                pending = _Pending(counts, work, psum / T, self.coef * E)
+                self.pending.append(pending)
+                return _DeferredTerm.apply(probs, pending)
         f = (counts / counts.sum()).to(probs.dtype)  # counts.sum() = T·k assignments (summed over what f covers)
         return self.coef * E * (f * probs.mean(0)).sum()
+
+    def settle(self) -> torch.Tensor:
+        """The sum of the values of the `loss` calls made in deferred mode since the last `settle` or
+        `start_step` (float64; 0 if none), waiting for their counts. For logging: the gradients do not need it."""
+        terms = [p.scale * (p.f(torch.float64) * p.mean_probs).sum() for p in self.pending]
+        self.pending = []
+        return torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64)
 
     def stats(self) -> dict:
         """The step's balance `E · Σ_i f_i P_i` per layer from the whole step's counts and mean probabilities
@@ -87,6 +137,8 @@ def check_across_ranks(rank: int, world_size: int, init_method: str, seed: int =
     logits = torch.randn(micro_batches, len(layers), world_size, T, E, dtype=torch.float64, generator=g)
     logits[..., 0] += 2.0                     # an unbalanced router, so f is not uniform
     mine, ref = LoadBalance(E, coef, "global", group=dist.group.WORLD), LoadBalance(E, coef, "global")
+    lazy = LoadBalance(E, coef, "global", group=dist.group.WORLD, deferred=True)
+    value = 0.0
     for m in range(micro_batches):
         for l, key in enumerate(layers):
             probs = logits[m, l].softmax(-1)                      # (world, T, E)
@@ -102,6 +154,11 @@ def check_across_ranks(rank: int, world_size: int, init_method: str, seed: int =
             total = out.detach().clone()
             dist.all_reduce(total)                # P of the whole micro-batch is the mean of the ranks' P
             assert torch.allclose(total / world_size, out_ref, rtol=1e-12), (rank, m, key)
+            p_lazy = probs[rank].clone().requires_grad_()
+            lazy.loss(key, p_lazy, ids[rank]).backward()          # waits for its all-reduce here
+            assert torch.allclose(p_lazy.grad, p_mine.grad, rtol=1e-12, atol=0), (rank, m, key)
+            value += out.item()
+    assert abs(lazy.settle().item() - value) < 1e-12, (rank, value)
     s_mine, s_ref = mine.stats(), ref.stats()
     assert s_mine.keys() == s_ref.keys() and all(abs(s_mine[x] - s_ref[x]) < 1e-12 for x in s_ref), (s_mine, s_ref)
     dist.destroy_process_group()
