@@ -66,7 +66,7 @@ def test_step_rejects_bad_micro_batches():
 
 @pytest.mark.parametrize("M", [2, 4])
 def test_overlap_one_rank_matches_plain_autograd(M):
-    """parallel.overlap: P = 1, everything but the first micro-batch's forward and the last one's backward in F&B
+    """parallel.overlap: P = 1, everything but the first half-model forward and the last half-model backward in
     pairs; float64 so only the order of sums differs."""
     ref, model = _tiny(dtype=torch.float64), _tiny(dtype=torch.float64)
     batches, scale, aux_fn = _micro_batches(M, 64, seed=7), 1 / (M * 16), _aux_fn(4, coef=0.3)
@@ -76,8 +76,10 @@ def test_overlap_one_rank_matches_plain_autograd(M):
     compare(model, grads(ref), loss, ref_loss, f"P=1 M={M}", grad_tol=1e-12, loss_tol=1e-12)
     assert abs(aux - ref_aux) <= 1e-12 * abs(ref_aux)
     kinds = [k for k, *_ in pipe.timeline.events()]
-    assert kinds.count("F1&B0") == M - 1 and kinds.count("F0&B1") == M - 1
-    assert [k for k in kinds if "&" not in k and k != "W"] == ["F0", "F1", "B1", "B0"]
+    assert kinds.count("F1&B1") == M - 1 and kinds.count("F0&B0") == M - 2
+    assert kinds.count("F1&F0") == 1 and kinds.count("B0&B1") == 1 and "W" not in kinds
+    assert [k for k in kinds if "&" not in k] == ["F0", "B0"]
+    assert [m for k, m in zip(kinds, (m for _, m, *_ in pipe.timeline.events())) if k == "B0&B1"] == [(M - 2, M - 1)]
 
 
 def test_run_steps_interleaves_at_communication_steps():

@@ -143,7 +143,7 @@ def split_model(model, pp_rank: int, pp_size: int) -> tuple[StagePart, StagePart
 # `dualpipev_schedule(rank, P, M)` lists what one rank does in one step with M micro-batches, as tuples with the
 # micro-batch numbers filled in:
 # `("F", phase, m)`, `("B", phase, m, zero_bubble)`, `("FB", (phase, m), (phase, m))` (forward, backward),
-# `("W", phase, m)`, and the transfers `("recv_f" | "send_f" | "recv_b" | "send_b", phase, m)` (f: activations
+# `("FF", …)` and `("BB", …)` (two forwards or two backwards, at P = 1 only), `("W", phase, m)`, and the transfers `("recv_f" | "send_f" | "recv_b" | "send_b", phase, m)` (f: activations
 # going forward, b: gradients going back). Transfers to or from a neighbour that does not exist (rank 0 in phase 0
 # receives token ids from the data, the last rank turns phase 0 into phase 1 locally) are left out.
 #
@@ -154,16 +154,21 @@ def split_model(model, pp_rank: int, pp_size: int) -> tuple[StagePart, StagePart
 # 3. `P−r−1` times: B of phase 1 with zero bubble, W, F of phase 1: the W fills the wait for the next input;
 # 4. the steady state, `M−2P+r+1` times: F&B (forward phase 0, backward phase 1), F&B (forward phase 1, backward
 #    phase 0). On the last rank the first pair runs F and B one after the other: F needs no transfer there, so it
-#    runs while B's gradient is on its way. With P = 1 nothing travels and B's gradient comes from the loss on
-#    the same rank, so that pair overlaps too: then only the first micro-batch's forward and the last one's
-#    backward run alone, and at most a share 1 − 1/M of the expert all-to-alls can hide under the other
-#    micro-batch's compute;
+#    runs while B's gradient is on its way;
 # 5. `P−r−1` times: B of phase 1, F&B (forward phase 1, backward phase 0);
 # 6. `r+1` pairs of backwards, phase 1 then phase 0; the second half of them defer their weight gradients;
 # 7. `P−r−1` times: W, then B of phase 0 with zero bubble;
 # 8. `r+1` W slots: the deferred weight gradients.
 #
 # The steady state needs at least one iteration on every rank, so M ≥ 2P. Every F, B and W is counted below.
+#
+# **One rank (P = 1, `parallel.overlap`).** Nothing travels, so the schedule is free to pair whatever is
+# independent, and every action that runs alone leaves its expert all-to-alls exposed. Number the half-model
+# forwards in the order they must run, F0 0, F1 0, F0 1, F1 1, …, and the backwards B1 0, B0 0, B1 1, …
+# (`one_rank_schedule`). Forward j runs beside backward j − 3; forwards 1 and 2 (F1 0 and F0 1, different
+# micro-batches) beside each other, and so do backwards 2M − 3 and 2M − 2. Only the first forward and the last
+# backward run alone: 2 of the 4M half-model tasks, where the eight parts above (with forward j beside backward
+# j − 2) would leave 4 alone. The cost is memory: one more half micro-batch of activations is alive at the peak.
 #
 # **Transfers.** A transfer is queued, and all queued transfers start together (one `batch_isend_irecv`) and are
 # waited for just before the next compute action. So a rank's sends go out together with the receives of its next
@@ -179,6 +184,8 @@ def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
     if M < 2 * P:
         raise ValueError(f"DualPipeV with pp = {P} needs at least 2·pp = {2 * P} micro-batches per step, got {M}; "
                          "raise train.global_batch or lower train.micro_batch")
+    if P == 1:
+        return one_rank_schedule(M)
     first, last = rank == 0, rank == P - 1
     acts, n = [], {}        # n[(name, phase)]: how many of that kind were planned so far = the next micro-batch
 
@@ -232,7 +239,7 @@ def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
         weights()
         fwd(1, recv=False)
     for i in range(M - 2 * P + rank + 1):                     # 4
-        if i == 0 and last and P > 1:
+        if i == 0 and last:
             fwd(0, recv=False, send=False)
             send_f(1)
             bwd(1, send=False)
@@ -258,6 +265,30 @@ def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
     for _ in range(rank + 1):                                 # 8
         weights()
     return acts
+
+
+def one_rank_schedule(M: int) -> list[tuple]:
+    """P = 1: forward j (F0 0, F1 0, F0 1, F1 1, ...) beside backward j − 3 (B1 0, B0 0, B1 1, ...); forwards 1 and
+    2 beside each other, backwards 2M − 3 and 2M − 2 too; forward 0 and the last backward alone."""
+    fwd = [(j % 2, j // 2) for j in range(2 * M)]
+    bwd = [(1 - j % 2, j // 2) for j in range(2 * M)]
+    return ([("F", *fwd[0]), ("FF", fwd[1], fwd[2])] + [("FB", fwd[j], bwd[j - 3]) for j in range(3, 2 * M)] +
+            [("BB", bwd[-3], bwd[-2]), ("B", *bwd[-1], False)])
+
+
+COMPUTE_ACTIONS = ("F", "B", "FB", "FF", "BB", "W")   # the schedule's actions that compute (the rest transfer)
+
+
+def _tasks(action) -> list[tuple]:
+    "The forwards and backwards an action runs, as (\"F\" | \"B\", phase, m), in order."
+    match action:
+        case ("F", p, m) | ("B", p, m, _):
+            return [(action[0], p, m)]
+        case ("FB", f, b):
+            return [("F", *f), ("B", *b)]
+        case ("FF" | "BB", a, b):
+            return [(action[0][0], *a), (action[0][0], *b)]
+    return []
 
 # %%
 acts = dualpipev_schedule(1, 2, 4)
@@ -291,8 +322,9 @@ def _kind(action) -> tuple[str, object]:
             return "W", m
         case ("B", p, m, _):
             return f"B{p}", m
-        case ("FB", (pf, mf), (pb, mb)):
-            return f"F{pf}&B{pb}", (mf, mb)
+        case ("FB" | "FF" | "BB", _, _):
+            (k1, p1, m1), (k2, p2, m2) = _tasks(action)
+            return f"{k1}{p1}&{k2}{p2}", (m1, m2)
 
 
 def _peer(name: str, phase: int, rank: int) -> int:
@@ -307,16 +339,15 @@ def _inputs_arrive(r: int, P: int, actions: list[tuple]) -> None:
     for a in actions:
         if a[0] in ("recv_f", "recv_b"):
             have.add((a[0][-1], a[1], a[2]))
-        fwd = {"F": a[1:3], "FB": a[1]}.get(a[0])      # (phase, m) of a forward, if a has one
-        bwd = {"B": a[1:3], "FB": a[2]}.get(a[0])      # (phase, m) of a backward
-        if fwd is not None:
-            assert (r == 0 and fwd[0] == 0) or ("f", *fwd) in have, f"rank {r}: F{fwd} before its input arrived"
-            if r == P - 1 and fwd[0] == 0:
-                have.add(("f", 1, fwd[1]))
-        if bwd is not None:
-            assert (r == 0 and bwd[0] == 1) or ("b", *bwd) in have, f"rank {r}: B{bwd} before its gradient arrived"
-            if r == P - 1 and bwd[0] == 1:
-                have.add(("b", 0, bwd[1]))
+        for kind, *task in _tasks(a):
+            if kind == "F":
+                assert (r == 0 and task[0] == 0) or ("f", *task) in have, f"rank {r}: F{task} before its input"
+                if r == P - 1 and task[0] == 0:
+                    have.add(("f", 1, task[1]))
+            else:
+                assert (r == 0 and task[0] == 1) or ("b", *task) in have, f"rank {r}: B{task} before its gradient"
+                if r == P - 1 and task[0] == 1:
+                    have.add(("b", 0, task[1]))
 
 
 def simulate(P: int, M: int, duration: Callable[[tuple], float]) -> list[list[tuple]]:
@@ -376,7 +407,7 @@ def simulate(P: int, M: int, duration: Callable[[tuple], float]) -> list[list[tu
     for r in range(P):
         kinds = [k for k, _, _, _ in events[r]]
         for x in ("F0", "F1", "B0", "B1"):
-            count = sum(x in k.split("&") for k in kinds)
+            count = sum(k.split("&").count(x) for k in kinds)
             assert count == M, f"rank {r}: {count} × {x}, expected {M}"
     return events
 
@@ -402,6 +433,8 @@ def unit_duration(action) -> float:
         case ("B", _, _, zb): return 1.0 if zb else 2.0
         case ("W", *_): return 1.0
         case ("FB", *_): return 3.0
+        case ("FF", *_): return 2.0
+        case ("BB", *_): return 4.0
 
 # %%
 for P in range(1, 9):
@@ -571,8 +604,9 @@ class Timeline:
 # Every rank of the pipeline group must construct its `DualPipeV` (the constructor's barrier is the group's first
 # collective, which `batch_isend_irecv` requires to involve all ranks).
 #
-# With P = 1 (`parallel.overlap`) the same code runs with no transfers at all: rank 0 holds both stages, and in
-# the steady state every action is an F&B pair of two micro-batches.
+# With P = 1 (`parallel.overlap`) the same code runs with no transfers at all: rank 0 holds both stages, and every
+# action but the first and the last is a pair of two micro-batches (`FF` and `BB` run two forwards or two
+# backwards of different micro-batches, interleaved like an F&B pair).
 
 # %%
 #| export
@@ -638,6 +672,16 @@ class DualPipeV:
                     with self.timeline.span(f"F{pf}&B{pb}", (mf, mb)):
                         run_steps(self.streams, self._backward(pb, mb), self._forward(pf, mf))
                         self.wgrads.pop((pb, mb)).drain()
+                case ("FF", (p1, m1), (p2, m2)):
+                    self._commit()
+                    with self.timeline.span(f"F{p1}&F{p2}", (m1, m2)):
+                        run_steps(self.streams, self._forward(p1, m1), self._forward(p2, m2))
+                case ("BB", (p1, m1), (p2, m2)):
+                    self._commit()
+                    with self.timeline.span(f"B{p1}&B{p2}", (m1, m2)):
+                        run_steps(self.streams, self._backward(p1, m1), self._backward(p2, m2))
+                        self.wgrads.pop((p1, m1)).drain()
+                        self.wgrads.pop((p2, m2)).drain()
                 case ("W", p, m):
                     self._commit()
                     with self.timeline.span("W", m):
@@ -951,7 +995,7 @@ def median_durations(events):
     "Median duration of each action kind, from a measured timeline; zero-bubble Bs are matched by schedule."
     by = {}
     for r, ev in enumerate(events):
-        actions = [a for a in dualpipev_schedule(r, P, M) if a[0] in ("F", "B", "FB", "W")]
+        actions = [a for a in dualpipev_schedule(r, P, M) if a[0] in COMPUTE_ACTIONS]
         spans = [e for e in ev if e[0] != "comm"]
         assert [_kind(a)[0] for a in actions] == [e[0] for e in spans]
         for a, e in zip(actions, spans):

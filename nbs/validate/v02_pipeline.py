@@ -40,7 +40,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
-from pith_lit.engine.dualpipev import _kind, bubble_fraction, draw_timeline, dualpipev_schedule, simulate
+from pith_lit.engine.dualpipev import COMPUTE_ACTIONS, _kind, bubble_fraction, draw_timeline, dualpipev_schedule, simulate
 
 matplotlib.use("Agg")
 out = Path(out_dir)
@@ -77,7 +77,7 @@ if timeline_file.exists():
     measured = [[tuple(e) for e in ev] for ev in run["events"]]
     durations = {}
     for r, ev in enumerate(measured):
-        actions = [a for a in dualpipev_schedule(r, P, M) if a[0] in ("F", "B", "FB", "W")]
+        actions = [a for a in dualpipev_schedule(r, P, M) if a[0] in COMPUTE_ACTIONS]
         spans = [e for e in ev if e[0] != "comm"]
         if [_kind(a) for a in actions] != [(e[0], tuple(e[1]) if isinstance(e[1], list) else e[1]) for e in spans]:
             failures.append(f"rank {r}: the recorded actions are not the schedule's")
