@@ -42,6 +42,7 @@
 # %%
 #| export
 import argparse
+import gzip
 import json
 from collections import defaultdict
 
@@ -246,15 +247,19 @@ assert peer_report(a, late) == dict(ra, offset_us=-1000.0)
 #| export
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="Hidden and exposed communication in torch.profiler Chrome traces")
-    ap.add_argument("traces", nargs="+", help="trace JSON files, e.g. one per rank")
+    ap.add_argument("traces", nargs="+", help="trace JSON files (or .json.gz), e.g. one per rank")
     ap.add_argument("--top", type=int, default=10, help="list this many kernels by GPU time (0: none)")
     ap.add_argument("--peers", action="store_true", help="the traces are the two ranks of one group: split each "
                     "rank's NCCL time into waiting for the other rank and transfer (see peer_report)")
     args = ap.parse_args(argv)
     traces = []
     for path in args.traces:
-        with open(path) as f:
-            traces.append(json.load(f))
+        try:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+                traces.append(json.load(f))
+        except (OSError, ValueError) as e:
+            ap.error(f"cannot read the trace {path}: {e}; pass a Chrome trace that torch.profiler wrote "
+                     "(log.profile_step), whole, as .json or .json.gz")
     if args.peers:
         if len(traces) != 2:
             ap.error(f"--peers needs the traces of the two ranks of a group, got {len(traces)}")
