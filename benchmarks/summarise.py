@@ -7,7 +7,8 @@ memory, the loss at the first and last step, the largest relative loss differenc
 the same model (the run whose name ends in `_1gpu` and starts with the same word), the share of
 communication hidden under compute, for a two-GPU run the share of the transfer proper (both ranks inside the
 collective, `peer_report`) hidden ("xfer"), and the share of the GPU span with no kernel running, from the
-traces."""
+traces; then the peak memory the CUDA allocator reserved and how many times it ran out of cached blocks and had to
+free its cache (all ranks, all steps)."""
 import json
 import sys
 import tomllib
@@ -28,7 +29,9 @@ def summarise(run: Path) -> dict:
            "ep_combine": p.get("ep_combine", "pairs"), "profile_host": cfg["log"].get("profile_host", True),
            "steps": len(recs), "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"),
            "peak_mem_gb": max(r["peak_mem_gb"] for r in recs), "loss_first": recs[0]["loss"],
-           "loss_last": recs[-1]["loss"], "balance_last": recs[-1]["balance"], "losses": [r["loss"] for r in recs]}
+           "loss_last": recs[-1]["loss"], "balance_last": recs[-1]["balance"], "losses": [r["loss"] for r in recs],
+           "peak_reserved_gb": max(r.get("peak_reserved_gb", 0.0) for r in recs),
+           "alloc_retries": sum(r.get("alloc_retries", 0) for r in recs)}
     out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / world if out["tokens_per_s"] else None
     paths = sorted(run.glob("trace-rank*.json"))
     comm, traces = [], [json.loads(t.read_text()) for t in paths]
@@ -63,14 +66,15 @@ def main(runs_dir: str, out_json: str | None = None) -> list[dict]:
         Path(out_json).write_text(json.dumps(rows, indent=1))
     fmt = lambda v, f: "-" if v is None else format(v, f)
     print(f"{'run':20} {'gpus':>4} {'tok/s':>9} {'tok/s/gpu':>9} {'vs 1gpu':>7} {'mfu':>6} {'peak GiB':>8} "
-          f"{'loss':>13} {'max dloss':>9} {'balance':>7} {'hidden':>6} {'xfer':>6} {'idle':>6}")
+          f"{'loss':>13} {'max dloss':>9} {'balance':>7} {'hidden':>6} {'xfer':>6} {'idle':>6} {'resv GiB':>8} "
+          f"{'retries':>7}")
     for r in rows:
         print(f"{r['run']:20} {r['gpus']:>4} {fmt(r['tokens_per_s'], ',.0f'):>9} "
               f"{fmt(r['tokens_per_s_per_gpu'], ',.0f'):>9} {fmt(r.get('per_gpu_vs_1gpu'), '.3f'):>7} "
               f"{fmt(r['mfu'], '.1%'):>6} {r['peak_mem_gb']:8.1f} {r['loss_first']:6.3f}>{r['loss_last']:6.3f} "
               f"{fmt(r.get('max_rel_loss_diff_vs_1gpu'), '.2e'):>9} {r['balance_last']:7.2f} "
               f"{fmt(r.get('hidden_frac'), '.1%'):>6} {fmt(r.get('transfer_hidden_frac'), '.1%'):>6} "
-              f"{fmt(r.get('idle_frac'), '.1%'):>6}")
+              f"{fmt(r.get('idle_frac'), '.1%'):>6} {r['peak_reserved_gb']:8.1f} {r['alloc_retries']:>7}")
     return rows
 
 

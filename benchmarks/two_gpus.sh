@@ -15,8 +15,11 @@
 # at micro-batch 4 with the sync-free dispatcher; `streams`: the overlapped sync-free run with a second ep
 # communicator for backward and with high-priority communication streams; `paired` and `carveout`: after the
 # overlapped schedule's pairing change, without and with SMs left for communication (parallel.comm_sms);
-# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped. The suites measured before
-# parallel.comm_sms existed run with it at 0, as they were measured; `carveout` and `gb64` use its value.
+# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc`: the same after the
+# allocator, load-balance and one-rank pairing changes, with expandable segments off for comparison, and compiled
+# Qwen3 at pp 2. The suites measured before parallel.comm_sms existed run with it at 0, as they were measured;
+# `carveout`, `gb64` and `alloc` use its value. Likewise every suite but `alloc` turns train.expandable_segments
+# off (the other two changes of `alloc` have no switch: those suites now run with them).
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -47,7 +50,9 @@ G64="--set train.global_batch=64"
 TWIN="--set parallel.ep_backward_group=true"   # backward's all-to-alls on a second communicator
 PRIO="--set parallel.comm_priority=true"       # high-priority communication streams
 SM16="--set parallel.comm_sms=16"
-case $SUITE in carveout|gb64) SMS="" ;; *) SMS="--set parallel.comm_sms=0" ;; esac   # see above
+NOEXP="--set train.expandable_segments=false"
+case $SUITE in carveout|gb64|alloc) SMS="" ;; *) SMS="--set parallel.comm_sms=0" ;; esac   # see above
+case $SUITE in alloc) PIN="" ;; *) PIN=$NOEXP ;; esac
 
 report() {  # NAME: the communication report of each rank's trace, and of both together (waiting and transfer)
   for r in 0 1; do
@@ -65,14 +70,14 @@ singles() {  # the single-GPU baselines of Qwen3 at global batch 32, plain and c
 }
 one() {  # NAME GPU CONFIG ARGS...: one process on one GPU, profiling one step
   local name=$1 gpu=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu timeout 400 python3 -m pith_lit.train "$@" --set run.dir=runs/two_gpus/$name \
+  CUDA_VISIBLE_DEVICES=$gpu timeout 400 python3 -m pith_lit.train "$@" $PIN --set run.dir=runs/two_gpus/$name \
     --set log.profile_step=$PROFILE > "$LOGS/$name.log" 2>&1
   echo "$name: exit $? at $(date +%T)"
   report $name
 }
 two() {  # NAME CONFIG ARGS...: two processes, one per GPU, profiling one step
   local name=$1; shift
-  timeout 400 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.train "$@" $SMS \
+  timeout 400 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.train "$@" $SMS $PIN \
     --set run.dir=runs/two_gpus/$name --set log.profile_step=$PROFILE > "$LOGS/$name.log" 2>&1
   echo "$name: exit $? at $(date +%T)"
   report $name
@@ -199,11 +204,31 @@ gb64)
   two qwen64mb4c_ep2_free $Q $Q32 $G64 $MB4 $EP2 $FREE $COMPILE
   two qwen64mb4c_ep2_overlap_free_sm16_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
   ;;
+alloc)
+  # After three changes: the allocator's expandable segments (train.expandable_segments, on), the load-balance
+  # counts all-reduced without waiting in the forward, and at pp 1 every half-model task but two paired. Compiled
+  # micro-batch 4 at global batch 64: one GPU with and without expandable segments (side by side), the overlapped
+  # schedule with and without them, the plain loop; then (ALLOC2=1) the overlapped run with the second
+  # communicator and high-priority streams, and compiled Qwen3 at pp 2 (global batch 32).
+  KEEP="qwen64mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_twinprio_gpu"
+  if [ -z "${ALLOC2:-}" ]; then
+    one qwen64mb4c_1gpu 0 $Q $Q32 $G64 $MB4 $COMPILE &
+    one qwen64mb4c_1gpu_noexp 1 $Q $Q32 $G64 $MB4 $COMPILE $NOEXP &
+    wait
+    keep
+    two qwen64mb4c_ep2_overlap_free_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
+    two qwen64mb4c_ep2_overlap_free_noexp_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $NOEXP
+    two qwen64mb4c_ep2_free $Q $Q32 $G64 $MB4 $EP2 $FREE $COMPILE
+  else
+    two qwen64mb4c_ep2_overlap_free_twinprio_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $TWIN $PRIO
+    two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY
+  fi
+  ;;
 single)
   # The single-GPU baselines of `more` alone: for a session that runs only `combine`, `compiled` or `syncfree`.
   singles
   ;;
-*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4, mb4more, streams, paired, carveout, gb64 or single"
+*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4, mb4more, streams, paired, carveout, gb64, alloc or single"
    exit 2 ;;
 esac
 for name in ${KEEP:-}; do   # both ranks' traces of each run a suite names in KEEP, one archive per run

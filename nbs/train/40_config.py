@@ -115,6 +115,10 @@ class TrainConfig:
         "float32", "when computing in bfloat16: float32 = fp32 master weights and AdamW states; bfloat16 = "
         "update the bf16 weights in place with bf16 states (half the optimizer memory, less exact)")
     compile: bool = cfg(False, "torch.compile stages 1 and 5 of every layer")
+    expandable_segments: bool = cfg(
+        True, "on CUDA, let the caching allocator grow its memory segments in place (PyTorch's expandable_segments), "
+              "so buffers of changing sizes do not fragment memory into its slow path, which frees the cache and "
+              "stalls every rank; a PYTORCH_CUDA_ALLOC_CONF set in the environment takes precedence")
 
 
 @dataclass

@@ -31,6 +31,7 @@
 #| export
 import json
 import math
+import os
 import resource
 import signal
 import time
@@ -129,6 +130,18 @@ def setup_distributed(cfg: Config) -> tuple[int, torch.device, Mesh | None]:
         return 0, device, None
     rank, _, device = init_distributed(p.timeout_s, cfg.device_type)
     return rank, device, build_mesh(p.pp, p.dp, p.cp, p.ep, cfg.device_type, p.timeout_s, p.comm_priority)
+
+
+def expandable_segments() -> bool:
+    """Ask the CUDA caching allocator for expandable segments, unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF
+    is set (the user's choice stands). Returns whether it was asked."""
+    if any(v in os.environ for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:                                  # torch before 2.9
+        setter = torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+    return True
 
 
 def all_reduce_(t: torch.Tensor, group) -> torch.Tensor:
@@ -336,6 +349,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
 
     `until` stops (with a checkpoint) after that many steps in total, as if the run were interrupted there; the
     schedule still follows `train.steps`. Tests and the validation notebook use it to split a run in two."""
+    if cfg.train.expandable_segments and cfg.device_type == "cuda":
+        expandable_segments()
     rank, device, mesh = setup_distributed(cfg)
     dense = mesh.dense if mesh is not None else None          # sum token counts, dense grads, lb counts over these
     everyone = dist.group.WORLD if mesh is not None else None  # sum the logged statistics over all ranks
@@ -371,7 +386,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     experts = [p for n, p in stepped.named_parameters() if ep > 1 and is_expert_param(n)]
     data, _ = build_dataset(cfg.data.corpus, cfg.data.tokenizer, run_dir.parent / "cache", t.seq_len, cfg.run.seed,
                             data_rank, data_world, cfg.model.vocab_size, cfg.data.val_frac)
-    lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dense)
+    # deferred: the forward does not wait for the global counts (train/42); their values are settled per step
+    lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dense, deferred=True)
     E = cfg.model.routed_experts
     p = cfg.parallel
     back = twin_group(mesh, "ep", p.timeout_s, p.comm_priority) if ep > 1 and p.ep_backward_group else None
@@ -421,6 +437,10 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             f"{device.type} {str(dtype).removeprefix('torch.')}, {world} rank(s){how}, steps {start}->{end}, "
             f"{cfg.tokens_per_step} tokens/step, run dir {run_dir}")
 
+    def retries() -> float:   # times the caching allocator ran out, freed its cache and synchronised, so far
+        return float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0.0
+
+    warned_retries = False
     bar = tqdm(range(start, end), initial=start, total=end, disable=quiet or rank != 0, desc="train",
                dynamic_ncols=True)
     history, step, stopped = [], start, False
@@ -433,7 +453,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                     [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
                 prof = torch.profiler.profile(activities=acts)
                 prof.start()
-            t0 = time.perf_counter()
+            t0, retried = time.perf_counter(), retries()
             lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup, schedule=t.schedule,
                        decay_frac=t.decay_frac, min_lr_ratio=t.min_lr_ratio)
             for g in optimizer.param_groups:
@@ -449,6 +469,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                     ce, aux = micro_step(model, x.to(device), y.to(device), n_tokens, lb, aux_div, dispatcher)
                     ce_sum += ce.float()
                     aux_sum += aux.float().to(device) / aux_div     # as it entered the objective
+            aux_sum = aux_sum + lb.settle().to(aux_sum) / (max(n_moe, 1) * aux_div)   # the deferred terms' values
             if mesh is not None:  # sums: the token-weighted loss already divides by the global token count
                 all_reduce_grads(model, mesh.dense, mesh.expert)
             if master is not None:
@@ -460,7 +481,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                 master.master_to_model()
             balance = [v for k, v in lb.stats().items() if k != "lb/mean"] if lb.counts else []  # this rank's layers
             stats = torch.cat([torch.stack([ce_sum, aux_sum]).double(), torch.tensor(
-                [sum(balance), len(balance), float(stop.set)], dtype=torch.float64, device=device)])
+                [sum(balance), len(balance), float(stop.set), retries() - retried], dtype=torch.float64,
+                device=device)])
             all_reduce_(stats, everyone)
             loss = (stats[0] / n_tokens.double()).item()
             stop_now = stats[4].item() > 0
@@ -478,6 +500,15 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                 rec["mfu"] = rec["tokens_per_s"] * fpt / (peak * world)
             rec["peak_mem_gb"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else
                                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
+            if device.type == "cuda":
+                rec["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+            rec["alloc_retries"] = int(stats[5].item())     # all ranks together, this step
+            if rec["alloc_retries"] and not warned_retries:
+                warned_retries = True
+                say(f"step {step + 1}: the CUDA caching allocator ran out of cached blocks {rec['alloc_retries']} "
+                    "time(s) on some rank (each time it frees its cache and synchronises, stalling every rank); "
+                    f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch, or keep "
+                    "train.expandable_segments on if memory is fragmented rather than full")
             history.append(rec)
             if rank == 0:
                 metrics_file.write(json.dumps(rec) + "\n")
