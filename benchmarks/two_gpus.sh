@@ -208,7 +208,7 @@ alloc)
   # After three changes: the allocator's expandable segments (train.expandable_segments, on), the load-balance
   # counts all-reduced without waiting in the forward, and at pp 1 every half-model task but two paired. Compiled
   # micro-batch 4 at global batch 64: one GPU with and without expandable segments (side by side), the overlapped
-  # schedule with and without them, the plain loop; then (ALLOC2=1) the overlapped run with the second
+  # schedule with and without them; then (ALLOC2=1) the plain loop, the overlapped run with the second
   # communicator and high-priority streams, and compiled Qwen3 at pp 2 (global batch 32).
   KEEP="qwen64mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_twinprio_gpu"
   if [ -z "${ALLOC2:-}" ]; then
@@ -218,8 +218,8 @@ alloc)
     keep
     two qwen64mb4c_ep2_overlap_free_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
     two qwen64mb4c_ep2_overlap_free_noexp_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $NOEXP
-    two qwen64mb4c_ep2_free $Q $Q32 $G64 $MB4 $EP2 $FREE $COMPILE
   else
+    two qwen64mb4c_ep2_free $Q $Q32 $G64 $MB4 $EP2 $FREE $COMPILE
     two qwen64mb4c_ep2_overlap_free_twinprio_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $TWIN $PRIO
     two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY
   fi
