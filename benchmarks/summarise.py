@@ -61,7 +61,8 @@ def main(runs_dir: str, out_json: str | None = None) -> list[dict]:
         if b is not None and b is not r:
             n = min(len(b["losses"]), len(r["losses"]))
             r["max_rel_loss_diff_vs_1gpu"] = max(abs(x - y) / abs(y) for x, y in zip(r["losses"][:n], b["losses"][:n]))
-            r["per_gpu_vs_1gpu"] = r["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"]
+            if r["tokens_per_s_per_gpu"] and b["tokens_per_s_per_gpu"]:   # None: a run that stopped in warm-up
+                r["per_gpu_vs_1gpu"] = r["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"]
     if out_json:
         Path(out_json).write_text(json.dumps(rows, indent=1))
     fmt = lambda v, f: "-" if v is None else format(v, f)

@@ -15,9 +15,9 @@
 # at micro-batch 4 with the sync-free dispatcher; `streams`: the overlapped sync-free run with a second ep
 # communicator for backward and with high-priority communication streams; `paired` and `carveout`: after the
 # overlapped schedule's pairing change, without and with SMs left for communication (parallel.comm_sms);
-# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc`: the same after the
-# allocator, load-balance and one-rank pairing changes, with expandable segments off for comparison, and compiled
-# Qwen3 at pp 2. The suites measured before parallel.comm_sms existed run with it at 0, as they were measured;
+# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc` (in three parts, PART=1, 2,
+# 3): the same after the allocator, load-balance and one-rank pairing changes, with expandable segments off for
+# comparison, micro-batch 2 with and without the one-rank pairing change, and compiled Qwen3 at pp 2. The suites measured before parallel.comm_sms existed run with it at 0, as they were measured;
 # `carveout`, `gb64` and `alloc` use its value. Likewise every suite but `alloc` turns train.expandable_segments
 # off (the other two changes of `alloc` have no switch: those suites now run with them).
 #
@@ -206,23 +206,29 @@ gb64)
   ;;
 alloc)
   # After three changes: the allocator's expandable segments (train.expandable_segments, on), the load-balance
-  # counts all-reduced without waiting in the forward, and at pp 1 every half-model task but two paired. Compiled
-  # micro-batch 4 at global batch 64: one GPU with and without expandable segments (side by side), the overlapped
-  # schedule with and without them; then (ALLOC2=1) the plain loop, the overlapped run with the second
-  # communicator and high-priority streams, and compiled Qwen3 at pp 2 (global batch 32).
-  KEEP="qwen64mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_twinprio_gpu"
-  if [ -z "${ALLOC2:-}" ]; then
+  # counts all-reduced without waiting in the forward, and (parallel.overlap_edges) at pp 1 every half-model task
+  # but two paired. Three parts of under ten minutes each, PART=1, 2, 3. 1: compiled micro-batch 4 at global batch
+  # 64 on one GPU, with and without expandable segments, side by side. 2: the same on two GPUs, overlapped with and
+  # without expandable segments, and plain. 3: overlapped with the second communicator and high-priority streams;
+  # compiled micro-batch 2 overlapped with and without overlap_edges (at micro-batch 4 it runs out of memory);
+  # compiled Qwen3 at pp 2 (global batch 32).
+  KEEP="qwen64mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_twinprio_gpu qwen64mb2c_ep2_overlap_free_edges_gpu"
+  case ${PART:-1} in
+  1)
     one qwen64mb4c_1gpu 0 $Q $Q32 $G64 $MB4 $COMPILE &
     one qwen64mb4c_1gpu_noexp 1 $Q $Q32 $G64 $MB4 $COMPILE $NOEXP &
-    wait
-    keep
+    wait ;;
+  2)
     two qwen64mb4c_ep2_overlap_free_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
     two qwen64mb4c_ep2_overlap_free_noexp_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $NOEXP
-  else
-    two qwen64mb4c_ep2_free $Q $Q32 $G64 $MB4 $EP2 $FREE $COMPILE
+    two qwen64mb4c_ep2_free $Q $Q32 $G64 $MB4 $EP2 $FREE $COMPILE ;;
+  3)
     two qwen64mb4c_ep2_overlap_free_twinprio_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $TWIN $PRIO
-    two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY
-  fi
+    two qwen64mb2c_ep2_overlap_free_gpu $Q $Q32 $G64 $EP2 $FREE $OVL $COMPILE $GPUONLY
+    two qwen64mb2c_ep2_overlap_free_edges_gpu $Q $Q32 $G64 $EP2 $FREE $OVL $COMPILE $GPUONLY \
+      --set parallel.overlap_edges=true
+    two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY ;;
+  esac
   ;;
 single)
   # The single-GPU baselines of `more` alone: for a session that runs only `combine`, `compiled` or `syncfree`.

@@ -19,10 +19,13 @@ from pith_lit.models.protocol import LocalDispatcher
 def test_schedule_every_size(P):
     "Every message matched in order, no deadlock, every F/B of both phases once, each W after its B."
     for M in range(2 * P, 3 * P + 2):
-        events = simulate(P, M, unit_duration)
-        for r, ev in enumerate(events):
-            zero_bubble = sum(a[0] == "B" and a[3] for a in dualpipev_schedule(r, P, M))
-            assert sum(e[0] == "W" for e in ev) == zero_bubble
+        for edges in (False, True):      # pair_edges changes P = 1 only
+            events = simulate(P, M, unit_duration, edges)
+            for r, ev in enumerate(events):
+                zero_bubble = sum(a[0] == "B" and a[3] for a in dualpipev_schedule(r, P, M, edges))
+                assert sum(e[0] == "W" for e in ev) == zero_bubble
+    if P > 1:
+        assert dualpipev_schedule(0, P, 2 * P, True) == dualpipev_schedule(0, P, 2 * P)
 
 
 def test_schedule_needs_enough_micro_batches():
@@ -65,21 +68,29 @@ def test_step_rejects_bad_micro_batches():
 
 
 @pytest.mark.parametrize("M", [2, 4])
-def test_overlap_one_rank_matches_plain_autograd(M):
-    """parallel.overlap: P = 1, everything but the first half-model forward and the last half-model backward in
-    pairs; float64 so only the order of sums differs."""
+@pytest.mark.parametrize("pair_edges", [False, True])
+def test_overlap_one_rank_matches_plain_autograd(M, pair_edges):
+    """parallel.overlap: P = 1, everything but the first micro-batch's forward and the last one's backward in F&B
+    pairs, or (pair_edges) everything but the first half-model forward and the last half-model backward in pairs;
+    float64 so only the order of sums differs."""
     ref, model = _tiny(dtype=torch.float64), _tiny(dtype=torch.float64)
     batches, scale, aux_fn = _micro_batches(M, 64, seed=7), 1 / (M * 16), _aux_fn(4, coef=0.3)
     ref_loss, ref_aux = reference_step(ref, batches, scale, aux_fn)
-    pipe = DualPipeV(split_model(model, 0, 1), None, LocalDispatcher(4), _loss_fn(model), aux_fn)
+    pipe = DualPipeV(split_model(model, 0, 1), None, LocalDispatcher(4), _loss_fn(model), aux_fn,
+                     pair_edges=pair_edges)
     loss, aux = pipe.step(batches, scale)
     compare(model, grads(ref), loss, ref_loss, f"P=1 M={M}", grad_tol=1e-12, loss_tol=1e-12)
     assert abs(aux - ref_aux) <= 1e-12 * abs(ref_aux)
-    kinds = [k for k, *_ in pipe.timeline.events()]
+    events = pipe.timeline.events()
+    kinds = [k for k, *_ in events]
+    if not pair_edges:
+        assert kinds.count("F1&B0") == M - 1 and kinds.count("F0&B1") == M - 1
+        assert [k for k in kinds if "&" not in k and k != "W"] == ["F0", "F1", "B1", "B0"]
+        return
     assert kinds.count("F1&B1") == M - 1 and kinds.count("F0&B0") == M - 2
     assert kinds.count("F1&F0") == 1 and kinds.count("B0&B1") == 1 and "W" not in kinds
     assert [k for k in kinds if "&" not in k] == ["F0", "B0"]
-    assert [m for k, m in zip(kinds, (m for _, m, *_ in pipe.timeline.events())) if k == "B0&B1"] == [(M - 2, M - 1)]
+    assert [m for k, m, *_ in events if k == "B0&B1"] == [(M - 2, M - 1)]
 
 
 def test_run_steps_interleaves_at_communication_steps():

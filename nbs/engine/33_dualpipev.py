@@ -154,7 +154,10 @@ def split_model(model, pp_rank: int, pp_size: int) -> tuple[StagePart, StagePart
 # 3. `P−r−1` times: B of phase 1 with zero bubble, W, F of phase 1: the W fills the wait for the next input;
 # 4. the steady state, `M−2P+r+1` times: F&B (forward phase 0, backward phase 1), F&B (forward phase 1, backward
 #    phase 0). On the last rank the first pair runs F and B one after the other: F needs no transfer there, so it
-#    runs while B's gradient is on its way;
+#    runs while B's gradient is on its way. With P = 1 nothing travels and B's gradient comes from the loss on
+#    the same rank, so that pair overlaps too: then only the first micro-batch's forward and the last one's
+#    backward run alone, and at most a share 1 − 1/M of the expert all-to-alls can hide under the other
+#    micro-batch's compute;
 # 5. `P−r−1` times: B of phase 1, F&B (forward phase 1, backward phase 0);
 # 6. `r+1` pairs of backwards, phase 1 then phase 0; the second half of them defer their weight gradients;
 # 7. `P−r−1` times: W, then B of phase 0 with zero bubble;
@@ -165,10 +168,13 @@ def split_model(model, pp_rank: int, pp_size: int) -> tuple[StagePart, StagePart
 # **One rank (P = 1, `parallel.overlap`).** Nothing travels, so the schedule is free to pair whatever is
 # independent, and every action that runs alone leaves its expert all-to-alls exposed. Number the half-model
 # forwards in the order they must run, F0 0, F1 0, F0 1, F1 1, …, and the backwards B1 0, B0 0, B1 1, …
-# (`one_rank_schedule`). Forward j runs beside backward j − 3; forwards 1 and 2 (F1 0 and F0 1, different
-# micro-batches) beside each other, and so do backwards 2M − 3 and 2M − 2. Only the first forward and the last
-# backward run alone: 2 of the 4M half-model tasks, where the eight parts above (with forward j beside backward
-# j − 2) would leave 4 alone. The cost is memory: one more half micro-batch of activations is alive at the peak.
+# (`one_rank_schedule`, chosen by `pair_edges`, `parallel.overlap_edges` in the trainer). Forward j runs beside
+# backward j − 3; forwards 1 and 2 (F1 0 and F0 1, different micro-batches) beside each other, and so do
+# backwards 2M − 3 and 2M − 2. Only the first forward and the last backward run alone: 2 of the 4M half-model
+# tasks, where the eight parts above (with forward j beside backward j − 2) leave 4 alone. The cost is memory:
+# one more half micro-batch of activations is alive at the peak. That is why it is not the default: the bench
+# config at micro-batch 4 with the sync-free dispatcher, which fits with the eight parts, ran out of memory with
+# it on an H200 (step 1, 133 GiB allocated).
 #
 # **Transfers.** A transfer is queued, and all queued transfers start together (one `batch_isend_irecv`) and are
 # waited for just before the next compute action. So a rank's sends go out together with the receives of its next
@@ -179,12 +185,13 @@ def split_model(model, pp_rank: int, pp_size: int) -> tuple[StagePart, StagePart
 
 # %%
 #| export
-def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
-    "The actions of pipeline rank `rank` of `P` for one step of `M` micro-batches, in order (see above)."
+def dualpipev_schedule(rank: int, P: int, M: int, pair_edges: bool = False) -> list[tuple]:
+    """The actions of pipeline rank `rank` of `P` for one step of `M` micro-batches, in order (see above);
+    `pair_edges` at P = 1: `one_rank_schedule`."""
     if M < 2 * P:
         raise ValueError(f"DualPipeV with pp = {P} needs at least 2·pp = {2 * P} micro-batches per step, got {M}; "
                          "raise train.global_batch or lower train.micro_batch")
-    if P == 1:
+    if P == 1 and pair_edges:
         return one_rank_schedule(M)
     first, last = rank == 0, rank == P - 1
     acts, n = [], {}        # n[(name, phase)]: how many of that kind were planned so far = the next micro-batch
@@ -239,7 +246,7 @@ def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
         weights()
         fwd(1, recv=False)
     for i in range(M - 2 * P + rank + 1):                     # 4
-        if i == 0 and last:
+        if i == 0 and last and P > 1:
             fwd(0, recv=False, send=False)
             send_f(1)
             bwd(1, send=False)
@@ -350,11 +357,11 @@ def _inputs_arrive(r: int, P: int, actions: list[tuple]) -> None:
                     have.add(("b", 0, task[1]))
 
 
-def simulate(P: int, M: int, duration: Callable[[tuple], float]) -> list[list[tuple]]:
+def simulate(P: int, M: int, duration: Callable[[tuple], float], pair_edges: bool = False) -> list[list[tuple]]:
     "Every rank's timeline `[(kind, micro, start, end)]` under `duration(action)`; raises on a mismatch or deadlock."
     batches = []   # per rank: [(transfers, compute action or None)]
     for r in range(P):
-        actions = dualpipev_schedule(r, P, M)
+        actions = dualpipev_schedule(r, P, M, pair_edges)
         _inputs_arrive(r, P, actions)
         rank_batches, pending = [], []
         for a in actions:
@@ -604,9 +611,9 @@ class Timeline:
 # Every rank of the pipeline group must construct its `DualPipeV` (the constructor's barrier is the group's first
 # collective, which `batch_isend_irecv` requires to involve all ranks).
 #
-# With P = 1 (`parallel.overlap`) the same code runs with no transfers at all: rank 0 holds both stages, and every
-# action but the first and the last is a pair of two micro-batches (`FF` and `BB` run two forwards or two
-# backwards of different micro-batches, interleaved like an F&B pair).
+# With P = 1 (`parallel.overlap`) the same code runs with no transfers at all: rank 0 holds both stages, and in
+# the steady state every action is an F&B pair of two micro-batches; with `pair_edges` the `FF` and `BB` actions
+# run two forwards or two backwards of different micro-batches, interleaved like an F&B pair.
 
 # %%
 #| export
@@ -619,7 +626,7 @@ class DualPipeV:
     objective (optional). After a step, `timeline.events()` lists its actions."""
 
     def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu",
-                 comm_priority: bool = False):
+                 comm_priority: bool = False, pair_edges: bool = False):
         self.rank = 0 if group is None else dist.get_rank(group)
         self.size = 1 if group is None else dist.get_world_size(group)
         if tuple(p.index for p in parts) != (self.rank, 2 * self.size - 1 - self.rank):
@@ -629,6 +636,7 @@ class DualPipeV:
         self.parts, self.group, self.dispatcher = parts, group, dispatcher
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
         self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
+        self.pair_edges = pair_edges
         if self.size > 1:       # the group's first collective, with every rank present (batch_isend_irecv needs it)
             dist.barrier(group=group)
 
@@ -637,7 +645,7 @@ class DualPipeV:
         if len(shapes) != 1:
             raise ValueError(f"every micro-batch of a step needs the same (batch, seq) shape, because pipeline "
                              f"receive buffers are allocated from it; got {sorted(shapes)}")
-        schedule = dualpipev_schedule(self.rank, self.size, len(micro_batches))   # checks M >= 2P
+        schedule = dualpipev_schedule(self.rank, self.size, len(micro_batches), self.pair_edges)   # checks M >= 2P
         (B, S), = shapes
         self.batches, self.loss_scale = micro_batches, loss_scale
         self.buffer = dict(size=(B, S, self.parts[0].hidden_size), dtype=self.parts[0].dtype(), device=self.device)

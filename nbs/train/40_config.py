@@ -72,6 +72,9 @@ class ParallelConfig:
     ep: int = cfg(1, "expert-parallel ranks (the routed experts are divided among them)")
     overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one "
                                "micro-batch beside the backward of another)")
+    overlap_edges: bool = cfg(False, "at pp = 1 with overlap, also pair the step's second and third half-model "
+                                     "forwards and its second- and third-last backwards, so only two of them run "
+                                     "alone (more hidden communication, half a micro-batch more activations)")
     ep_combine: Literal["sum", "pairs"] = cfg(
         "sum", "how expert outputs return at ep > 1: sum = weighted and summed on the experts' rank, one row per "
                "(token, rank); pairs = one row per (token, expert) pair, weighted at home")

@@ -72,12 +72,13 @@ def split_model(model, pp_rank: int, pp_size: int) -> tuple[StagePart, StagePart
                  for s in mine)
 
 # %% ../../nbs/engine/33_dualpipev.ipynb #efae397d
-def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
-    "The actions of pipeline rank `rank` of `P` for one step of `M` micro-batches, in order (see above)."
+def dualpipev_schedule(rank: int, P: int, M: int, pair_edges: bool = False) -> list[tuple]:
+    """The actions of pipeline rank `rank` of `P` for one step of `M` micro-batches, in order (see above);
+    `pair_edges` at P = 1: `one_rank_schedule`."""
     if M < 2 * P:
         raise ValueError(f"DualPipeV with pp = {P} needs at least 2·pp = {2 * P} micro-batches per step, got {M}; "
                          "raise train.global_batch or lower train.micro_batch")
-    if P == 1:
+    if P == 1 and pair_edges:
         return one_rank_schedule(M)
     first, last = rank == 0, rank == P - 1
     acts, n = [], {}        # n[(name, phase)]: how many of that kind were planned so far = the next micro-batch
@@ -132,7 +133,7 @@ def dualpipev_schedule(rank: int, P: int, M: int) -> list[tuple]:
         weights()
         fwd(1, recv=False)
     for i in range(M - 2 * P + rank + 1):                     # 4
-        if i == 0 and last:
+        if i == 0 and last and P > 1:
             fwd(0, recv=False, send=False)
             send_f(1)
             bwd(1, send=False)
@@ -221,11 +222,11 @@ def _inputs_arrive(r: int, P: int, actions: list[tuple]) -> None:
                     have.add(("b", 0, task[1]))
 
 
-def simulate(P: int, M: int, duration: Callable[[tuple], float]) -> list[list[tuple]]:
+def simulate(P: int, M: int, duration: Callable[[tuple], float], pair_edges: bool = False) -> list[list[tuple]]:
     "Every rank's timeline `[(kind, micro, start, end)]` under `duration(action)`; raises on a mismatch or deadlock."
     batches = []   # per rank: [(transfers, compute action or None)]
     for r in range(P):
-        actions = dualpipev_schedule(r, P, M)
+        actions = dualpipev_schedule(r, P, M, pair_edges)
         _inputs_arrive(r, P, actions)
         rank_batches, pending = [], []
         for a in actions:
@@ -417,7 +418,7 @@ class DualPipeV:
     objective (optional). After a step, `timeline.events()` lists its actions."""
 
     def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu",
-                 comm_priority: bool = False):
+                 comm_priority: bool = False, pair_edges: bool = False):
         self.rank = 0 if group is None else dist.get_rank(group)
         self.size = 1 if group is None else dist.get_world_size(group)
         if tuple(p.index for p in parts) != (self.rank, 2 * self.size - 1 - self.rank):
@@ -427,6 +428,7 @@ class DualPipeV:
         self.parts, self.group, self.dispatcher = parts, group, dispatcher
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
         self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
+        self.pair_edges = pair_edges
         if self.size > 1:       # the group's first collective, with every rank present (batch_isend_irecv needs it)
             dist.barrier(group=group)
 
@@ -435,7 +437,7 @@ class DualPipeV:
         if len(shapes) != 1:
             raise ValueError(f"every micro-batch of a step needs the same (batch, seq) shape, because pipeline "
                              f"receive buffers are allocated from it; got {sorted(shapes)}")
-        schedule = dualpipev_schedule(self.rank, self.size, len(micro_batches))   # checks M >= 2P
+        schedule = dualpipev_schedule(self.rank, self.size, len(micro_batches), self.pair_edges)   # checks M >= 2P
         (B, S), = shapes
         self.batches, self.loss_scale = micro_batches, loss_scale
         self.buffer = dict(size=(B, S, self.parts[0].hidden_size), dtype=self.parts[0].dtype(), device=self.device)
