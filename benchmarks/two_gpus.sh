@@ -15,11 +15,11 @@
 # at micro-batch 4 with the sync-free dispatcher; `streams`: the overlapped sync-free run with a second ep
 # communicator for backward and with high-priority communication streams; `paired` and `carveout`: after the
 # overlapped schedule's pairing change, without and with SMs left for communication (parallel.comm_sms);
-# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc` (in three parts, PART=1, 2,
-# 3): the same after the allocator, load-balance and one-rank pairing changes, with expandable segments off for
-# comparison, micro-batch 2 with and without the one-rank pairing change, and compiled Qwen3 at pp 2. The suites measured before parallel.comm_sms existed run with it at 0, as they were measured;
-# `carveout`, `gb64` and `alloc` use its value. Likewise every suite but `alloc` turns train.expandable_segments
-# off (the other two changes of `alloc` have no switch: those suites now run with them).
+# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc` (in four parts, PART=1 to 4):
+# the same after the allocator, load-balance, one-rank pairing and permutation changes, each compared with its
+# absence, and compiled Qwen3 at pp 2. The suites measured before parallel.comm_sms existed run with it at 0, as
+# they were measured; `carveout`, `gb64` and `alloc` use its value. Likewise every suite but `alloc` turns
+# parallel.ep_permute_in_compute off (the load-balance change has no switch: those suites now run with it).
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -51,8 +51,10 @@ TWIN="--set parallel.ep_backward_group=true"   # backward's all-to-alls on a sec
 PRIO="--set parallel.comm_priority=true"       # high-priority communication streams
 SM16="--set parallel.comm_sms=16"
 NOEXP="--set train.expandable_segments=false"
+EXP="--set train.expandable_segments=true"
+ONCOMM="--set parallel.ep_permute_in_compute=false"   # as before that setting existed
 case $SUITE in carveout|gb64|alloc) SMS="" ;; *) SMS="--set parallel.comm_sms=0" ;; esac   # see above
-case $SUITE in alloc) PIN="" ;; *) PIN=$NOEXP ;; esac
+case $SUITE in alloc) PIN="" ;; *) PIN="$ONCOMM" ;; esac
 
 report() {  # NAME: the communication report of each rank's trace, and of both together (waiting and transfer)
   for r in 0 1; do
@@ -205,28 +207,33 @@ gb64)
   two qwen64mb4c_ep2_overlap_free_sm16_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
   ;;
 alloc)
-  # After three changes: the allocator's expandable segments (train.expandable_segments, on), the load-balance
-  # counts all-reduced without waiting in the forward, and (parallel.overlap_edges) at pp 1 every half-model task
-  # but two paired. Three parts of under ten minutes each, PART=1, 2, 3. 1: compiled micro-batch 4 at global batch
-  # 64 on one GPU, with and without expandable segments, side by side. 2: the same on two GPUs, overlapped with and
-  # without expandable segments, and plain. 3: overlapped with the second communicator and high-priority streams;
-  # compiled micro-batch 2 overlapped with and without overlap_edges (at micro-batch 4 it runs out of memory);
-  # compiled Qwen3 at pp 2 (global batch 32).
-  KEEP="qwen64mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_twinprio_gpu qwen64mb2c_ep2_overlap_free_edges_gpu"
+  # After three changes: the allocator's expandable segments (train.expandable_segments), the load-balance counts
+  # all-reduced without waiting in the forward, and (parallel.overlap_edges) at pp 1 every half-model task but two
+  # paired; then a fourth, the rows permuted on the compute stream (parallel.ep_permute_in_compute). In parts of
+  # under ten minutes, PART=1 to 4. 1: compiled micro-batch 4 at global batch 64 on one GPU, with and without
+  # expandable segments, side by side. 2: the same on two GPUs, overlapped with and without expandable segments,
+  # and plain (parts 1 and 2 ran before the fourth change). 3: overlapped with the rows permuted on the compute
+  # stream, again on the communication stream, and the former with the second communicator and high-priority
+  # streams; compiled micro-batch 2 overlapped with overlap_edges (at micro-batch 4 it runs out of memory).
+  # 4: compiled micro-batch 2 overlapped without overlap_edges; compiled Qwen3 at pp 2 (global batch 32).
+  KEEP="qwen64mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_perm_gpu qwen64mb2c_ep2_overlap_free_edges_gpu"
   case ${PART:-1} in
   1)
-    one qwen64mb4c_1gpu 0 $Q $Q32 $G64 $MB4 $COMPILE &
+    one qwen64mb4c_1gpu 0 $Q $Q32 $G64 $MB4 $COMPILE $EXP &
     one qwen64mb4c_1gpu_noexp 1 $Q $Q32 $G64 $MB4 $COMPILE $NOEXP &
     wait ;;
   2)
-    two qwen64mb4c_ep2_overlap_free_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
-    two qwen64mb4c_ep2_overlap_free_noexp_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $NOEXP
-    two qwen64mb4c_ep2_free $Q $Q32 $G64 $MB4 $EP2 $FREE $COMPILE ;;
+    two qwen64mb4c_ep2_overlap_free_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $EXP $ONCOMM
+    two qwen64mb4c_ep2_overlap_free_noexp_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $NOEXP $ONCOMM
+    two qwen64mb4c_ep2_free $Q $Q32 $G64 $MB4 $EP2 $FREE $COMPILE $EXP ;;
   3)
-    two qwen64mb4c_ep2_overlap_free_twinprio_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $TWIN $PRIO
-    two qwen64mb2c_ep2_overlap_free_gpu $Q $Q32 $G64 $EP2 $FREE $OVL $COMPILE $GPUONLY
+    two qwen64mb4c_ep2_overlap_free_perm_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY
+    two qwen64mb4c_ep2_overlap_free_oncomm_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $ONCOMM
+    two qwen64mb4c_ep2_overlap_free_perm_twinprio_gpu $Q $Q32 $G64 $MB4 $EP2 $FREE $OVL $COMPILE $GPUONLY $TWIN $PRIO
     two qwen64mb2c_ep2_overlap_free_edges_gpu $Q $Q32 $G64 $EP2 $FREE $OVL $COMPILE $GPUONLY \
-      --set parallel.overlap_edges=true
+      --set parallel.overlap_edges=true ;;
+  4)
+    two qwen64mb2c_ep2_overlap_free_gpu $Q $Q32 $G64 $EP2 $FREE $OVL $COMPILE $GPUONLY
     two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY ;;
   esac
   ;;

@@ -74,12 +74,16 @@ def test_metrics_and_tensorboard(tmp_path):
 OVERLAPPED = ["parallel.ep_sync_free=true", "parallel.overlap=true"]
 
 
-@pytest.mark.parametrize("variant", [[], OVERLAPPED, OVERLAPPED + ["parallel.ep_backward_group=true"]],
-                         ids=["plain", "sync_free_overlapped", "sync_free_overlapped_backward_group"])
+@pytest.mark.parametrize("variant", [[], OVERLAPPED, OVERLAPPED + ["parallel.ep_backward_group=true"],
+                                     OVERLAPPED + ["parallel.ep_permute_in_compute=false"],
+                                     ["parallel.overlap=true", "parallel.ep_combine=pairs"]],
+                         ids=["plain", "sync_free_overlapped", "sync_free_overlapped_backward_group",
+                              "sync_free_overlapped_permute_on_comm", "pairs_overlapped"])
 def test_expert_parallel_matches_single_process(tmp_path, variant):
     """ep 2 under torchrun (2 gloo processes, each with half the experts and half of every batch) against one
     process with all experts and the whole batch: the same loss curve; plain, with the sync-free dispatcher
-    under the overlapped schedule, and with backward's exchanges on a second communicator. The load-balance term
+    under the overlapped schedule, with backward's exchanges on a second communicator, with the rows permuted by
+    the communication steps, and with a per-pair combine overlapped. The load-balance term
     is off: its running global statistic depends on the order in which micro-batches are seen, which differs
     between the two runs."""
     over = ["train.steps=6", "train.warmup=1", "train.lb_coef=0", "ckpt.every=-1", *QUIET]

@@ -267,6 +267,7 @@ class EPPlan:
     pair_row: Tensor | None = None   # combine "sum": (R, k) grouped row of each received slot, -1 if elsewhere
     weights: Tensor | None = None    # combine "sum": (R, k) float32 router weights of the received slots
     home: Tensor | None = None       # combine "sum": (T, ep) row of the sent buffer for (token, rank), -1 if none
+    expand_rows: Tensor | None = None    # `dispatch_wait(expand=False)`: the received row of each grouped row
     pending: tuple = ()          # (out, handle, ...) of the exchanges launched and not yet waited for
 
 
@@ -298,15 +299,18 @@ class EPDispatcher:
     `combine(y (N, H), routing)`: with `combine="sum"`, (T, H), each token's router-weighted sum of its experts'
     outputs (dispatch is then differentiable in `routing.weights`, and `routing.row_index` stays None); with
     `"pairs"`, (T·k, H), one row per (token, expert) pair at `routing.row_index`. `dispatch_start`/`dispatch_wait`
-    and `combine_start`/`combine_wait` are the two halves. `sync_free` sizes every exchange by its bound instead
+    and `combine_start`/`combine_wait` are the two halves; `dispatch_wait(routing, expand=False)`, `expand`,
+    `reduce` and `combine_start(..., reduced=True)` cut out the steps that only permute rows, so that a schedule can
+    run them on its compute stream (see below). `sync_free` sizes every exchange by its bound instead
     of reading counts on the host (see above). `traffic` counts the bytes sent to other ranks. `group_back`, a
     twin communicator of `group` (`twin_group`), carries backward's exchanges, so that an overlapped schedule's
-    forward and backward all-to-alls do not queue behind each other."""
+    forward and backward all-to-alls do not queue behind each other. `permute_in_compute` tells a schedule that
+    runs stages on two streams (engine/32_stages) to use the cut-out steps."""
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, combine: str = "sum", sync_free: bool = False,
-                 group_back: dist.ProcessGroup | None = None):
+                 group_back: dist.ProcessGroup | None = None, permute_in_compute: bool = True):
         self.group, self.size, self.rank = group, group.size(), group.rank()
-        self.group_back = group_back
+        self.group_back, self.permute_in_compute = group_back, permute_in_compute
         if num_experts % self.size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {self.size}; "
                              "choose parallel.ep among the divisors of the model's num_experts")
@@ -432,8 +436,9 @@ class EPDispatcher:
         self.traffic.dispatch_meta += sent * meta.shape[1] * meta.element_size()
         self.traffic.calls += 1
 
-    def dispatch_wait(self, routing: Routing) -> tuple[Tensor, Tensor]:
-        "Wait for the rows; expand them to (token, expert) pairs grouped by local expert."
+    def dispatch_wait(self, routing: Routing, expand: bool = True) -> tuple[Tensor, Tensor]:
+        """Wait for the rows; expand them to (token, expert) pairs grouped by local expert (`expand=False`: return
+        the received rows, and `expand` makes the pairs)."""
         plan, L = routing.plan, self.local
         x_in, hx, s_in, hs = plan.pending
         x_in, meta = all_to_all_wait(x_in, hx), all_to_all_wait(s_in, hs)
@@ -452,15 +457,25 @@ class EPDispatcher:
             mine = torch.nonzero_static(slots.flatten() < L, size=n).squeeze(1)
             plan.back = grouped_row.flatten()[mine]
         plan.pending = ()
+        if not expand:
+            plan.expand_rows = src_row[:n]
+            return x_in, counts[:L]
         return gather_rows(x_in, src_row[:n]), counts[:L]
 
-    def combine_start(self, y: Tensor, routing: Routing) -> None:
-        "Launch the return: per received row its weighted sum (`sum`), or one row per received pair (`pairs`)."
+    def expand(self, x_in: Tensor, routing: Routing) -> Tensor:
+        "The received rows of `dispatch_wait(expand=False)` as (token, expert) pairs grouped by local expert."
+        return gather_rows(x_in, routing.plan.expand_rows)
+
+    def reduce(self, y: Tensor, routing: Routing) -> Tensor:
+        "What combine sends: per received row the weighted sum of its pairs (`sum`), or each pair's row (`pairs`)."
         plan = routing.plan
-        if self.sum:
-            rows, send, recv = weighted_gather(y, plan.pair_row, plan.weights), plan.rows_in, plan.rows_out
-        else:
-            rows, send, recv = gather_rows(y, plan.back), plan.pairs_in, plan.pairs_out
+        return weighted_gather(y, plan.pair_row, plan.weights) if self.sum else gather_rows(y, plan.back)
+
+    def combine_start(self, y: Tensor, routing: Routing, reduced: bool = False) -> None:
+        "Launch the return of the expert outputs `y` (`reduced`: of `reduce(y)`)."
+        plan = routing.plan
+        rows = y if reduced else self.reduce(y, routing)
+        send, recv = (plan.rows_in, plan.rows_out) if self.sum else (plan.pairs_in, plan.pairs_out)
         out, h = all_to_all_start(rows, send, recv, self.group, self.group_back)
         plan.pending = (out, h)
         others = sum(send[i] for i in range(self.size) if i != self.rank)

@@ -81,6 +81,11 @@ class ParallelConfig:
     ep_sync_free: bool = cfg(False, "at ep > 1, size the all-to-alls by bounds instead of exchanging counts: no "
                                     "host synchronisation per layer, but every rank sends T rows to every rank "
                                     "and the expert buffers hold ep·T·top_k rows (needs ep_combine = sum)")
+    ep_permute_in_compute: bool = cfg(
+        True, "at ep > 1 with DualPipeV, expand the received rows to (token, expert) pairs and sum them back on the "
+              "compute stream, in stage 3, so that the communication stream only exchanges rows and every "
+              "buffer sized by the experts' rows comes from the compute stream's memory pool; false: the "
+              "communication steps do it, beside the other micro-batch's compute")
     ep_backward_group: bool = cfg(False, "at ep > 1, run backward's all-to-alls on a second communicator over the "
                                          "same ranks, so the overlapped schedule's forward and backward "
                                          "exchanges do not queue behind each other on one NCCL stream")
@@ -119,9 +124,10 @@ class TrainConfig:
         "update the bf16 weights in place with bf16 states (half the optimizer memory, less exact)")
     compile: bool = cfg(False, "torch.compile stages 1 and 5 of every layer")
     expandable_segments: bool = cfg(
-        True, "on CUDA, let the caching allocator grow its memory segments in place (PyTorch's expandable_segments), "
-              "so buffers of changing sizes do not fragment memory into its slow path, which frees the cache and "
-              "stalls every rank; a PYTORCH_CUDA_ALLOC_CONF set in the environment takes precedence")
+        False, "on CUDA, let the caching allocator grow its memory segments in place (PyTorch's "
+               "expandable_segments): less fragmentation, 1.6% faster on one H200 with the bench config, but 25% "
+               "slower where memory was nearly full (benchmarks/RESULTS.md); a PYTORCH_CUDA_ALLOC_CONF set in the "
+               "environment takes precedence")
 
 
 @dataclass

@@ -391,7 +391,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     E = cfg.model.routed_experts
     p = cfg.parallel
     back = twin_group(mesh, "ep", p.timeout_s, p.comm_priority) if ep > 1 and p.ep_backward_group else None
-    dispatcher = (EPDispatcher(mesh.ep, E, p.ep_combine, p.ep_sync_free, back) if ep > 1 else LocalDispatcher(E))
+    dispatcher = (EPDispatcher(mesh.ep, E, p.ep_combine, p.ep_sync_free, back, p.ep_permute_in_compute) if ep > 1
+                  else LocalDispatcher(E))
     n_micro = cfg.num_micro_batches
     aux_div = n_micro * data_world    # the load-balance loss is a mean over micro-batches and data ranks
     pipe = None
@@ -502,6 +503,13 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
             if device.type == "cuda":
                 rec["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+            if prof is not None and device.type == "cuda":   # which streams' pools hold the reserved memory
+                pools = {}
+                for seg in torch.cuda.memory_snapshot():
+                    key = "compute" if seg["stream"] in (0, torch.cuda.current_stream(device).cuda_stream) else (
+                        str(seg["stream"]))
+                    pools[key] = pools.get(key, 0.0) + seg["total_size"] / 2**30
+                rec["reserved_gb_by_stream"] = pools
             rec["alloc_retries"] = int(stats[5].item())     # all ranks together, this step
             if rec["alloc_retries"] and not warned_retries:
                 warned_retries = True

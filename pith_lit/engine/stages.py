@@ -43,6 +43,9 @@ class LayerRun:
         self.layer, self.key, self.dispatcher, self.aux_fn = layer, key, dispatcher, aux_fn
         self.wgrad_queue = wgrad_queue
         self.aux = None
+        self.pw_out = self.pw = None
+        # rows permuted on the compute stream, in stages 3 (the dispatcher's `expand` and `reduce`), when it can
+        self.permute = getattr(dispatcher, "permute_in_compute", False)
 
     def forward(self, h: Tensor, positions: Tensor):
         self.h_in, self.positions = _leaf(h), positions
@@ -81,17 +84,34 @@ class LayerRun:
 
     def _dispatch(self):
         _use(self.x, self.w)
-        self.xg_out, self.counts = self.dispatcher.dispatch(self.x, self.routing)
+        d, r = self.dispatcher, self.routing
+        if self.permute:   # the exchange alone: stage 3 makes the pairs from the received rows
+            d.dispatch_start(self.x, r)
+            self.xg_out, self.counts = d.dispatch_wait(r, expand=False)
+            self.pw_out = r.plan.weights               # combine "sum": stage 3 weights with them, a leaf there
+            self.pw = r.plan.weights = None if self.pw_out is None else _leaf(self.pw_out)
+        else:
+            self.xg_out, self.counts = d.dispatch(self.x, r)
         self.xg = _leaf(self.xg_out)
 
     def _stage3(self):
         _use(self.xg, self.counts)
-        self.y_out = self.layer.stage3(self.xg, self.counts, self.wgrad_queue)
+        if self.permute:
+            plan = self.routing.plan
+            _use(plan.expand_rows, plan.pair_row, plan.back, self.pw)
+            y = self.layer.stage3(self.dispatcher.expand(self.xg, self.routing), self.counts, self.wgrad_queue)
+            self.y_out = self.dispatcher.reduce(y, self.routing)
+        else:
+            self.y_out = self.layer.stage3(self.xg, self.counts, self.wgrad_queue)
         self.y = _leaf(self.y_out)
 
     def _combine(self):
         _use(self.y)
-        self.yc_out = self.dispatcher.combine(self.y, self.routing)
+        if self.permute:
+            self.dispatcher.combine_start(self.y, self.routing, reduced=True)
+            self.yc_out = self.dispatcher.combine_wait(self.routing)
+        else:
+            self.yc_out = self.dispatcher.combine(self.y, self.routing)
         self.yc = _leaf(self.yc_out)
 
     def _stage5(self):
@@ -114,9 +134,10 @@ class LayerRun:
         self.y_out = self.y = None
 
     def _dispatch_backward(self):
-        _use(self.xg.grad)
-        _backward([self.xg_out], [self.xg.grad])
-        self.xg_out = self.xg = self.counts = None
+        pw_grad = None if self.pw is None else self.pw.grad
+        _use(self.xg.grad, pw_grad)
+        _backward([self.xg_out, self.pw_out], [self.xg.grad, pw_grad])
+        self.xg_out = self.xg = self.counts = self.pw_out = self.pw = None
 
     def _stage1_backward(self):
         if self.routing is None:
