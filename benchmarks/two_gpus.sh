@@ -15,10 +15,10 @@
 # at micro-batch 4 with the sync-free dispatcher; `streams`: the overlapped sync-free run with a second ep
 # communicator for backward and with high-priority communication streams; `paired` and `carveout`: after the
 # overlapped schedule's pairing change, without and with SMs left for communication (parallel.comm_sms);
-# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc` (in four parts, PART=1 to 4):
+# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc` (in five parts, PART=1 to 5):
 # the same after the allocator, load-balance, one-rank pairing and permutation changes, each compared with its
-# absence, and compiled Qwen3 at pp 2. The suites measured before parallel.comm_sms existed run with it at 0, as
-# they were measured; `carveout`, `gb64` and `alloc` use its value. Likewise every suite but `alloc` turns
+# absence, and compiled Qwen3 at pp 2 with and without fewer layers at the edges. The suites measured before
+# parallel.comm_sms existed run with it at 0, as they were measured; `carveout`, `gb64` and `alloc` use its value. Likewise every suite but `alloc` turns
 # parallel.ep_permute_in_compute off (the load-balance change has no switch: those suites now run with it).
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
@@ -215,7 +215,8 @@ alloc)
   # and plain (parts 1 and 2 ran before the fourth change). 3: overlapped with the rows permuted on the compute
   # stream, again on the communication stream, and the former with the second communicator and high-priority
   # streams; compiled micro-batch 2 overlapped with overlap_edges (at micro-batch 4 it runs out of memory).
-  # 4: compiled micro-batch 2 overlapped without overlap_edges; compiled Qwen3 at pp 2 (global batch 32).
+  # 4: compiled micro-batch 2 overlapped without overlap_edges; compiled Qwen3 at pp 2 (global batch 32). 5: the
+  # latter with two layers in each edge stage (parallel.pp_edge_layers), four in the others.
   KEEP="qwen64mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_perm_gpu qwen64mb2c_ep2_overlap_free_edges_gpu"
   case ${PART:-1} in
   1)
@@ -235,6 +236,8 @@ alloc)
   4)
     two qwen64mb2c_ep2_overlap_free_gpu $Q $Q32 $G64 $EP2 $FREE $OVL $COMPILE $GPUONLY
     two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY ;;
+  5)
+    two qwen32c_pp2_edge2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY --set parallel.pp_edge_layers=2 ;;
   esac
   ;;
 single)

@@ -37,6 +37,10 @@ def test_stage_layers_edges_get_fewer():
     assert stage_layers(10, 2) == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
     assert stage_layers(9, 2) == [[0, 1], [2, 3, 4], [5, 6], [7, 8]]
     assert [len(s) for s in stage_layers(30, 4)] == [3, 4, 4, 4, 4, 4, 4, 3]
+    assert stage_layers(12, 2, edge_layers=2) == [[0, 1], [2, 3, 4, 5], [6, 7, 8, 9], [10, 11]]
+    with pytest.raises(ValueError, match=r"pp_edge_layers = 6: with 12 layers and pp = 2 the edge stages can hold "
+                                         r"1 to 5 layers"):
+        stage_layers(12, 2, edge_layers=6)
 
 
 def test_split_model_keeps_only_this_ranks_parameters():

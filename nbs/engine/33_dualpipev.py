@@ -74,12 +74,22 @@ import matplotlib.pyplot as plt
 
 # %%
 #| export
-def stage_layers(num_layers: int, pp_size: int) -> list[list[int]]:
-    "The layer indices of each of the 2·pp_size stages, in order; the middle stages get the extra layers first."
+def stage_layers(num_layers: int, pp_size: int, edge_layers: int = 0) -> list[list[int]]:
+    """The layer indices of each of the 2·pp_size stages, in order; the middle stages get the extra layers first.
+    `edge_layers` > 0: stages 0 and 2·pp_size − 1 get that many, the others share the rest the same way."""
     n = 2 * pp_size
-    sizes = [num_layers // n] * n
-    for s in sorted(range(n), key=lambda s: (-min(s, n - 1 - s), s))[:num_layers % n]:
-        sizes[s] += 1
+    if edge_layers:
+        middle = num_layers - 2 * edge_layers
+        if edge_layers < 0 or pp_size < 2 or middle < n - 2:
+            raise ValueError(f"parallel.pp_edge_layers = {edge_layers}: with {num_layers} layers and pp = {pp_size} "
+                             f"the edge stages can hold 1 to {(num_layers - n + 2) // 2} layers each, so that every "
+                             "other stage keeps one (and pp must be at least 2); 0 divides the layers evenly")
+        inner = stage_layers(middle, pp_size - 1) if pp_size > 1 else []
+        sizes = [edge_layers] + [len(x) for x in inner] + [edge_layers]
+    else:
+        sizes = [num_layers // n] * n
+        for s in sorted(range(n), key=lambda s: (-min(s, n - 1 - s), s))[:num_layers % n]:
+            sizes[s] += 1
     starts = [sum(sizes[:s]) for s in range(n)]
     return [list(range(a, a + k)) for a, k in zip(starts, sizes)]
 
@@ -92,6 +102,23 @@ for L, P in [(48, 4), (27, 4), (61, 8)]:
     s = stage_layers(L, P)
     assert sum(s, []) == list(range(L)) and max(map(len, s)) - min(map(len, s)) <= 1
 print("48 layers on 4 ranks:", [len(x) for x in stage_layers(48, 4)], "· 27 layers:", [len(x) for x in stage_layers(27, 4)])
+
+# %% [markdown]
+# Rank 0 also runs the embedding and, above all, the head and the loss: at pp 2 with the bench Qwen3 config (12
+# layers, 3 per stage) rank 0 computed for 1,341 ms of a 1,438 ms step and rank 1 for 896 ms, waiting the rest
+# (benchmarks/RESULTS.md). `edge_layers` (`parallel.pp_edge_layers`) gives the two edge stages fewer layers; the
+# middle stages share the rest as above.
+
+# %%
+assert [len(x) for x in stage_layers(12, 2, edge_layers=2)] == [2, 4, 4, 2]
+assert [len(x) for x in stage_layers(27, 4, edge_layers=2)] == [2, 4, 4, 4, 4, 4, 3, 2]
+assert sum(stage_layers(27, 4, edge_layers=2), []) == list(range(27))
+for bad in [(12, 2, 6), (12, 1, 2)]:
+    try:
+        stage_layers(*bad)
+        raise AssertionError(bad)
+    except ValueError as e:
+        assert "parallel.pp_edge_layers" in str(e)
 
 # %% [markdown]
 # `split_model` keeps what rank r needs and drops the rest from the model itself, so `model.parameters()`,
@@ -116,16 +143,17 @@ class StagePart:
         return next(next(iter(self.layers.values())).parameters()).dtype
 
 
-def split_model(model, pp_rank: int, pp_size: int) -> tuple[StagePart, StagePart]:
+def split_model(model, pp_rank: int, pp_size: int, edge_layers: int = 0) -> tuple[StagePart, StagePart]:
     """Keep rank `pp_rank`'s stages (pp_rank and 2·pp_size − 1 − pp_rank) in `model`, drop every other layer, and
-    drop the embedding, final norm and head unless pp_rank is 0. Returns (first-phase part, second-phase part)."""
+    drop the embedding, final norm and head unless pp_rank is 0. Returns (first-phase part, second-phase part).
+    `edge_layers`: see `stage_layers`."""
     keys = list(model.model.layers.keys())
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank={pp_rank} must be in [0, pp_size={pp_size})")
     if len(keys) < 2 * pp_size:
         raise ValueError(f"DualPipeV cuts the model into 2·pp = {2 * pp_size} stages of at least one layer, but it "
                          f"has {len(keys)} layers; use parallel.pp <= {len(keys) // 2}")
-    stages = stage_layers(len(keys), pp_size)
+    stages = stage_layers(len(keys), pp_size, edge_layers)
     mine = (pp_rank, 2 * pp_size - 1 - pp_rank)
     keep = {keys[i] for s in mine for i in stages[s]}
     for key in keys:

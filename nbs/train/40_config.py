@@ -72,6 +72,8 @@ class ParallelConfig:
     ep: int = cfg(1, "expert-parallel ranks (the routed experts are divided among them)")
     overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one "
                                "micro-batch beside the backward of another)")
+    pp_edge_layers: int = cfg(0, "at pp > 1, layers in each of the two edge stages (rank 0 holds both, with the "
+                                 "embedding, head and loss); the other stages share the rest. 0 divides evenly")
     overlap_edges: bool = cfg(False, "at pp = 1 with overlap, also pair the step's second and third half-model "
                                      "forwards and its second- and third-last backwards, so only two of them run "
                                      "alone (more hidden communication, half a micro-batch more activations)")
@@ -462,7 +464,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         v = getattr(getattr(cfg, sec), name)
         _need(v > 0, f"{sec}.{name} = {v!r}: must be > 0")
     for sec, name in [("train", "warmup"), ("train", "weight_decay"), ("train", "grad_clip"),
-                      ("train", "lb_coef"), ("log", "sample_tokens"), ("parallel", "comm_sms")] + [
+                      ("train", "lb_coef"), ("log", "sample_tokens"), ("parallel", "comm_sms"),
+                      ("parallel", "pp_edge_layers")] + [
                       ("model", n) for n in numbers if n in may_be_zero]:
         v = getattr(getattr(cfg, sec), name)
         _need(v >= 0, f"{sec}.{name} = {v!r}: must be >= 0")
