@@ -533,6 +533,29 @@ for a, b in zip((xg[:n], c, counts, out, gx, gw), local):
     torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
 
 # %% [markdown]
+# **The cut-out steps.** A schedule that runs stages on two streams (engine/32_stages) calls the exchange alone
+# in its communication steps, `dispatch_wait(routing, expand=False)` and `combine_start(rows, routing,
+# reduced=True)`, and `expand` and `reduce`, which only permute rows, in stage 3 on its compute stream. Composed,
+# they are `dispatch` and `combine`, bit for bit, gradients included:
+
+# %%
+def through_cut(dispatcher):
+    wl = w.clone().requires_grad_()
+    r = Routing(ids, wl, None)
+    dispatcher.dispatch_start(xs, r)
+    rows, c = dispatcher.dispatch_wait(r, expand=False)
+    xg = dispatcher.expand(rows, r)
+    dispatcher.combine_start(dispatcher.reduce(xg * scale + c.repeat_interleave(c)[:, None], r), r, reduced=True)
+    out = expert_sum(dispatcher.combine_wait(r), r)
+    gx, gw = torch.autograd.grad(out.square().sum(), [xs, wl])
+    return xg, c, r.counts, out, gx, gw
+
+for make in (lambda: EPDispatcher(solo, E, combine="pairs"), lambda: EPDispatcher(solo, E),
+             lambda: EPDispatcher(solo, E, sync_free=True)):
+    for a, b in zip(through_cut(make()), through(make())):
+        assert torch.equal(a, b)
+
+# %% [markdown]
 # ## 4. Which parameters live where, and how their gradients are summed
 #
 # `shard_experts(model, ep_rank, ep_size)` replaces the stacked expert parameters of every module named

@@ -90,8 +90,8 @@ def _use(*tensors) -> None:
 # | step | reads (leaves) | keeps (outputs) | its backward hands back |
 # |---|---|---|---|
 # | stage 1 | `h_in` | `h`, `x`, `routing.weights`, the load-balance loss | `h_in.grad` |
-# | dispatch | `x` (and `w` when it sums) | `xg_out` (rows grouped by expert), `counts` | `x.grad` (and `w.grad`) |
-# | stage 3 | `xg` | `y_out` (expert outputs) | `xg.grad` |
+# | dispatch | `x` (and `w` when it sums) | `xg_out` (rows grouped by expert, or as received: see below), `counts` | `x.grad` (and `w.grad`) |
+# | stage 3 | `xg` (and the received weights, see below) | `y_out` (expert outputs, or their sums per received row) | `xg.grad` |
 # | combine | `y` | `yc_out` (outputs back home) | `y.grad` |
 # | stage 5 | `h1`, `yc`, `w` (unless dispatch summed) | `h_out` | `h1.grad`, `yc.grad`, `w.grad` |
 #
@@ -105,6 +105,19 @@ def _use(*tensors) -> None:
 # (zero-bubble scheduling; ops/12_grouped_linear's `WeightGradQueue`): the layer protocol's
 # `stage3(x, counts, wgrad_queue)` hands it to the grouped expert linears, whose backward then computes only the
 # input gradient and leaves the weight gradient in the queue until the schedule drains it.
+#
+# **What runs where.** With an expert-parallel dispatcher that says `permute_in_compute` (engine/31_ep, the
+# default there), the dispatch step only exchanges rows: `xg_out` is the rows as received, and stage 3 first
+# expands them to (token, expert) pairs (`dispatcher.expand`) and, after the experts, sums each received row's
+# pairs back into one row (`dispatcher.reduce`); the combine step exchanges those rows. The router weights that
+# `reduce` needs arrive with dispatch and cross into stage 3 as one more leaf, whose gradient dispatch's
+# backward hands back. The reason is memory, not arithmetic: PyTorch's caching allocator keeps a pool per
+# stream, and a block freed by one stream's tensors is not reused by another stream's allocations. The pair
+# buffers (T·k rows, or ep·T·k with the sync-free dispatcher) and their gradients are the largest tensors of a
+# layer; made in the communication steps, they filled a second pool of 37 GiB on an H200 while the compute
+# stream's pool ran out, so the allocator freed its cache and synchronised about ten times a step. Made in
+# stage 3, they share the compute stream's pool: the communication stream kept 7 GiB, the allocator never ran
+# out, and the step got 9.6% faster (benchmarks/RESULTS.md).
 
 # %%
 #| export

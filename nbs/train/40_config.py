@@ -73,7 +73,9 @@ class ParallelConfig:
     overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one "
                                "micro-batch beside the backward of another)")
     pp_edge_layers: int = cfg(0, "at pp > 1, layers in each of the two edge stages (rank 0 holds both, with the "
-                                 "embedding, head and loss); the other stages share the rest. 0 divides evenly")
+                                 "embedding, head and loss); the other stages share the rest. 0 divides evenly "
+                                 "(at pp 2 on the bench config, 2 of 12 was 5% slower than 3: the stages, not "
+                                 "only the ranks, need equal times)")
     overlap_edges: bool = cfg(False, "at pp = 1 with overlap, also pair the step's second and third half-model "
                                      "forwards and its second- and third-last backwards, so only two of them run "
                                      "alone (more hidden communication, half a micro-batch more activations)")
