@@ -15,9 +15,9 @@
 # at micro-batch 4 with the sync-free dispatcher; `streams`: the overlapped sync-free run with a second ep
 # communicator for backward and with high-priority communication streams; `paired` and `carveout`: after the
 # overlapped schedule's pairing change, without and with SMs left for communication (parallel.comm_sms);
-# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc` (in five parts, PART=1 to 5):
+# `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc` (in six parts, PART=1 to 6):
 # the same after the allocator, load-balance, one-rank pairing and permutation changes, each compared with its
-# absence, and compiled Qwen3 at pp 2 with and without fewer layers at the edges. The suites measured before
+# absence, compiled Qwen3 at pp 2 with and without fewer layers at the edges, and DeepSeek-V2-Lite. The suites measured before
 # parallel.comm_sms existed run with it at 0, as they were measured; `carveout`, `gb64` and `alloc` use its value. Likewise every suite but `alloc` turns
 # parallel.ep_permute_in_compute off (the load-balance change has no switch: those suites now run with it).
 #
@@ -216,7 +216,8 @@ alloc)
   # stream, again on the communication stream, and the former with the second communicator and high-priority
   # streams; compiled micro-batch 2 overlapped with overlap_edges (at micro-batch 4 it runs out of memory).
   # 4: compiled micro-batch 2 overlapped without overlap_edges; compiled Qwen3 at pp 2 (global batch 32). 5: the
-  # latter with two layers in each edge stage (parallel.pp_edge_layers), four in the others.
+  # latter with two layers in each edge stage (parallel.pp_edge_layers), four in the others. 6: DeepSeek-V2-Lite
+  # bench overlapped at ep 2 with the defaults (the `dsv2free` run of the same name, after these changes).
   KEEP="qwen64mb4c_ep2_overlap_free_gpu qwen64mb4c_ep2_overlap_free_perm_gpu qwen64mb2c_ep2_overlap_free_edges_gpu"
   case ${PART:-1} in
   1)
@@ -238,6 +239,8 @@ alloc)
     two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY ;;
   5)
     two qwen32c_pp2_edge2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY --set parallel.pp_edge_layers=2 ;;
+  6)
+    two dsv2_ep2_overlap_free_gpu $D $DSET $EP2 $FREE $OVL $GPUONLY ;;
   esac
   ;;
 single)
