@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, subprocess_env
 from pith_lit.train import checkpoint
 from pith_lit.train.config import ConfigError, load_config, to_dict
-from pith_lit.train.trainer import build_model, train
+from pith_lit.train.trainer import build_model, expandable_segments, train
 
 QUIET = ["log.sample_tokens=0", "log.tensorboard=false"]
 
@@ -66,7 +66,8 @@ def test_metrics_and_tensorboard(tmp_path):
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
-        assert {"step", "loss", "lb_loss", "lr", "grad_norm", "tokens_per_s", "balance"} <= r.keys()
+        assert {"step", "loss", "lb_loss", "lr", "grad_norm", "tokens_per_s", "balance", "alloc_retries"} <= r.keys()
+        assert r["alloc_retries"] == 0 and r["lb_loss"] > 0      # the deferred load-balance terms were settled
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "config.toml").exists() and isinstance(out["sample"], str)
 
@@ -188,3 +189,13 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path):
     assert resumed["start"] == 3
     for a, b in zip(resumed["history"], metrics(tmp_path / "ep2")[3:]):
         assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+
+
+def test_expandable_segments_leaves_the_users_allocator_settings(monkeypatch):
+    "A PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) in the environment wins: nothing is asked of the allocator."
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        with monkeypatch.context() as m:
+            m.setenv(var, "max_split_size_mb:512")
+            m.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: pytest.fail(f"asked for {s}"),
+                      raising=False)
+            assert expandable_segments() is False
