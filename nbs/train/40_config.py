@@ -97,8 +97,8 @@ class ParallelConfig:
                                      "communication stream at high CUDA priority")
     comm_sms: int = cfg(16, "with DualPipeV (pp > 1 or overlap) at ep > 1 on GPUs, SMs that grouped GEMMs and "
                             "cuBLAS matmuls leave free, so the all-to-alls' kernels run beside them rather than "
-                            "after them (torch's experimental SM carveout; 0: matmuls take every SM, 5% faster "
-                            "for the DeepSeek-V2-Lite bench at two micro-batches per rank)")
+                            "after them (torch's experimental SM carveout; 0: matmuls take every SM, which was faster "
+                            "for the DeepSeek-V2-Lite bench at two micro-batches per rank: benchmarks/RESULTS.md)")
     timeout_s: int = cfg(600, "timeout of a collective, in seconds")
 
 
