@@ -515,15 +515,15 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                 warned_retries = True
                 say(f"step {step + 1}: the CUDA caching allocator ran out of cached blocks {rec['alloc_retries']} "
                     "time(s) on some rank (each time it frees its cache and synchronises, stalling every rank); "
-                    f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch, or keep "
-                    "train.expandable_segments on if memory is fragmented rather than full")
+                    f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch; under DualPipeV "
+                    "keep parallel.ep_permute_in_compute on and parallel.overlap_edges off (benchmarks/RESULTS.md)")
             history.append(rec)
             if rank == 0:
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()
                 if writer is not None:
                     for k, v in rec.items():
-                        if k != "step":
+                        if k != "step" and isinstance(v, (int, float)):   # not the profiled step's pool sizes
                             writer.add_scalar(f"train/{k}", v, rec["step"])
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}")
                 if (step + 1) % cfg.log.every == 0 or step == start:
@@ -597,12 +597,18 @@ assert abs(losses[0] - math.log(cfg.model.vocab_size)) < 0.5, "the first loss sh
 assert min(losses[-5:]) < losses[0] - 0.5, "the loss should fall within 20 steps"
 
 # %% [markdown]
-# `metrics.jsonl` has one object per step with the fields the issue tracker and plots read:
+# `metrics.jsonl` has one object per step with the fields the issue tracker and plots read. Besides the loss
+# and its load-balance part (`lb_loss`, the deferred terms of train/42 settled at the end of the step), it counts
+# `alloc_retries`: how many times, on any rank, the CUDA caching allocator ran out of cached blocks during the
+# step. Each time it waits for every stream, frees its cache and allocates again, which stalls that rank and,
+# through the next collective, all the others; the log says so the first time it happens. On a GPU the record
+# also holds the peak reserved memory, and at the profiled step `reserved_gb_by_stream`, the memory held by
+# each stream's pool of the allocator (engine/32_stages explains why that matters).
 
 # %%
 recs = [json.loads(l) for l in open(f"{tmp}/run/metrics.jsonl")]
 assert [r["step"] for r in recs] == list(range(1, 21))
-assert {"step", "loss", "lb_loss", "lr", "grad_norm", "tokens_per_s"} <= recs[0].keys()
+assert {"step", "loss", "lb_loss", "lr", "grad_norm", "tokens_per_s", "alloc_retries"} <= recs[0].keys()
 recs[-1]
 
 # %% [markdown]

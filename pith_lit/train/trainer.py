@@ -333,15 +333,15 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
                 warned_retries = True
                 say(f"step {step + 1}: the CUDA caching allocator ran out of cached blocks {rec['alloc_retries']} "
                     "time(s) on some rank (each time it frees its cache and synchronises, stalling every rank); "
-                    f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch, or keep "
-                    "train.expandable_segments on if memory is fragmented rather than full")
+                    f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch; under DualPipeV "
+                    "keep parallel.ep_permute_in_compute on and parallel.overlap_edges off (benchmarks/RESULTS.md)")
             history.append(rec)
             if rank == 0:
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()
                 if writer is not None:
                     for k, v in rec.items():
-                        if k != "step":
+                        if k != "step" and isinstance(v, (int, float)):   # not the profiled step's pool sizes
                             writer.add_scalar(f"train/{k}", v, rec["step"])
                 bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}")
                 if (step + 1) % cfg.log.every == 0 or step == start:
