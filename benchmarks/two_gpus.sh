@@ -17,9 +17,10 @@
 # overlapped schedule's pairing change, without and with SMs left for communication (parallel.comm_sms);
 # `gb64`: compiled micro-batch 4 at global batch 64, plain and overlapped; `alloc` (in six parts, PART=1 to 6):
 # the same after the allocator, load-balance, one-rank pairing and permutation changes, each compared with its
-# absence, compiled Qwen3 at pp 2 with and without fewer layers at the edges, and DeepSeek-V2-Lite. The suites measured before
-# parallel.comm_sms existed run with it at 0, as they were measured; `carveout`, `gb64` and `alloc` use its value. Likewise every suite but `alloc` turns
-# parallel.ep_permute_in_compute off (the load-balance change has no switch: those suites now run with it).
+# absence, compiled Qwen3 at pp 2 with and without fewer layers at the edges, and DeepSeek-V2-Lite. The suites
+# measured before parallel.comm_sms existed run with it at 0, as they were measured; `carveout`, `gb64` and `alloc`
+# use its value. Likewise every suite but `alloc` turns parallel.ep_permute_in_compute off (the load-balance
+# change has no switch: those suites now run with it).
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -210,7 +211,7 @@ alloc)
   # After three changes: the allocator's expandable segments (train.expandable_segments), the load-balance counts
   # all-reduced without waiting in the forward, and (parallel.overlap_edges) at pp 1 every half-model task but two
   # paired; then a fourth, the rows permuted on the compute stream (parallel.ep_permute_in_compute). In parts of
-  # under ten minutes, PART=1 to 4. 1: compiled micro-batch 4 at global batch 64 on one GPU, with and without
+  # under ten minutes, PART=1 to 6. 1: compiled micro-batch 4 at global batch 64 on one GPU, with and without
   # expandable segments, side by side. 2: the same on two GPUs, overlapped with and without expandable segments,
   # and plain (parts 1 and 2 ran before the fourth change). 3: overlapped with the rows permuted on the compute
   # stream, again on the communication stream, and the former with the second communicator and high-priority

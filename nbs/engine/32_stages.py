@@ -90,8 +90,8 @@ def _use(*tensors) -> None:
 # | step | reads (leaves) | keeps (outputs) | its backward hands back |
 # |---|---|---|---|
 # | stage 1 | `h_in` | `h`, `x`, `routing.weights`, the load-balance loss | `h_in.grad` |
-# | dispatch | `x` (and `w` when it sums) | `xg_out` (rows grouped by expert, or as received: see below), `counts` | `x.grad` (and `w.grad`) |
-# | stage 3 | `xg` (and the received weights, see below) | `y_out` (expert outputs, or their sums per received row) | `xg.grad` |
+# | dispatch | `x` (and `w` when it sums) | `xg_out` (rows by expert, or as received), `counts` | `x.grad` (and `w.grad`) |
+# | stage 3 | `xg` (and the received weights) | `y_out` (expert outputs, or sums per received row) | `xg.grad` |
 # | combine | `y` | `yc_out` (outputs back home) | `y.grad` |
 # | stage 5 | `h1`, `yc`, `w` (unless dispatch summed) | `h_out` | `h1.grad`, `yc.grad`, `w.grad` |
 #
@@ -138,7 +138,7 @@ class LayerRun:
         self.wgrad_queue = wgrad_queue
         self.aux = None
         self.pw_out = self.pw = None
-        # rows permuted on the compute stream, in stages 3 (the dispatcher's `expand` and `reduce`), when it can
+        # rows permuted on the compute stream, in stage 3 (the dispatcher's `expand` and `reduce`), when it can
         self.permute = getattr(dispatcher, "permute_in_compute", False)
 
     def forward(self, h: Tensor, positions: Tensor):

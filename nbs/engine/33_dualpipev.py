@@ -84,8 +84,7 @@ def stage_layers(num_layers: int, pp_size: int, edge_layers: int = 0) -> list[li
             raise ValueError(f"parallel.pp_edge_layers = {edge_layers}: with {num_layers} layers and pp = {pp_size} "
                              f"the edge stages can hold 1 to {(num_layers - n + 2) // 2} layers each, so that every "
                              "other stage keeps one (and pp must be at least 2); 0 divides the layers evenly")
-        inner = stage_layers(middle, pp_size - 1) if pp_size > 1 else []
-        sizes = [edge_layers] + [len(x) for x in inner] + [edge_layers]
+        sizes = [edge_layers] + [len(x) for x in stage_layers(middle, pp_size - 1)] + [edge_layers]
     else:
         sizes = [num_layers // n] * n
         for s in sorted(range(n), key=lambda s: (-min(s, n - 1 - s), s))[:num_layers % n]:
@@ -174,8 +173,9 @@ def split_model(model, pp_rank: int, pp_size: int, edge_layers: int = 0) -> tupl
 # `dualpipev_schedule(rank, P, M)` lists what one rank does in one step with M micro-batches, as tuples with the
 # micro-batch numbers filled in:
 # `("F", phase, m)`, `("B", phase, m, zero_bubble)`, `("FB", (phase, m), (phase, m))` (forward, backward),
-# `("FF", …)` and `("BB", …)` (two forwards or two backwards, at P = 1 only), `("W", phase, m)`, and the transfers `("recv_f" | "send_f" | "recv_b" | "send_b", phase, m)` (f: activations
-# going forward, b: gradients going back). Transfers to or from a neighbour that does not exist (rank 0 in phase 0
+# `("FF", …)` and `("BB", …)` (two forwards or two backwards, at P = 1 only), `("W", phase, m)`, and the
+# transfers `("recv_f" | "send_f" | "recv_b" | "send_b", phase, m)` (f: activations going forward, b: gradients
+# going back). Transfers to or from a neighbour that does not exist (rank 0 in phase 0
 # receives token ids from the data, the last rank turns phase 0 into phase 1 locally) are left out.
 #
 # It follows the step structure of DeepSeek's DualPipeV, in eight parts (for rank r):
@@ -205,7 +205,7 @@ def split_model(model, pp_rank: int, pp_size: int, edge_layers: int = 0) -> tupl
 # tasks, where the eight parts above (with forward j beside backward j − 2) leave 4 alone. The cost is memory:
 # one more half micro-batch of activations is alive at the peak. That is why it is not the default: the bench
 # config at micro-batch 4 with the sync-free dispatcher, which fits with the eight parts, ran out of memory with
-# it on an H200 (step 1, 133 GiB allocated).
+# it on an H200 (step 1, 133 GiB allocated), and at micro-batch 2, where it fits, it was no faster.
 #
 # **Transfers.** A transfer is queued, and all queued transfers start together (one `batch_isend_irecv`) and are
 # waited for just before the next compute action. So a rank's sends go out together with the receives of its next
@@ -706,21 +706,17 @@ class DualPipeV:
                         run_steps(self.streams, self._backward(p, m))
                         if not zero_bubble:
                             self.wgrads.pop((p, m)).drain()
-                case ("FB", (pf, mf), (pb, mb)):
+                case ("FB" | "FF" | "BB", _, _):
                     self._commit()
-                    with self.timeline.span(f"F{pf}&B{pb}", (mf, mb)):
-                        run_steps(self.streams, self._backward(pb, mb), self._forward(pf, mf))
-                        self.wgrads.pop((pb, mb)).drain()
-                case ("FF", (p1, m1), (p2, m2)):
-                    self._commit()
-                    with self.timeline.span(f"F{p1}&F{p2}", (m1, m2)):
-                        run_steps(self.streams, self._forward(p1, m1), self._forward(p2, m2))
-                case ("BB", (p1, m1), (p2, m2)):
-                    self._commit()
-                    with self.timeline.span(f"B{p1}&B{p2}", (m1, m2)):
-                        run_steps(self.streams, self._backward(p1, m1), self._backward(p2, m2))
-                        self.wgrads.pop((p1, m1)).drain()
-                        self.wgrads.pop((p2, m2)).drain()
+                    tasks = _tasks(action)
+                    if action[0] == "FB":      # the backward's steps are issued first (see engine/32_stages)
+                        tasks = tasks[::-1]
+                    with self.timeline.span(*_kind(action)):
+                        run_steps(self.streams, *(self._forward(p, m) if k == "F" else self._backward(p, m)
+                                                  for k, p, m in tasks))
+                        for k, p, m in tasks:
+                            if k == "B":
+                                self.wgrads.pop((p, m)).drain()
                 case ("W", p, m):
                     self._commit()
                     with self.timeline.span("W", m):

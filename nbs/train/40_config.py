@@ -78,7 +78,7 @@ class ParallelConfig:
                                  "only the ranks, need equal times)")
     overlap_edges: bool = cfg(False, "at pp = 1 with overlap, also pair the step's second and third half-model "
                                      "forwards and its second- and third-last backwards, so only two of them run "
-                                     "alone (more hidden communication, half a micro-batch more activations)")
+                                     "alone; half a micro-batch more activations, and no faster where measured")
     ep_combine: Literal["sum", "pairs"] = cfg(
         "sum", "how expert outputs return at ep > 1: sum = weighted and summed on the experts' rank, one row per "
                "(token, rank); pairs = one row per (token, expert) pair, weighted at home")

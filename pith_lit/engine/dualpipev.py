@@ -36,8 +36,7 @@ def stage_layers(num_layers: int, pp_size: int, edge_layers: int = 0) -> list[li
             raise ValueError(f"parallel.pp_edge_layers = {edge_layers}: with {num_layers} layers and pp = {pp_size} "
                              f"the edge stages can hold 1 to {(num_layers - n + 2) // 2} layers each, so that every "
                              "other stage keeps one (and pp must be at least 2); 0 divides the layers evenly")
-        inner = stage_layers(middle, pp_size - 1) if pp_size > 1 else []
-        sizes = [edge_layers] + [len(x) for x in inner] + [edge_layers]
+        sizes = [edge_layers] + [len(x) for x in stage_layers(middle, pp_size - 1)] + [edge_layers]
     else:
         sizes = [num_layers // n] * n
         for s in sorted(range(n), key=lambda s: (-min(s, n - 1 - s), s))[:num_layers % n]:
@@ -478,21 +477,17 @@ class DualPipeV:
                         run_steps(self.streams, self._backward(p, m))
                         if not zero_bubble:
                             self.wgrads.pop((p, m)).drain()
-                case ("FB", (pf, mf), (pb, mb)):
+                case ("FB" | "FF" | "BB", _, _):
                     self._commit()
-                    with self.timeline.span(f"F{pf}&B{pb}", (mf, mb)):
-                        run_steps(self.streams, self._backward(pb, mb), self._forward(pf, mf))
-                        self.wgrads.pop((pb, mb)).drain()
-                case ("FF", (p1, m1), (p2, m2)):
-                    self._commit()
-                    with self.timeline.span(f"F{p1}&F{p2}", (m1, m2)):
-                        run_steps(self.streams, self._forward(p1, m1), self._forward(p2, m2))
-                case ("BB", (p1, m1), (p2, m2)):
-                    self._commit()
-                    with self.timeline.span(f"B{p1}&B{p2}", (m1, m2)):
-                        run_steps(self.streams, self._backward(p1, m1), self._backward(p2, m2))
-                        self.wgrads.pop((p1, m1)).drain()
-                        self.wgrads.pop((p2, m2)).drain()
+                    tasks = _tasks(action)
+                    if action[0] == "FB":      # the backward's steps are issued first (see engine/32_stages)
+                        tasks = tasks[::-1]
+                    with self.timeline.span(*_kind(action)):
+                        run_steps(self.streams, *(self._forward(p, m) if k == "F" else self._backward(p, m)
+                                                  for k, p, m in tasks))
+                        for k, p, m in tasks:
+                            if k == "B":
+                                self.wgrads.pop((p, m)).drain()
                 case ("W", p, m):
                     self._commit()
                     with self.timeline.span("W", m):

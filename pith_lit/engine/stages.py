@@ -44,7 +44,7 @@ class LayerRun:
         self.wgrad_queue = wgrad_queue
         self.aux = None
         self.pw_out = self.pw = None
-        # rows permuted on the compute stream, in stages 3 (the dispatcher's `expand` and `reduce`), when it can
+        # rows permuted on the compute stream, in stage 3 (the dispatcher's `expand` and `reduce`), when it can
         self.permute = getattr(dispatcher, "permute_in_compute", False)
 
     def forward(self, h: Tensor, positions: Tensor):
