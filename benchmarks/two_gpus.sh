@@ -54,8 +54,8 @@ SM16="--set parallel.comm_sms=16"
 NOEXP="--set train.expandable_segments=false"
 EXP="--set train.expandable_segments=true"
 ONCOMM="--set parallel.ep_permute_in_compute=false"   # as before that setting existed
-case $SUITE in carveout|gb64|alloc) SMS="" ;; *) SMS="--set parallel.comm_sms=0" ;; esac   # see above
-case $SUITE in alloc) PIN="" ;; *) PIN="$ONCOMM" ;; esac
+case $SUITE in carveout|gb64|alloc|p2p) SMS="" ;; *) SMS="--set parallel.comm_sms=0" ;; esac   # see above
+case $SUITE in alloc|p2p) PIN="" ;; *) PIN="$ONCOMM" ;; esac
 
 report() {  # NAME: the communication report of each rank's trace, and of both together (waiting and transfer)
   for r in 0 1; do
@@ -244,11 +244,31 @@ alloc)
     two dsv2_ep2_overlap_free_gpu $D $DSET $EP2 $FREE $OVL $GPUONLY ;;
   esac
   ;;
+p2p)
+  # DualPipeV after its transfers went beside compute (one communicator per direction, each send as soon as its
+  # tensor exists, each receive one action early, waited for where it is first read): compiled Qwen3 at pp 2,
+  # global batch 32, with the layers divided evenly (3-3-3-3) and in other stage sizes (parallel.pp_stage_layers).
+  # PART=1: the DualPipeV checks on the GPUs, then even and 3-4-4-1; PART=2: 2-4-4-2, 4-4-3-1 and 4-4-4-0.
+  KEEP="qwen32c_pp2 qwen32c_pp2_3441"
+  SL="--set parallel.pp_stage_layers"
+  case ${PART:-1} in
+  1)
+    timeout 120 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.engine.dualpipev --device cuda \
+      --micro 4 5 > "$LOGS/dualpipev_check.log" 2>&1
+    echo "dualpipev checks: exit $? at $(date +%T)"
+    two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY
+    two qwen32c_pp2_3441 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[3,4,4,1] ;;
+  2)
+    two qwen32c_pp2_2442 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[2,4,4,2]
+    two qwen32c_pp2_4431 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[4,4,3,1]
+    two qwen32c_pp2_4440 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[4,4,4,0] ;;
+  esac
+  ;;
 single)
   # The single-GPU baselines of `more` alone: for a session that runs only `combine`, `compiled` or `syncfree`.
   singles
   ;;
-*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4, mb4more, streams, paired, carveout, gb64, alloc or single"
+*) echo "unknown suite $SUITE: use base, more, deep, ep, combine, compiled, syncfree, dsv2free, mb4, mb4more, streams, paired, carveout, gb64, alloc, p2p or single"
    exit 2 ;;
 esac
 for name in ${KEEP:-}; do   # both ranks' traces of each run a suite names in KEEP, one archive per run

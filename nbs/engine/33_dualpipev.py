@@ -25,7 +25,9 @@
 #   overlapped with the backward of another, stage by stage, on two CUDA streams), and **W** (deferred weight
 #   gradients: a B with *zero bubble* leaves its weight gradients in a queue and a later W slot computes them, to
 #   fill a gap where the rank would otherwise wait);
-# - and the point-to-point transfers between neighbours that feed them, batched with `dist.batch_isend_irecv`.
+# - and the point-to-point transfers between neighbours that feed them: each send starts as soon as its tensor
+#   exists, each receive one action before the action that needs it, and compute waits for a received tensor only
+#   where it first reads it.
 #
 # This notebook builds the schedule as plain data, checks it by simulating all ranks (every message matched,
 # no deadlock, the ideal bubble), then runs it: `split_model` keeps a rank's two stages, and `DualPipeV.step`
@@ -40,6 +42,7 @@
 import argparse
 import json
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,11 +77,22 @@ import matplotlib.pyplot as plt
 
 # %%
 #| export
-def stage_layers(num_layers: int, pp_size: int, edge_layers: int = 0) -> list[list[int]]:
+def stage_layers(num_layers: int, pp_size: int, edge_layers: int = 0, sizes: list[int] | None = None
+                 ) -> list[list[int]]:
     """The layer indices of each of the 2·pp_size stages, in order; the middle stages get the extra layers first.
-    `edge_layers` > 0: stages 0 and 2·pp_size − 1 get that many, the others share the rest the same way."""
+    `edge_layers` > 0: stages 0 and 2·pp_size − 1 get that many, the others share the rest the same way.
+    `sizes`: the number of layers of each stage, given (the edge stages may have none)."""
     n = 2 * pp_size
-    if edge_layers:
+    if sizes:
+        if edge_layers:
+            raise ValueError("set parallel.pp_stage_layers or parallel.pp_edge_layers, not both")
+        if (len(sizes) != n or sum(sizes) != num_layers or not all(isinstance(k, int) and k >= 0 for k in sizes)
+                or min(sizes[1:-1], default=1) < 1):
+            raise ValueError(f"parallel.pp_stage_layers = {sizes}: give 2·pp = {n} layer counts, one per stage, "
+                             f"that add up to the model's {num_layers} layers; the edge stages (0 and {n - 1}, on "
+                             "rank 0 with the embedding and the head) may have 0, every other stage needs 1 or more")
+        sizes = list(sizes)
+    elif edge_layers:
         middle = num_layers - 2 * edge_layers
         if edge_layers < 0 or pp_size < 2 or middle < n - 2:
             raise ValueError(f"parallel.pp_edge_layers = {edge_layers}: with {num_layers} layers and pp = {pp_size} "
@@ -139,23 +153,25 @@ class StagePart:
     prolog: Callable | None         # input_ids -> h, on stage 0 only
     is_last: bool                   # stage 2·pp − 1: its output goes to the loss
     hidden_size: int                # width of the hidden states sent between ranks
+    model: torch.nn.Module          # what is left of the model on this rank
 
     def dtype(self) -> torch.dtype:
-        "dtype of the hidden states: that of the stage's parameters (what receive buffers are allocated in)."
-        return next(next(iter(self.layers.values())).parameters()).dtype
+        "dtype of the hidden states: that of the rank's parameters (what receive buffers are allocated in)."
+        return next(self.model.parameters()).dtype
 
 
-def split_model(model, pp_rank: int, pp_size: int, edge_layers: int = 0) -> tuple[StagePart, StagePart]:
+def split_model(model, pp_rank: int, pp_size: int, edge_layers: int = 0,
+                sizes: list[int] | None = None) -> tuple[StagePart, StagePart]:
     """Keep rank `pp_rank`'s stages (pp_rank and 2·pp_size − 1 − pp_rank) in `model`, drop every other layer, and
     drop the embedding, final norm and head unless pp_rank is 0. Returns (first-phase part, second-phase part).
-    `edge_layers`: see `stage_layers`."""
+    `edge_layers`, `sizes`: see `stage_layers`."""
     keys = list(model.model.layers.keys())
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank={pp_rank} must be in [0, pp_size={pp_size})")
     if len(keys) < 2 * pp_size:
         raise ValueError(f"DualPipeV cuts the model into 2·pp = {2 * pp_size} stages of at least one layer, but it "
                          f"has {len(keys)} layers; use parallel.pp <= {len(keys) // 2}")
-    stages = stage_layers(len(keys), pp_size, edge_layers)
+    stages = stage_layers(len(keys), pp_size, edge_layers, sizes)
     mine = (pp_rank, 2 * pp_size - 1 - pp_rank)
     keep = {keys[i] for s in mine for i in stages[s]}
     for key in keys:
@@ -164,7 +180,7 @@ def split_model(model, pp_rank: int, pp_size: int, edge_layers: int = 0) -> tupl
     if pp_rank != 0:
         del model.model.embed_tokens, model.model.norm, model.lm_head
     return tuple(StagePart(s, {keys[i]: model.model.layers[keys[i]] for i in stages[s]},
-                           model.prolog if s == 0 else None, s == 2 * pp_size - 1, model.config.hidden_size)
+                           model.prolog if s == 0 else None, s == 2 * pp_size - 1, model.config.hidden_size, model)
                  for s in mine)
 
 # %% [markdown]
@@ -207,12 +223,12 @@ def split_model(model, pp_rank: int, pp_size: int, edge_layers: int = 0) -> tupl
 # config at micro-batch 4 with the sync-free dispatcher, which fits with the eight parts, ran out of memory with
 # it on an H200 (step 1, 133 GiB allocated), and at micro-batch 2, where it fits, it was no faster.
 #
-# **Transfers.** A transfer is queued, and all queued transfers start together (one `batch_isend_irecv`) and are
-# waited for just before the next compute action. So a rank's sends go out together with the receives of its next
-# action, and a rank never waits on a receive while holding back a send its neighbour needs. NCCL (and gloo, with
-# one tag) pair the sends from A to B with B's receives from A by **order alone**, and every message here has the
-# same shape: a schedule that sent two messages in a different order than the neighbour receives them would swap
-# activations silently. The simulation below checks the order of every pair of neighbours.
+# **Transfers.** The schedule lists each send after the action that makes its tensor and each receive before the
+# action that reads it; the order of the lists is what matters. NCCL (and gloo, with one tag) pair the sends from
+# A to B with B's receives from A by **order alone**, and every message here has the same shape: a schedule that
+# sent two messages in a different order than the neighbour receives them would swap activations silently. The
+# simulation below checks the order of every pair of neighbours. How the executor times the transfers, so that
+# they run beside compute rather than between it, is described with `DualPipeV` below.
 
 # %%
 #| export
@@ -451,10 +467,12 @@ def simulate(P: int, M: int, duration: Callable[[tuple], float], pair_edges: boo
 
 
 def bubble_fraction(events: list[list[tuple]]) -> float:
-    "Idle share of P × step time: everything that is not an F, B, F&B or W action (waits and transfers count)."
+    """Idle share of P × step time: everything that is not an F, B, F&B or W action. Waits for a transfer count as
+    idle: a `comm` span lies inside the action that waited (the executor waits where a received tensor is first
+    read), so its length is taken off the action's."""
     t0 = min(e[2] for ev in events for e in ev)
     t1 = max(e[3] for ev in events for e in ev)
-    busy = sum(e[3] - e[2] for ev in events for e in ev if e[0] != "comm")
+    busy = sum((e[3] - e[2]) * (-1 if e[0] == "comm" else 1) for ev in events for e in ev)
     return 1 - busy / (len(events) * (t1 - t0))
 
 # %% [markdown]
@@ -499,7 +517,7 @@ COLORS = {"F0": "#9ecae1", "F1": "#3182bd", "B0": "#a1d99b", "B1": "#31a354", "W
 def draw_timeline(ax, events: list[list[tuple]], title: str = "") -> None:
     "Draw per-rank events `(kind, micro, start, end)` on a matplotlib axis, rank 0 at the top."
     for r, ev in enumerate(events):
-        for kind, micro, start, end in ev:
+        for kind, micro, start, end in sorted(ev, key=lambda e: e[0] == "comm"):   # waits on top of their action
             parts = kind.split("&")
             h = 0.8 / len(parts)
             for i, part in enumerate(parts):          # F&B: upper half forward, lower half backward
@@ -639,12 +657,66 @@ class Timeline:
 # and its W. A missing key is a schedule bug, and fails loudly. Receive buffers are allocated with the micro-batch's
 # `(batch, seq, hidden)` shape in the dtype of the stage's parameters.
 #
-# Every rank of the pipeline group must construct its `DualPipeV` (the constructor's barrier is the group's first
-# collective, which `batch_isend_irecv` requires to involve all ranks).
+# **Transfers run beside compute.** Each pair of neighbours gets two process groups, one per direction
+# (`p2p_links`), so on each communicator one rank only sends and the other only receives. A send kernel can then
+# never sit in front of a receive its neighbour is waiting for, which is what would deadlock if sends and receives
+# started separately on one communicator; and the sends and the receives need no batching, so each starts on its
+# own time:
+#
+# - a **send** starts as soon as its tensor exists, in the schedule's order of sends: at P > 1 without expert
+#   parallelism, an F&B action runs its forward before its backward, so the forward's output leaves in the middle
+#   of the action, while the backward computes;
+# - a **receive** is posted one compute action early, so it is waiting when the neighbour sends;
+# - compute waits for a received tensor **where it first reads it** (a `comm` span in the timeline): the input of
+#   a forward at its start, an output gradient at the start of its backward, which an F&B runs second.
+#
+# So the gradient that arrives for the backward half of an F&B travels while its forward half computes. With
+# expert parallelism, an F&B interleaves its halves to hide the all-to-alls (engine/32_stages), and the sends start
+# when a half finishes. A sent tensor is kept until its send has completed.
+#
+# Every process must construct its `DualPipeV` at the same point, with the groups in the same order: making the
+# per-direction groups is collective over the whole job.
 #
 # With P = 1 (`parallel.overlap`) the same code runs with no transfers at all: rank 0 holds both stages, and in
 # the steady state every action is an F&B pair of two micro-batches; with `pair_edges` the `FF` and `BB` actions
 # run two forwards or two backwards of different micro-batches, interleaved like an F&B pair.
+
+# %%
+#| export
+def p2p_links(group) -> dict:
+    """This process's point-to-point groups: `{("send" | "recv", neighbour's pipeline rank): (group, neighbour's rank
+    in it)}`, one two-process group per direction between neighbours of every pipeline group in the job. Collective
+    over the whole job: every process calls it, with its own pipeline group, and gets the groups in the same order."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dist.get_process_group_ranks(group))
+    me, links = dist.get_rank(), {}
+    for ranks in sorted({tuple(r) for r in every}):          # each pipeline group, the same order everywhere
+        for i, (a, b) in enumerate(zip(ranks, ranks[1:])):
+            down, up = dist.new_group([a, b]), dist.new_group([a, b])      # a -> b, and b -> a
+            if me == a:
+                links["send", i + 1], links["recv", i + 1] = (down, 1), (up, 1)
+            elif me == b:
+                links["recv", i], links["send", i] = (down, 0), (up, 0)
+    down_first = lambda link: (link[0][1], (link[0][0] == "send") == (link[0][1] < dist.get_rank(group)))
+    for (way, _), (g, peer) in sorted(links.items(), key=down_first):
+        # connect each link once: the lower neighbour first, and with each, down before up (as the neighbour does)
+        buf = torch.zeros(1, device="cuda" if dist.get_backend(g) == "nccl" else "cpu")
+        (dist.isend(buf, group=g, group_dst=peer) if way == "send" else dist.irecv(buf, group=g, group_src=peer)).wait()
+    return links
+
+
+def _receives_first(schedule: list[tuple]) -> list[tuple[list, tuple]]:
+    "The compute actions of a schedule, each with the receives listed since the one before: `[(receives, action)]`."
+    out, receives = [], []
+    for a in schedule:
+        if a[0] in ("recv_f", "recv_b"):
+            receives.append(a)
+        elif a[0] in COMPUTE_ACTIONS:
+            out.append((receives, a))
+            receives = []
+    assert not receives, f"receives after the last compute action: {receives}"
+    return out
+
 
 # %%
 #| export
@@ -668,8 +740,8 @@ class DualPipeV:
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
         self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
         self.pair_edges = pair_edges
-        if self.size > 1:       # the group's first collective, with every rank present (batch_isend_irecv needs it)
-            dist.barrier(group=group)
+        self.interleave = not isinstance(dispatcher, LocalDispatcher)   # F&B halves side by side only to hide all-to-alls
+        self.links = p2p_links(group) if self.size > 1 else {}
 
     def step(self, micro_batches: list, loss_scale=1.0) -> tuple[Tensor, Tensor]:
         shapes = {tuple(ids.shape) for ids, _ in micro_batches}
@@ -682,55 +754,55 @@ class DualPipeV:
         self.buffer = dict(size=(B, S, self.parts[0].hidden_size), dtype=self.parts[0].dtype(), device=self.device)
         self.positions = torch.arange(S, device=self.device)
         self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads = ({} for _ in range(6))
-        self.ops = []
+        self.arriving = {}      # (phase, m, "f" | "b") -> the work of a posted receive, waited for at first use
+        self.sends = deque(a for a in schedule if a[0] in ("send_f", "send_b"))   # started in this order when ready
+        self.in_flight = []     # (work, tensor) of started sends
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)   # sums of detached scalars
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.timeline.reset()
-        for action in schedule:
+        actions = _receives_first(schedule)
+        self._receive(actions[0][0])
+        for k, (_, action) in enumerate(actions):
+            if k + 1 < len(actions):
+                self._receive(actions[k + 1][0])         # one action early
+            self.in_flight = [(w, t) for w, t in self.in_flight if not w.is_completed()]
             match action:
-                case ("recv_f", p, m):
-                    self.inputs[p, m] = self._recv(p == 0)
-                case ("recv_b", p, m):
-                    self.out_grads[p, m] = self._recv(p == 1)
-                case ("send_f", p, m):
-                    self._send(self.outputs.pop((p, m)), p == 0)
-                case ("send_b", p, m):
-                    self._send(self.in_grads.pop((p, m)), p == 1)
                 case ("F", p, m):
-                    self._commit()
                     with self.timeline.span(f"F{p}", m):
                         run_steps(self.streams, self._forward(p, m))
                 case ("B", p, m, zero_bubble):
-                    self._commit()
                     with self.timeline.span(f"B{p}", m):
                         run_steps(self.streams, self._backward(p, m))
                         if not zero_bubble:
                             self.wgrads.pop((p, m)).drain()
                 case ("FB" | "FF" | "BB", _, _):
-                    self._commit()
                     tasks = _tasks(action)
-                    if action[0] == "FB":      # the backward's steps are issued first (see engine/32_stages)
-                        tasks = tasks[::-1]
                     with self.timeline.span(*_kind(action)):
-                        run_steps(self.streams, *(self._forward(p, m) if k == "F" else self._backward(p, m)
-                                                  for k, p, m in tasks))
+                        gens = [self._forward(p, m) if k == "F" else self._backward(p, m) for k, p, m in tasks]
+                        if self.interleave:      # the backward's steps are issued first (see engine/32_stages)
+                            run_steps(self.streams, *gens[::-1])
+                        else:
+                            for gen in gens:
+                                run_steps(self.streams, gen)
                         for k, p, m in tasks:
                             if k == "B":
                                 self.wgrads.pop((p, m)).drain()
                 case ("W", p, m):
-                    self._commit()
                     with self.timeline.span("W", m):
                         self.wgrads.pop((p, m)).drain()
-        self._commit()
-        left = [self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads]
+        for work, _ in self.in_flight:
+            work.wait()
+        left = [self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads, self.sends,
+                self.arriving]
         assert not any(left), f"the schedule left work behind: {left}"
+        self.in_flight = []
         return self.loss_sum, self.aux_sum
 
     def _forward(self, p: int, m: int):
         "Steps of F for stage `p` on micro-batch `m`, then where its output goes."
         part, (ids, labels) = self.parts[p], self.batches[m]
         run = StageRun(part, self.dispatcher, self.aux_fn)
-        x = ids if part.prolog is not None else self.inputs.pop((p, m))
+        x = ids if part.prolog is not None else self._arrived(self.inputs, p, m, "f")
         yield from run.forward(x, self.positions, labels if part.is_last else None, self.loss_fn)
         self.runs[p, m] = run
         self.aux_sum += run.aux()
@@ -740,11 +812,12 @@ class DualPipeV:
             self.inputs[1, m] = run.output             # the V's turn: stage P-1 feeds stage P on the same rank
         else:
             self.outputs[p, m] = run.output.detach()
+            self._send()
 
     def _backward(self, p: int, m: int):
         "Steps of B for stage `p` on micro-batch `m`, then where its input gradient goes."
         run = self.runs.pop((p, m))
-        grad = None if run.part.is_last else self.out_grads.pop((p, m))
+        grad = None if run.part.is_last else self._arrived(self.out_grads, p, m, "b")
         yield from run.backward(grad, self.loss_scale)
         self.wgrads[p, m] = run.wgrad
         if run.part.prolog is None:
@@ -752,26 +825,35 @@ class DualPipeV:
                 self.out_grads[0, m] = run.grad_in     # the V's turn, backwards
             else:
                 self.in_grads[p, m] = run.grad_in
+                self._send()
 
-    def _recv(self, from_above: bool) -> Tensor:
-        "Queue a receive from rank − 1 (`from_above`) or rank + 1 into a new buffer."
-        buf = torch.empty(**self.buffer)
-        peer = self.rank - 1 if from_above else self.rank + 1
-        self.ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
-        return buf
+    def _receive(self, receives: list[tuple]) -> None:
+        "Post `receives` (schedule actions) into new buffers; `_arrived` waits for them."
+        for name, p, m in receives:
+            group, peer = self.links["recv", _peer(name, p, self.rank)]
+            buf = torch.empty(**self.buffer)
+            (self.inputs if name == "recv_f" else self.out_grads)[p, m] = buf
+            self.arriving[p, m, name[-1]] = dist.irecv(buf, group=group, group_src=peer)
 
-    def _send(self, t: Tensor, downwards: bool) -> None:
-        "Queue a send to rank + 1 (`downwards`) or rank − 1."
-        peer = self.rank + 1 if downwards else self.rank - 1
-        self.ops.append(dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=peer))
-
-    def _commit(self) -> None:
-        "Start every queued transfer together and wait for all of them."
-        if self.ops:
+    def _arrived(self, store: dict, p: int, m: int, kind: str) -> Tensor:
+        "Take `store[p, m]`, first waiting for its transfer if it was received (not handed over at the V's turn)."
+        work = self.arriving.pop((p, m, kind), None)
+        if work is not None:
             with self.timeline.span("comm", None):
-                for work in dist.batch_isend_irecv(self.ops):
-                    work.wait()
-            self.ops = []
+                work.wait()
+        return store.pop((p, m))
+
+    def _send(self) -> None:
+        "Start the sends at the head of the schedule's order whose tensors exist."
+        while self.sends:
+            name, p, m = self.sends[0]
+            store = self.outputs if name == "send_f" else self.in_grads
+            if (p, m) not in store:
+                return
+            self.sends.popleft()
+            group, peer = self.links["send", _peer(name, p, self.rank)]
+            t = store.pop((p, m)).contiguous()
+            self.in_flight.append((dist.isend(t, group=group, group_dst=peer), t))
 
 # %% [markdown]
 # ### One rank: the overlapped schedule against plain autograd
@@ -909,27 +991,27 @@ def _expert_parallel(model, mesh, ep_rank: int, ep: int, num_experts: int):
 
 
 def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = torch.device("cpu"),
-                   seed: int = 0, family: str = "qwen3_moe") -> list[str]:
+                   seed: int = 0, family: str = "qwen3_moe", sizes: list[int] | None = None) -> list[str]:
     """Worker: DualPipeV with pp = world / ep pipeline ranks (and `ep` expert-parallel ranks, `EPDispatcher`) against
     a single-process reference, one step per micro-batch count. With ep > 1 each expert-parallel rank reads its own
     micro-batches (as data parallelism does), so the reference runs all of them, and the ranks sum their gradients
     (engine/31_ep `all_reduce_grads`) before comparing; expert gradients are compared with the rank's slice.
     float32 on the CPU (gradients to 1e-5, loss to 1e-6 relative); bf16 on CUDA, where only rounding-level
     agreement is expected (3e-2 and 1e-3): a misrouted activation would be off by far more. The model has
-    max(5, 2·pp + 1) layers, so every one of the 2·pp stages gets at least one."""
+    max(5, 2·pp + 1) layers, so every one of the 2·pp stages gets at least one, or sum(`sizes`) layers cut so."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pp_group, pp_rank, pp, ep_rank, mesh = _parallel(ep, device)
     dtype, (grad_tol, loss_tol) = (torch.float32, (1e-5, 1e-6)) if device.type == "cpu" else (torch.bfloat16, (3e-2, 1e-3))
     lines = []
     for M in micro_counts:
-        layers = max(5, 2 * pp + 1)
+        layers = sum(sizes) if sizes else max(5, 2 * pp + 1)
         ref, model = (_tiny(seed, dtype, family, layers).to(device) for _ in range(2))
         shards = [[(x.to(device), y.to(device)) for x, y in _micro_batches(M, 64, seed + M + 100 * e)]
                   for e in range(ep)]                                         # expert-parallel rank e's data
         batches, scale, aux_fn = shards[ep_rank], 1 / (M * ep * 16), _aux_fn(4)
         ref_loss, ref_aux = reference_step(ref, sum(shards, []), scale, aux_fn)
         ref_grads = grads(ref)
-        parts = split_model(model, pp_rank, pp)
+        parts = split_model(model, pp_rank, pp, sizes=sizes)
         dispatcher = _expert_parallel(model, mesh, ep_rank, ep, 4)
         pipe = DualPipeV(parts, pp_group, dispatcher, _loss_fn(model) if pp_rank == 0 else None, aux_fn, device)
         loss, aux = pipe.step(batches, scale)
@@ -979,6 +1061,7 @@ def main(argv=None) -> None:
     ap.add_argument("--micro", type=int, nargs="*", default=[4, 5, 6], help="micro-batch counts to check")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (pp = processes / ep)")
     ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"], default="qwen3_moe", help="the tiny model family")
+    ap.add_argument("--stage-layers", type=int, nargs="*", help="layers of each stage (default: even)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo, float32; cuda: NCCL, bf16")
     ap.add_argument("--timeline", help="also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
@@ -988,7 +1071,7 @@ def main(argv=None) -> None:
     _, _, device = init_distributed(120, args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model)   # a failing rank ends the job at once, with its traceback
+    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model, args.stage_layers)   # a failing rank ends the job at once, with its traceback
     if args.timeline:
         run_ranked(record_timeline, args.timeline, args.timeline_micro, args.ep, device, 2, args.timeline_hidden,
                    args.timeline_seq)

@@ -365,7 +365,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     # what needs the whole model comes first
     n_params, active = sum(p.numel() for p in model.parameters()), model.active_matmul_params()
     fpt, n_moe = model.flops_per_token(t.seq_len), moe_layer_count(model)
-    parts = split_model(model, pp_rank, pp, cfg.parallel.pp_edge_layers) if pipelined else None   # this rank's stages
+    parts = (split_model(model, pp_rank, pp, cfg.parallel.pp_edge_layers, cfg.parallel.pp_stage_layers)
+             if pipelined else None)   # this rank's stages
     if ep > 1:  # keep this rank's experts
         shard_experts(model, mesh.ep.rank(), ep)
     model.to_empty(device=device)

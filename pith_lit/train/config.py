@@ -43,6 +43,9 @@ class ParallelConfig:
                                  "embedding, head and loss); the other stages share the rest. 0 divides evenly "
                                  "(at pp 2 on the bench config, 2 of 12 was 5% slower than 3: the stages, not "
                                  "only the ranks, need equal times)")
+    pp_stage_layers: list = cfg([], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 4, 1] (stage 0 "
+                                    "and the last, on rank 0 with the embedding and the head, may have 0); [] = "
+                                    "even, or pp_edge_layers")
     overlap_edges: bool = cfg(False, "at pp = 1 with overlap, also pair the step's second and third half-model "
                                      "forwards and its second- and third-last backwards, so only two of them run "
                                      "alone; half a micro-batch more activations, and no faster where measured")
@@ -348,6 +351,14 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _need(m.num_hidden_layers >= 2 * p.pp,
               f"parallel.pp = {p.pp}: DualPipeV cuts the model into 2·pp = {2 * p.pp} stages of at least one layer, "
               f"but model.num_hidden_layers = {m.num_hidden_layers}; use parallel.pp <= {m.num_hidden_layers // 2}")
+    if p.pp_stage_layers:
+        sizes, n = p.pp_stage_layers, 2 * p.pp
+        _need(not p.pp_edge_layers, "set parallel.pp_stage_layers or parallel.pp_edge_layers, not both")
+        _need(len(sizes) == n and all(_accepts(int, k) and k >= 0 for k in sizes) and sum(sizes) == m.num_hidden_layers
+              and min(sizes[1:-1], default=1) >= 1,
+              f"parallel.pp_stage_layers = {sizes}: give 2·pp = {n} layer counts, one per stage, that add up to "
+              f"model.num_hidden_layers = {m.num_hidden_layers}; the edge stages (0 and {n - 1}) may have 0, every "
+              "other stage needs 1 or more")
     _need(not p.ep_sync_free or p.ep_combine == "sum",
           "parallel.ep_sync_free = true needs parallel.ep_combine = sum (a per-pair combine's sizes are only known "
           "on the host); set ep_combine = sum or ep_sync_free = false")
