@@ -246,11 +246,14 @@ alloc)
   ;;
 p2p)
   # DualPipeV after its transfers went beside compute (one communicator per direction, each send as soon as its
-  # tensor exists, each receive one action early, waited for where it is first read): compiled Qwen3 at pp 2,
-  # global batch 32, with the layers divided evenly (3-3-3-3) and in other stage sizes (parallel.pp_stage_layers).
-  # PART=1: the DualPipeV checks on the GPUs, then even and 3-4-4-1; PART=2: 2-4-4-2, 4-4-3-1 and 4-4-4-0.
-  KEEP="qwen32c_pp2 qwen32c_pp2_3441"
+  # tensor exists, each receive parallel.pp_recv_ahead actions early, waited for where it is first read): compiled
+  # Qwen3 at pp 2 with the layers divided evenly (3-3-3-3) and in other stage sizes (parallel.pp_stage_layers).
+  # PART=1: the DualPipeV checks on the GPUs, then global batch 32 at micro-batch 2, even and 3-4-4-1. PART=2:
+  # global batch 64 at micro-batch 4 (the pp 1 × ep 2 bench shape), even with receives one action early and just
+  # in time, and 3-4-4-1 just in time. PART=3: the best of those again, with a trace kept.
+  KEEP="qwen32c_pp2 qwen32c_pp2_3441 qwen64mb4c_pp2_best"
   SL="--set parallel.pp_stage_layers"
+  A0="--set parallel.pp_recv_ahead=0"
   case ${PART:-1} in
   1)
     timeout 120 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.engine.dualpipev --device cuda \
@@ -259,9 +262,11 @@ p2p)
     two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY
     two qwen32c_pp2_3441 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[3,4,4,1] ;;
   2)
-    two qwen32c_pp2_2442 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[2,4,4,2]
-    two qwen32c_pp2_4431 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[4,4,3,1]
-    two qwen32c_pp2_4440 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[4,4,4,0] ;;
+    two qwen64mb4c_pp2 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY
+    two qwen64mb4c_pp2_ahead0 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $A0
+    two qwen64mb4c_pp2_3441_ahead0 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $A0 $SL=[3,4,4,1] ;;
+  3)
+    two qwen64mb4c_pp2_best $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY ${BEST:-} ;;
   esac
   ;;
 single)

@@ -8,6 +8,7 @@ __all__ = ['COMPUTE_ACTIONS', 'COLORS', 'stage_layers', 'StagePart', 'split_mode
 # %% ../../nbs/engine/33_dualpipev.ipynb #8af9037b
 import argparse
 import json
+import os
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -439,6 +440,9 @@ def p2p_links(group) -> dict:
     """This process's point-to-point groups: `{("send" | "recv", neighbour's pipeline rank): (group, neighbour's rank
     in it)}`, one two-process group per direction between neighbours of every pipeline group in the job. Collective
     over the whole job: every process calls it, with its own pipeline group, and gets the groups in the same order."""
+    # NCCL warns that unbatched sends and receives on a group of two are serialised with its other work: on these
+    # groups that is the point, each carries one direction
+    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, dist.get_process_group_ranks(group))
     me, links = dist.get_rank(), {}
@@ -479,7 +483,7 @@ class DualPipeV:
     objective (optional). After a step, `timeline.events()` lists its actions."""
 
     def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu",
-                 comm_priority: bool = False, pair_edges: bool = False):
+                 comm_priority: bool = False, pair_edges: bool = False, recv_ahead: int = 1):
         self.rank = 0 if group is None else dist.get_rank(group)
         self.size = 1 if group is None else dist.get_world_size(group)
         if tuple(p.index for p in parts) != (self.rank, 2 * self.size - 1 - self.rank):
@@ -489,7 +493,7 @@ class DualPipeV:
         self.parts, self.group, self.dispatcher = parts, group, dispatcher
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
         self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
-        self.pair_edges = pair_edges
+        self.pair_edges, self.recv_ahead = pair_edges, recv_ahead
         self.interleave = not isinstance(dispatcher, LocalDispatcher)   # F&B halves side by side only to hide all-to-alls
         self.links = p2p_links(group) if self.size > 1 else {}
 
@@ -510,11 +514,11 @@ class DualPipeV:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)   # sums of detached scalars
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.timeline.reset()
-        actions = _receives_first(schedule)
-        self._receive(actions[0][0])
+        actions, posted = _receives_first(schedule), 0
         for k, (_, action) in enumerate(actions):
-            if k + 1 < len(actions):
-                self._receive(actions[k + 1][0])         # one action early
+            while posted <= min(k + self.recv_ahead, len(actions) - 1):   # the receives of the next actions
+                self._receive(actions[posted][0])
+                posted += 1
             self.in_flight = [(w, t) for w, t in self.in_flight if not w.is_completed()]
             match action:
                 case ("F", p, m):

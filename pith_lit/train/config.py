@@ -46,6 +46,8 @@ class ParallelConfig:
     pp_stage_layers: list = cfg([], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 4, 1] (stage 0 "
                                     "and the last, on rank 0 with the embedding and the head, may have 0); [] = "
                                     "even, or pp_edge_layers")
+    pp_recv_ahead: int = cfg(1, "at pp > 1, post each receive this many compute actions before the one that reads "
+                                "it; 0: just before it")
     overlap_edges: bool = cfg(False, "at pp = 1 with overlap, also pair the step's second and third half-model "
                                      "forwards and its second- and third-last backwards, so only two of them run "
                                      "alone; half a micro-batch more activations, and no faster where measured")
@@ -320,7 +322,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _need(v > 0, f"{sec}.{name} = {v!r}: must be > 0")
     for sec, name in [("train", "warmup"), ("train", "weight_decay"), ("train", "grad_clip"),
                       ("train", "lb_coef"), ("log", "sample_tokens"), ("parallel", "comm_sms"),
-                      ("parallel", "pp_edge_layers")] + [
+                      ("parallel", "pp_edge_layers"), ("parallel", "pp_recv_ahead")] + [
                       ("model", n) for n in numbers if n in may_be_zero]:
         v = getattr(getattr(cfg, sec), name)
         _need(v >= 0, f"{sec}.{name} = {v!r}: must be >= 0")
