@@ -250,7 +250,8 @@ p2p)
   # Qwen3 at pp 2 with the layers divided evenly (3-3-3-3) and in other stage sizes (parallel.pp_stage_layers).
   # PART=1: the DualPipeV checks on the GPUs, then global batch 32 at micro-batch 2, even and 3-4-4-1. PART=2:
   # global batch 64 at micro-batch 4 (the pp 1 × ep 2 bench shape), even with receives one action early and just
-  # in time, and 3-4-4-1 just in time. PART=3: the best of those again, with a trace kept.
+  # in time, and 3-4-4-1 just in time. PART=3: 3-4-3-2, 3-4-4-1 and 4-4-4-0, receives one action early. PART=4:
+  # the best (BEST="--set ..."), with its trace kept.
   KEEP="qwen32c_pp2 qwen32c_pp2_3441 qwen64mb4c_pp2_best"
   SL="--set parallel.pp_stage_layers"
   A0="--set parallel.pp_recv_ahead=0"
@@ -266,6 +267,10 @@ p2p)
     two qwen64mb4c_pp2_ahead0 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $A0
     two qwen64mb4c_pp2_3441_ahead0 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $A0 $SL=[3,4,4,1] ;;
   3)
+    two qwen64mb4c_pp2_3432 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[3,4,3,2]
+    two qwen64mb4c_pp2_3441 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[3,4,4,1]
+    two qwen64mb4c_pp2_4440 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[4,4,4,0] ;;
+  4)
     two qwen64mb4c_pp2_best $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY ${BEST:-} ;;
   esac
   ;;

@@ -351,3 +351,17 @@ def test_pipeline_needs_two_layers_per_rank():
     assert error(["parallel.pp=2", "model.num_hidden_layers=3", "train.global_batch=16"], 2) == (
         "parallel.pp = 2: DualPipeV cuts the model into 2·pp = 4 stages of at least one layer, but "
         "model.num_hidden_layers = 3; use parallel.pp <= 1")
+
+
+def test_pipeline_stage_sizes():
+    base = ["parallel.pp=2", "model.num_hidden_layers=12", "train.global_batch=16"]
+    assert validate(from_dict({}, base + ["parallel.pp_stage_layers=[3, 4, 3, 2]"]), 2).parallel.pp_stage_layers == [
+        3, 4, 3, 2]
+    validate(from_dict({}, base + ["parallel.pp_stage_layers=[0, 6, 6, 0]"]), 2)      # the edges may be empty
+    need = ("parallel.pp_stage_layers = {}: give 2·pp = 4 layer counts, one per stage, that add up to "
+            "model.num_hidden_layers = 12; the edge stages (0 and 3) may have 0, every other stage needs 1 or more")
+    for bad in ["[3, 4, 5]", "[3, 4, 3, 3]", "[6, 0, 3, 3]", "[3, 4, -1, 6]"]:
+        assert error(base + [f"parallel.pp_stage_layers={bad}"], 2) == need.format(bad)
+    assert error(base + ["parallel.pp_stage_layers=[3, 4, 3, 2]", "parallel.pp_edge_layers=2"], 2) == (
+        "set parallel.pp_stage_layers or parallel.pp_edge_layers, not both")
+    assert error(["parallel.pp_recv_ahead=-1"]) == "parallel.pp_recv_ahead = -1: must be >= 0"

@@ -41,6 +41,12 @@ def test_stage_layers_edges_get_fewer():
     with pytest.raises(ValueError, match=r"pp_edge_layers = 6: with 12 layers and pp = 2 the edge stages can hold "
                                          r"1 to 5 layers"):
         stage_layers(12, 2, edge_layers=6)
+    assert stage_layers(6, 2, sizes=[0, 3, 2, 1]) == [[], [0, 1, 2], [3, 4], [5]]
+    for bad in ([3, 4, 3], [3, 0, 3, 6], [4, 4, 4, 4]):
+        with pytest.raises(ValueError, match=r"pp_stage_layers = .*: give 2·pp = 4 layer counts"):
+            stage_layers(12, 2, sizes=bad)
+    with pytest.raises(ValueError, match="not both"):
+        stage_layers(12, 2, edge_layers=2, sizes=[3, 4, 3, 2])
 
 
 def test_split_model_keeps_only_this_ranks_parameters():
@@ -153,6 +159,12 @@ def test_pipeline_with_expert_parallelism():
 def test_four_pipeline_ranks():
     "pp = 4 on four processes (9 layers in 8 stages), 2P micro-batches."
     assert len(torchrun(4, "--micro", "8")) == 4
+
+
+def test_empty_edge_stages_and_receives_just_in_time():
+    """pp = 2 with rank 0 holding no layer at all (stage 0 only embeds, stage 3 only runs the head and the loss), and
+    every receive posted just before the action that reads it."""
+    assert len(torchrun(2, "--micro", "4", "5", "--stage-layers", "0", "3", "2", "0", "--recv-ahead", "0")) == 4
 
 
 def test_deepseek_v2_pipeline():

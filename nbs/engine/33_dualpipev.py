@@ -118,13 +118,20 @@ for L, P in [(48, 4), (27, 4), (61, 8)]:
 print("48 layers on 4 ranks:", [len(x) for x in stage_layers(48, 4)], "· 27 layers:", [len(x) for x in stage_layers(27, 4)])
 
 # %% [markdown]
-# Rank 0 also runs the embedding and, above all, the head and the loss: at pp 2 with the bench Qwen3 config (12
-# layers, 3 per stage) rank 0 computed for 1,341 ms of a 1,438 ms step and rank 1 for 896 ms, waiting the rest
-# (benchmarks/RESULTS.md). `edge_layers` (`parallel.pp_edge_layers`) gives the two edge stages fewer layers; the
-# middle stages share the rest as above. It did not pay there: with 2, 4, 4, 2 layers the ranks computed for
-# 1,004 and 1,181 ms but the step took longer (87.4K tokens/s against 92.4K), because DualPipeV's slots pair
-# stages, and a slot lasts as long as its slower stage; balancing the ranks unbalanced the stages. So the default
-# divides evenly.
+# Rank 0 also runs the embedding and, above all, the head and the loss. At pp 2 with the bench Qwen3 config (12
+# layers, vocabulary 151,936) the head and loss cost about three layers: with 3 layers per stage, rank 0 computed
+# for 2,528 ms of a 2,624 ms step (global batch 64, micro-batch 4) and rank 1 for 1,978 ms, waiting the rest
+# (benchmarks/RESULTS.md). Two ways to move layers off rank 0:
+#
+# - `edge_layers` (`parallel.pp_edge_layers`): both edge stages get that many layers, the middle ones share the rest;
+# - `sizes` (`parallel.pp_stage_layers`): the layers of every stage, given. The edge stages may have none (stage 0
+#   then runs only the embedding, the last stage only the head and the loss).
+#
+# What paid on two H200s: **3, 4, 3, 2** (rank 0 holds 3 + 2 layers and the head, rank 1 holds 4 + 3), 107.9K
+# tokens/s against 99.3K for the even split; 3, 4, 4, 1 reached 104.1K and 4, 4, 4, 0 103.0K. Balancing the ranks'
+# compute is what counts, and with it the transfers hide (see the executor below). The default still divides
+# evenly, because the right sizes depend on the head's cost against a layer's, which depends on the model and the
+# sequence length; `simulate` below predicts a split's bubble from measured durations.
 
 # %%
 assert [len(x) for x in stage_layers(12, 2, edge_layers=2)] == [2, 4, 4, 2]
@@ -136,6 +143,14 @@ for bad in [(12, 2, 6), (12, 1, 2)]:
         raise AssertionError(bad)
     except ValueError as e:
         assert "parallel.pp_edge_layers" in str(e)
+assert [len(x) for x in stage_layers(12, 2, sizes=[3, 4, 3, 2])] == [3, 4, 3, 2]
+assert stage_layers(5, 2, sizes=[0, 3, 2, 0]) == [[], [0, 1, 2], [3, 4], []]
+for bad in [[3, 4, 3], [3, 4, 3, 3], [3, 0, 5, 4], [3, 4, 3.0, 2]]:     # too few, too many layers, an empty middle
+    try:
+        stage_layers(12, 2, sizes=bad)
+        raise AssertionError(bad)
+    except ValueError as e:
+        assert "parallel.pp_stage_layers" in str(e)
 
 # %% [markdown]
 # `split_model` keeps what rank r needs and drops the rest from the model itself, so `model.parameters()`,
@@ -676,6 +691,16 @@ class Timeline:
 # expert parallelism, an F&B interleaves its halves to hide the all-to-alls (engine/32_stages), and the sends start
 # when a half finishes. A sent tensor is kept until its send has completed.
 #
+# Measured on two H200s (bench Qwen3, compiled, pp 2, global batch 64 in micro-batches of 4; benchmarks/RESULTS.md):
+# with the stages cut 3-4-3-2, 91.9% of the NCCL kernel time ran beside compute, and 89.6% of the transfer proper
+# (the time both ranks are in the kernel), at 107.9K tokens/s. With the even split the ranks are unbalanced and the
+# one that waits has nothing to hide its transfers under: 57.8% of the transfer hidden, 99.3K tokens/s, against
+# 98.6K and 0% for this executor's previous form, which started a slot boundary's sends and receives together and
+# waited for all of them before the next action. A receive posted early is an NCCL kernel waiting on an SM beside
+# the compute, and the grouped GEMMs are persistent kernels that expect every SM: beside one, they ran up to 1.8×
+# longer. On a rank that waits for its neighbour anyway that is free; `recv_ahead = 0` posts each receive just
+# before its action instead (98.9K tokens/s with the even split, where it exposed more of the transfer).
+#
 # Every process must construct its `DualPipeV` at the same point, with the groups in the same order: making the
 # per-direction groups is collective over the whole job.
 #
@@ -744,6 +769,8 @@ class DualPipeV:
         self.parts, self.group, self.dispatcher = parts, group, dispatcher
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
         self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
+        if recv_ahead < 0:
+            raise ValueError(f"recv_ahead = {recv_ahead}: post receives 0 or more compute actions early")
         self.pair_edges, self.recv_ahead = pair_edges, recv_ahead
         self.interleave = not isinstance(dispatcher, LocalDispatcher)   # F&B halves side by side only to hide all-to-alls
         self.links = p2p_links(group) if self.size > 1 else {}
@@ -996,7 +1023,8 @@ def _expert_parallel(model, mesh, ep_rank: int, ep: int, num_experts: int):
 
 
 def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = torch.device("cpu"),
-                   seed: int = 0, family: str = "qwen3_moe", sizes: list[int] | None = None) -> list[str]:
+                   seed: int = 0, family: str = "qwen3_moe", sizes: list[int] | None = None,
+                   recv_ahead: int = 1) -> list[str]:
     """Worker: DualPipeV with pp = world / ep pipeline ranks (and `ep` expert-parallel ranks, `EPDispatcher`) against
     a single-process reference, one step per micro-batch count. With ep > 1 each expert-parallel rank reads its own
     micro-batches (as data parallelism does), so the reference runs all of them, and the ranks sum their gradients
@@ -1018,7 +1046,8 @@ def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
         ref_grads = grads(ref)
         parts = split_model(model, pp_rank, pp, sizes=sizes)
         dispatcher = _expert_parallel(model, mesh, ep_rank, ep, 4)
-        pipe = DualPipeV(parts, pp_group, dispatcher, _loss_fn(model) if pp_rank == 0 else None, aux_fn, device)
+        pipe = DualPipeV(parts, pp_group, dispatcher, _loss_fn(model) if pp_rank == 0 else None, aux_fn, device,
+                         recv_ahead=recv_ahead)
         loss, aux = pipe.step(batches, scale)
         if ep > 1:
             all_reduce_grads(model, mesh.dense, mesh.expert)
@@ -1067,6 +1096,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (pp = processes / ep)")
     ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"], default="qwen3_moe", help="the tiny model family")
     ap.add_argument("--stage-layers", type=int, nargs="*", help="layers of each stage (default: even)")
+    ap.add_argument("--recv-ahead", type=int, default=1, help="post receives this many compute actions early")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo, float32; cuda: NCCL, bf16")
     ap.add_argument("--timeline", help="also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
@@ -1076,7 +1106,7 @@ def main(argv=None) -> None:
     _, _, device = init_distributed(120, args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model, args.stage_layers)   # a failing rank ends the job at once, with its traceback
+    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model, args.stage_layers, args.recv_ahead)   # a failing rank ends the job at once, with its traceback
     if args.timeline:
         run_ranked(record_timeline, args.timeline, args.timeline_micro, args.ep, device, 2, args.timeline_hidden,
                    args.timeline_seq)

@@ -493,6 +493,8 @@ class DualPipeV:
         self.parts, self.group, self.dispatcher = parts, group, dispatcher
         self.loss_fn, self.aux_fn, self.device = loss_fn, aux_fn, torch.device(device)
         self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
+        if recv_ahead < 0:
+            raise ValueError(f"recv_ahead = {recv_ahead}: post receives 0 or more compute actions early")
         self.pair_edges, self.recv_ahead = pair_edges, recv_ahead
         self.interleave = not isinstance(dispatcher, LocalDispatcher)   # F&B halves side by side only to hide all-to-alls
         self.links = p2p_links(group) if self.size > 1 else {}
@@ -702,7 +704,8 @@ def _expert_parallel(model, mesh, ep_rank: int, ep: int, num_experts: int):
 
 
 def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = torch.device("cpu"),
-                   seed: int = 0, family: str = "qwen3_moe", sizes: list[int] | None = None) -> list[str]:
+                   seed: int = 0, family: str = "qwen3_moe", sizes: list[int] | None = None,
+                   recv_ahead: int = 1) -> list[str]:
     """Worker: DualPipeV with pp = world / ep pipeline ranks (and `ep` expert-parallel ranks, `EPDispatcher`) against
     a single-process reference, one step per micro-batch count. With ep > 1 each expert-parallel rank reads its own
     micro-batches (as data parallelism does), so the reference runs all of them, and the ranks sum their gradients
@@ -724,7 +727,8 @@ def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
         ref_grads = grads(ref)
         parts = split_model(model, pp_rank, pp, sizes=sizes)
         dispatcher = _expert_parallel(model, mesh, ep_rank, ep, 4)
-        pipe = DualPipeV(parts, pp_group, dispatcher, _loss_fn(model) if pp_rank == 0 else None, aux_fn, device)
+        pipe = DualPipeV(parts, pp_group, dispatcher, _loss_fn(model) if pp_rank == 0 else None, aux_fn, device,
+                         recv_ahead=recv_ahead)
         loss, aux = pipe.step(batches, scale)
         if ep > 1:
             all_reduce_grads(model, mesh.dense, mesh.expert)
@@ -773,6 +777,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (pp = processes / ep)")
     ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"], default="qwen3_moe", help="the tiny model family")
     ap.add_argument("--stage-layers", type=int, nargs="*", help="layers of each stage (default: even)")
+    ap.add_argument("--recv-ahead", type=int, default=1, help="post receives this many compute actions early")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo, float32; cuda: NCCL, bf16")
     ap.add_argument("--timeline", help="also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
@@ -782,7 +787,7 @@ def main(argv=None) -> None:
     _, _, device = init_distributed(120, args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model, args.stage_layers)   # a failing rank ends the job at once, with its traceback
+    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model, args.stage_layers, args.recv_ahead)   # a failing rank ends the job at once, with its traceback
     if args.timeline:
         run_ranked(record_timeline, args.timeline, args.timeline_micro, args.ep, device, 2, args.timeline_hidden,
                    args.timeline_seq)

@@ -40,14 +40,13 @@ class ParallelConfig:
     overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one "
                                "micro-batch beside the backward of another)")
     pp_edge_layers: int = cfg(0, "at pp > 1, layers in each of the two edge stages (rank 0 holds both, with the "
-                                 "embedding, head and loss); the other stages share the rest. 0 divides evenly "
-                                 "(at pp 2 on the bench config, 2 of 12 was 5% slower than 3: the stages, not "
-                                 "only the ranks, need equal times)")
-    pp_stage_layers: list = cfg([], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 4, 1] (stage 0 "
+                                 "embedding, head and loss); the other stages share the rest. 0 divides evenly")
+    pp_stage_layers: list = cfg([], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 3, 2] (stage 0 "
                                     "and the last, on rank 0 with the embedding and the head, may have 0); [] = "
-                                    "even, or pp_edge_layers")
+                                    "even, or pp_edge_layers. At pp 2 on the Qwen3 bench config [3, 4, 3, 2] was "
+                                    "9% faster than even (benchmarks/RESULTS.md)")
     pp_recv_ahead: int = cfg(1, "at pp > 1, post each receive this many compute actions before the one that reads "
-                                "it; 0: just before it")
+                                "it, so it is waiting when the neighbour sends; 0: just before it")
     overlap_edges: bool = cfg(False, "at pp = 1 with overlap, also pair the step's second and third half-model "
                                      "forwards and its second- and third-last backwards, so only two of them run "
                                      "alone; half a micro-batch more activations, and no faster where measured")
