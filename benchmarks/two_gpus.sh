@@ -251,7 +251,8 @@ p2p)
   # PART=1: the DualPipeV checks on the GPUs, then global batch 32 at micro-batch 2, even and 3-4-4-1. PART=2:
   # global batch 64 at micro-batch 4 (the pp 1 × ep 2 bench shape), even with receives one action early and just
   # in time, and 3-4-4-1 just in time. PART=3: 3-4-3-2, 3-4-4-1 and 4-4-4-0, receives one action early. PART=4:
-  # the best (BEST="--set ..."), with its trace kept.
+  # the best (BEST="--set ..."), with its trace kept. PART=5: DeepSeek-V2-Lite bench at pp 2 (global batch 16, so
+  # four micro-batches), even and 3-4-3-2.
   KEEP="qwen32c_pp2 qwen32c_pp2_3441 qwen64mb4c_pp2_best"
   SL="--set parallel.pp_stage_layers"
   A0="--set parallel.pp_recv_ahead=0"
@@ -272,6 +273,9 @@ p2p)
     two qwen64mb4c_pp2_4440 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[4,4,4,0] ;;
   4)
     two qwen64mb4c_pp2_best $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY ${BEST:-} ;;
+  5)
+    two dsv2_pp2 $D $DSET --set parallel.pp=2 $GPUONLY
+    two dsv2_pp2_3432 $D $DSET --set parallel.pp=2 $GPUONLY $SL=[3,4,3,2] ;;
   esac
   ;;
 single)
