@@ -19,8 +19,9 @@
 # the same after the allocator, load-balance, one-rank pairing and permutation changes, each compared with its
 # absence, compiled Qwen3 at pp 2 with and without fewer layers at the edges, and DeepSeek-V2-Lite. The suites
 # measured before parallel.comm_sms existed run with it at 0, as they were measured; `carveout`, `gb64` and `alloc`
-# use its value. Likewise every suite but `alloc` turns parallel.ep_permute_in_compute off (the load-balance
-# change has no switch: those suites now run with it).
+# use its value. Likewise every suite but `alloc` and `p2p` turns parallel.ep_permute_in_compute off (the
+# load-balance change has no switch: those suites now run with it). `p2p` (PART=1 to 5): DualPipeV at pp 2 with
+# its transfers beside compute or batched, and with different stage sizes (see the suite).
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. The
 # single-GPU baselines run side by side, one per GPU. Each multi-GPU run records one step with torch.profiler, and
@@ -245,37 +246,44 @@ alloc)
   esac
   ;;
 p2p)
-  # DualPipeV after its transfers went beside compute (one communicator per direction, each send as soon as its
-  # tensor exists, each receive parallel.pp_recv_ahead actions early, waited for where it is first read): compiled
-  # Qwen3 at pp 2 with the layers divided evenly (3-3-3-3) and in other stage sizes (parallel.pp_stage_layers).
-  # PART=1: the DualPipeV checks on the GPUs, then global batch 32 at micro-batch 2, even and 3-4-4-1. PART=2:
-  # global batch 64 at micro-batch 4 (the pp 1 × ep 2 bench shape), even with receives one action early and just
-  # in time, and 3-4-4-1 just in time. PART=3: 3-4-3-2, 3-4-4-1 and 4-4-4-0, receives one action early. PART=4:
-  # the best (BEST="--set ..."), with its trace kept. PART=5: DeepSeek-V2-Lite bench at pp 2 (global batch 16, so
-  # four micro-batches), even and 3-4-3-2.
-  KEEP="qwen32c_pp2 qwen32c_pp2_3441 qwen64mb4c_pp2_best"
+  # DualPipeV's two ways of moving activations at pp 2 (compiled Qwen3 bench unless said otherwise). OV: transfers
+  # beside compute (parallel.pp_overlap_p2p: one communicator per direction, each send as soon as its tensor exists,
+  # each receive parallel.pp_recv_ahead actions early, waited for where it is first read); without it (the default)
+  # a slot boundary's transfers start together and are waited for. Stage sizes from parallel.pp_stage_layers.
+  # PART=1: the DualPipeV checks on the GPUs, then OV at global batch 32 in micro-batches of 2, even and 3-4-4-1.
+  # PART=2: OV at global batch 64 in micro-batches of 4 (the pp 1 × ep 2 bench shape), even with receives one
+  # action early and just in time, and 3-4-4-1 just in time. PART=3: OV, 3-4-3-2, 3-4-4-1 and 4-4-4-0. PART=4: the
+  # checks with OV, and the default (batched) at 3-4-3-2. PART=5: DeepSeek-V2-Lite bench at pp 2 (global
+  # batch 16: four micro-batches), OV even and 3-4-3-2, and batched even.
+  KEEP="qwen32c_pp2 qwen32c_pp2_3441"
   SL="--set parallel.pp_stage_layers"
+  OV="--set parallel.pp_overlap_p2p=true"
   A0="--set parallel.pp_recv_ahead=0"
+  PP2="$Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY"
   case ${PART:-1} in
   1)
     timeout 120 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.engine.dualpipev --device cuda \
       --micro 4 5 > "$LOGS/dualpipev_check.log" 2>&1
     echo "dualpipev checks: exit $? at $(date +%T)"
-    two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY
-    two qwen32c_pp2_3441 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[3,4,4,1] ;;
+    two qwen32c_pp2 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $OV
+    two qwen32c_pp2_3441 $Q $Q32 --set parallel.pp=2 $COMPILE $GPUONLY $OV $SL=[3,4,4,1] ;;
   2)
-    two qwen64mb4c_pp2 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY
-    two qwen64mb4c_pp2_ahead0 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $A0
-    two qwen64mb4c_pp2_3441_ahead0 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $A0 $SL=[3,4,4,1] ;;
+    two qwen64mb4c_pp2 $PP2 $OV
+    two qwen64mb4c_pp2_ahead0 $PP2 $OV $A0
+    two qwen64mb4c_pp2_3441_ahead0 $PP2 $OV $A0 $SL=[3,4,4,1] ;;
   3)
-    two qwen64mb4c_pp2_3432 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[3,4,3,2]
-    two qwen64mb4c_pp2_3441 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[3,4,4,1]
-    two qwen64mb4c_pp2_4440 $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY $SL=[4,4,4,0] ;;
+    two qwen64mb4c_pp2_3432 $PP2 $OV $SL=[3,4,3,2]
+    two qwen64mb4c_pp2_3441 $PP2 $OV $SL=[3,4,4,1]
+    two qwen64mb4c_pp2_4440 $PP2 $OV $SL=[4,4,4,0] ;;
   4)
-    two qwen64mb4c_pp2_best $Q $Q32 $G64 $MB4 --set parallel.pp=2 $COMPILE $GPUONLY ${BEST:-} ;;
+    timeout 120 python3 -m torch.distributed.run --nproc-per-node 2 -m pith_lit.engine.dualpipev --device cuda \
+      --micro 4 5 --overlap-p2p > "$LOGS/dualpipev_check_overlap.log" 2>&1
+    echo "dualpipev checks, overlap_p2p: exit $? at $(date +%T)"
+    two qwen64mb4c_pp2_3432_batched $PP2 $SL=[3,4,3,2] ;;
   5)
-    two dsv2_pp2 $D $DSET --set parallel.pp=2 $GPUONLY
-    two dsv2_pp2_3432 $D $DSET --set parallel.pp=2 $GPUONLY $SL=[3,4,3,2] ;;
+    two dsv2_pp2 $D $DSET --set parallel.pp=2 $GPUONLY $OV
+    two dsv2_pp2_3432 $D $DSET --set parallel.pp=2 $GPUONLY $OV $SL=[3,4,3,2]
+    two dsv2_pp2_batched $D $DSET --set parallel.pp=2 $GPUONLY ;;
   esac
   ;;
 single)

@@ -365,3 +365,4 @@ def test_pipeline_stage_sizes():
     assert error(base + ["parallel.pp_stage_layers=[3, 4, 3, 2]", "parallel.pp_edge_layers=2"], 2) == (
         "set parallel.pp_stage_layers or parallel.pp_edge_layers, not both")
     assert error(["parallel.pp_recv_ahead=-1"]) == "parallel.pp_recv_ahead = -1: must be >= 0"
+    assert not validate(from_dict({}, base), 2).parallel.pp_overlap_p2p      # batched transfers: measured faster

@@ -151,20 +151,23 @@ def test_overlap_with_expert_parallelism():
     assert len(torchrun(2, "--micro", "2", "3", "--ep", "2")) == 4
 
 
-def test_pipeline_with_expert_parallelism():
-    "pp = 2 × ep = 2 on four processes."
-    assert len(torchrun(4, "--micro", "4", "5", "--ep", "2")) == 8
+@pytest.mark.parametrize("overlap_p2p", [False, True])
+def test_pipeline_with_expert_parallelism(overlap_p2p):
+    "pp = 2 × ep = 2 on four processes: two pipeline groups, each with its own per-direction groups when overlapping."
+    assert len(torchrun(4, "--micro", "4", "5", "--ep", "2", *["--overlap-p2p"] * overlap_p2p)) == 8
 
 
-def test_four_pipeline_ranks():
-    "pp = 4 on four processes (9 layers in 8 stages), 2P micro-batches."
-    assert len(torchrun(4, "--micro", "8")) == 4
+@pytest.mark.parametrize("overlap_p2p", [False, True])
+def test_four_pipeline_ranks(overlap_p2p):
+    "pp = 4 on four processes (9 layers in 8 stages), 2P micro-batches; the middle ranks have two neighbours each."
+    assert len(torchrun(4, "--micro", "8", *["--overlap-p2p"] * overlap_p2p)) == 4
 
 
 def test_empty_edge_stages_and_receives_just_in_time():
-    """pp = 2 with rank 0 holding no layer at all (stage 0 only embeds, stage 3 only runs the head and the loss), and
-    every receive posted just before the action that reads it."""
-    assert len(torchrun(2, "--micro", "4", "5", "--stage-layers", "0", "3", "2", "0", "--recv-ahead", "0")) == 4
+    """pp = 2 with rank 0 holding no layer at all (stage 0 only embeds, stage 3 only runs the head and the loss), the
+    transfers beside compute (overlap_p2p) and every receive posted just before the action that reads it."""
+    assert len(torchrun(2, "--micro", "4", "5", "--stage-layers", "0", "3", "2", "0", "--overlap-p2p",
+                        "--recv-ahead", "0")) == 4
 
 
 def test_deepseek_v2_pipeline():

@@ -164,8 +164,10 @@ def test_pipeline_refuses_a_wrong_process_count(tmp_path):
 
 
 def test_pipeline_resume_repeats_straight_run(tmp_path):
-    "pp 2: a run resumed from its step-3 checkpoint repeats the straight run's steps 4-6 exactly."
-    over = ["train.steps=6", "train.warmup=1", "ckpt.every=3", *QUIET, "parallel.pp=2"]
+    """pp 2: a run resumed from its step-3 checkpoint repeats the straight run's steps 4-6 exactly; with the
+    transfers beside compute and rank 0 holding one layer (stage sizes 0, 2, 1, 1: stage 0 only embeds)."""
+    over = ["train.steps=6", "train.warmup=1", "ckpt.every=3", *QUIET, "parallel.pp=2", "parallel.pp_overlap_p2p=true",
+            "parallel.pp_stage_layers=[0, 2, 1, 1]"]
     proc = torchrun_train(2, over + [f"run.dir={tmp_path}/a"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     (tmp_path / "b" / "ckpt").mkdir(parents=True)

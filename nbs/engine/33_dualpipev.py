@@ -25,9 +25,9 @@
 #   overlapped with the backward of another, stage by stage, on two CUDA streams), and **W** (deferred weight
 #   gradients: a B with *zero bubble* leaves its weight gradients in a queue and a later W slot computes them, to
 #   fill a gap where the rank would otherwise wait);
-# - and the point-to-point transfers between neighbours that feed them: each send starts as soon as its tensor
-#   exists, each receive one action before the action that needs it, and compute waits for a received tensor only
-#   where it first reads it.
+# - and the point-to-point transfers between neighbours that feed them: by default those listed between two
+#   actions start together and are waited for before the next one; with `overlap_p2p` each send starts as soon as
+#   its tensor exists and compute waits for a received tensor where it first reads it.
 #
 # This notebook builds the schedule as plain data, checks it by simulating all ranks (every message matched,
 # no deadlock, the ideal bubble), then runs it: `split_model` keeps a rank's two stages, and `DualPipeV.step`
@@ -673,11 +673,18 @@ class Timeline:
 # and its W. A missing key is a schedule bug, and fails loudly. Receive buffers are allocated with the micro-batch's
 # `(batch, seq, hidden)` shape in the dtype of the stage's parameters.
 #
-# **Transfers run beside compute.** Each pair of neighbours gets two process groups, one per direction
-# (`p2p_links`), so on each communicator one rank only sends and the other only receives. A send kernel can then
-# never sit in front of a receive its neighbour is waiting for, which is what would deadlock if sends and receives
-# started separately on one communicator; and the sends and the receives need no batching, so each starts on its
-# own time:
+# **Transfers, two ways.** By default (`overlap_p2p = False`) the transfers listed between two compute actions
+# start together, one `batch_isend_irecv`, and the compute stream waits for all of them before the next action. So
+# a rank's sends go out with the receives of its next action, and a rank never waits on a receive while holding
+# back a send its neighbour needs. The transfer itself is exposed, but it is short: at pp 2 on the bench Qwen3
+# config, 9 ms of a 2.3 s step. The constructor's barrier is the pipeline group's first collective, which
+# `batch_isend_irecv` requires to involve all ranks.
+#
+# **With `overlap_p2p`, transfers run beside compute.** Each pair of neighbours gets two process groups, one per
+# direction (`p2p_links`), so on each communicator one rank only sends and the other only receives. A send kernel
+# can then never sit in front of a receive its neighbour is waiting for, which is what would deadlock if sends
+# and receives started separately on one communicator; and the sends and the receives need no batching, so each
+# starts on its own time:
 #
 # - a **send** starts as soon as its tensor exists, in the schedule's order of sends: at P > 1 without expert
 #   parallelism, an F&B action runs its forward before its backward, so the forward's output leaves in the middle
@@ -689,24 +696,18 @@ class Timeline:
 #
 # So the gradient that arrives for the backward half of an F&B travels while its forward half computes. With
 # expert parallelism, an F&B interleaves its halves to hide the all-to-alls (engine/32_stages), and the sends start
-# when a half finishes. A sent tensor is kept until its send has completed.
+# when a half finishes. A sent tensor is kept until its send has completed. Making the per-direction groups is
+# collective over the whole job: every process constructs its `DualPipeV` at the same point.
 #
-# Measured on two H200s (bench Qwen3, compiled, pp 2, global batch 64 in micro-batches of 4; benchmarks/RESULTS.md):
-# with the stages cut 3-4-3-2, 91.9% of the NCCL kernel time ran beside compute, and 89.6% of the transfer proper
-# (the time both ranks are in the kernel), at 107.9K tokens/s. With the even split the ranks are unbalanced and the
-# one that waits has nothing to hide its transfers under: 57.8% of the transfer hidden, 99.3K tokens/s, against
-# 98.6K and 0% for this executor's previous form, which started a slot boundary's sends and receives together and
-# waited for all of them before the next action. A receive posted early is an NCCL kernel waiting on an SM beside
-# the compute, and the grouped GEMMs are persistent kernels that expect every SM: beside one, they ran up to 1.8×
-# longer. On a rank that waits for its neighbour anyway that is free; `recv_ahead = 0` posts each receive just
-# before its action instead (98.9K tokens/s with the even split, where it exposed more of the transfer).
-#
-# Every process must construct its `DualPipeV` at the same point, with the groups in the same order: making the
-# per-direction groups is collective over the whole job.
-#
-# With P = 1 (`parallel.overlap`) the same code runs with no transfers at all: rank 0 holds both stages, and in
-# the steady state every action is an F&B pair of two micro-batches; with `pair_edges` the `FF` and `BB` actions
-# run two forwards or two backwards of different micro-batches, interleaved like an F&B pair.
+# **Which is faster.** Measured on two H200s (bench Qwen3, compiled, pp 2, global batch 64 in micro-batches of 4,
+# stages cut 3-4-3-2; benchmarks/RESULTS.md): with `overlap_p2p`, 91.9% of the NCCL kernel time ran beside compute
+# and 89.6% of the transfer proper (the time both ranks are in the kernel), at 107.9K tokens/s; batched, 0% hidden
+# and **111.7K tokens/s**. Hiding 9 ms cost more than it saved: a receive posted early is an NCCL kernel waiting
+# on an SM beside the compute, and the grouped GEMMs are persistent kernels that expect every SM; beside one, they
+# ran up to 1.8× longer. On DeepSeek-V2-Lite (pp 2, four micro-batches) the batched form was also faster, 74.5K
+# against 73.1K tokens/s. So batched is the default; overlapping is there for links slow enough that the transfer
+# outweighs that cost (across hosts), or to study the schedule, and `recv_ahead = 0` posts each receive just
+# before its action instead.
 
 # %%
 #| export
@@ -735,17 +736,18 @@ def p2p_links(group) -> dict:
     return links
 
 
-def _receives_first(schedule: list[tuple]) -> list[tuple[list, tuple]]:
-    "The compute actions of a schedule, each with the receives listed since the one before: `[(receives, action)]`."
-    out, receives = [], []
+def _segments(schedule: list[tuple]) -> tuple[list[tuple[list, tuple]], list]:
+    """The compute actions of a schedule, each with the transfers listed since the one before, `[(transfers,
+    action)]`, and the transfers after the last action (sends only)."""
+    out, transfers = [], []
     for a in schedule:
-        if a[0] in ("recv_f", "recv_b"):
-            receives.append(a)
-        elif a[0] in COMPUTE_ACTIONS:
-            out.append((receives, a))
-            receives = []
-    assert not receives, f"receives after the last compute action: {receives}"
-    return out
+        if a[0] in COMPUTE_ACTIONS:
+            out.append((transfers, a))
+            transfers = []
+        else:
+            transfers.append(a)
+    assert all(t[0].startswith("send") for t in transfers), f"receives after the last compute action: {transfers}"
+    return out, transfers
 
 
 # %%
@@ -759,7 +761,8 @@ class DualPipeV:
     objective (optional). After a step, `timeline.events()` lists its actions."""
 
     def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu",
-                 comm_priority: bool = False, pair_edges: bool = False, recv_ahead: int = 1):
+                 comm_priority: bool = False, pair_edges: bool = False, overlap_p2p: bool = False,
+                 recv_ahead: int = 1):
         self.rank = 0 if group is None else dist.get_rank(group)
         self.size = 1 if group is None else dist.get_world_size(group)
         if tuple(p.index for p in parts) != (self.rank, 2 * self.size - 1 - self.rank):
@@ -771,9 +774,14 @@ class DualPipeV:
         self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
         if recv_ahead < 0:
             raise ValueError(f"recv_ahead = {recv_ahead}: post receives 0 or more compute actions early")
-        self.pair_edges, self.recv_ahead = pair_edges, recv_ahead
-        self.interleave = not isinstance(dispatcher, LocalDispatcher)   # F&B halves side by side only to hide all-to-alls
-        self.links = p2p_links(group) if self.size > 1 else {}
+        self.pair_edges, self.overlap_p2p, self.recv_ahead = pair_edges, overlap_p2p, recv_ahead
+        # an F&B's halves run one after the other only where that sends the forward's output early (nothing to hide)
+        self.sequential = overlap_p2p and isinstance(dispatcher, LocalDispatcher)
+        self.links = {}
+        if self.size > 1 and overlap_p2p:
+            self.links = p2p_links(group)
+        elif self.size > 1:     # the group's first collective, with every rank present (batch_isend_irecv needs it)
+            dist.barrier(group=group)
 
     def step(self, micro_batches: list, loss_scale=1.0) -> tuple[Tensor, Tensor]:
         shapes = {tuple(ids.shape) for ids, _ in micro_batches}
@@ -787,15 +795,17 @@ class DualPipeV:
         self.positions = torch.arange(S, device=self.device)
         self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads = ({} for _ in range(6))
         self.arriving = {}      # (phase, m, "f" | "b") -> the work of a posted receive, waited for at first use
-        self.sends = deque(a for a in schedule if a[0] in ("send_f", "send_b"))   # started in this order when ready
+        self.sends = deque(a for a in schedule if a[0] in ("send_f", "send_b") and self.overlap_p2p)   # in order
         self.in_flight = []     # (work, tensor) of started sends
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)   # sums of detached scalars
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.timeline.reset()
-        actions, posted = _receives_first(schedule), 0
-        for k, (_, action) in enumerate(actions):
-            while posted <= min(k + self.recv_ahead, len(actions) - 1):   # the receives of the next actions
-                self._receive(actions[posted][0])
+        (actions, tail), posted = _segments(schedule), 0
+        for k, (transfers, action) in enumerate(actions):
+            if not self.overlap_p2p:
+                self._exchange(transfers)
+            while self.overlap_p2p and posted <= min(k + self.recv_ahead, len(actions) - 1):   # the next receives
+                self._receive([t for t in actions[posted][0] if t[0].startswith("recv")])
                 posted += 1
             self.in_flight = [(w, t) for w, t in self.in_flight if not w.is_completed()]
             match action:
@@ -811,17 +821,19 @@ class DualPipeV:
                     tasks = _tasks(action)
                     with self.timeline.span(*_kind(action)):
                         gens = [self._forward(p, m) if k == "F" else self._backward(p, m) for k, p, m in tasks]
-                        if self.interleave:      # the backward's steps are issued first (see engine/32_stages)
-                            run_steps(self.streams, *gens[::-1])
-                        else:
+                        if self.sequential:
                             for gen in gens:
                                 run_steps(self.streams, gen)
+                        else:                   # the backward's steps are issued first (see engine/32_stages)
+                            run_steps(self.streams, *gens[::-1])
                         for k, p, m in tasks:
                             if k == "B":
                                 self.wgrads.pop((p, m)).drain()
                 case ("W", p, m):
                     with self.timeline.span("W", m):
                         self.wgrads.pop((p, m)).drain()
+        if not self.overlap_p2p:
+            self._exchange(tail)
         for work, _ in self.in_flight:
             work.wait()
         left = [self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads, self.sends,
@@ -859,8 +871,25 @@ class DualPipeV:
                 self.in_grads[p, m] = run.grad_in
                 self._send()
 
+    def _exchange(self, transfers: list[tuple]) -> None:
+        "Start `transfers` (schedule actions) together and make compute wait for all of them (`overlap_p2p` off)."
+        ops = []
+        for name, p, m in transfers:
+            peer = _peer(name, p, self.rank)
+            if name.startswith("send"):
+                t = (self.outputs if name == "send_f" else self.in_grads).pop((p, m)).contiguous()
+                ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=peer))
+            else:
+                buf = torch.empty(**self.buffer)
+                (self.inputs if name == "recv_f" else self.out_grads)[p, m] = buf
+                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
+        if ops:
+            with self.timeline.span("comm", None):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+
     def _receive(self, receives: list[tuple]) -> None:
-        "Post `receives` (schedule actions) into new buffers; `_arrived` waits for them."
+        "Post `receives` (schedule actions) into new buffers; `_arrived` waits for them (`overlap_p2p`)."
         for name, p, m in receives:
             group, peer = self.links["recv", _peer(name, p, self.rank)]
             buf = torch.empty(**self.buffer)
@@ -876,7 +905,7 @@ class DualPipeV:
         return store.pop((p, m))
 
     def _send(self) -> None:
-        "Start the sends at the head of the schedule's order whose tensors exist."
+        "Start the sends at the head of the schedule's order whose tensors exist (`overlap_p2p`; else none queue)."
         while self.sends:
             name, p, m = self.sends[0]
             store = self.outputs if name == "send_f" else self.in_grads
@@ -1024,7 +1053,7 @@ def _expert_parallel(model, mesh, ep_rank: int, ep: int, num_experts: int):
 
 def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = torch.device("cpu"),
                    seed: int = 0, family: str = "qwen3_moe", sizes: list[int] | None = None,
-                   recv_ahead: int = 1) -> list[str]:
+                   overlap_p2p: bool = False, recv_ahead: int = 1) -> list[str]:
     """Worker: DualPipeV with pp = world / ep pipeline ranks (and `ep` expert-parallel ranks, `EPDispatcher`) against
     a single-process reference, one step per micro-batch count. With ep > 1 each expert-parallel rank reads its own
     micro-batches (as data parallelism does), so the reference runs all of them, and the ranks sum their gradients
@@ -1047,7 +1076,7 @@ def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
         parts = split_model(model, pp_rank, pp, sizes=sizes)
         dispatcher = _expert_parallel(model, mesh, ep_rank, ep, 4)
         pipe = DualPipeV(parts, pp_group, dispatcher, _loss_fn(model) if pp_rank == 0 else None, aux_fn, device,
-                         recv_ahead=recv_ahead)
+                         overlap_p2p=overlap_p2p, recv_ahead=recv_ahead)
         loss, aux = pipe.step(batches, scale)
         if ep > 1:
             all_reduce_grads(model, mesh.dense, mesh.expert)
@@ -1096,7 +1125,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (pp = processes / ep)")
     ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"], default="qwen3_moe", help="the tiny model family")
     ap.add_argument("--stage-layers", type=int, nargs="*", help="layers of each stage (default: even)")
-    ap.add_argument("--recv-ahead", type=int, default=1, help="post receives this many compute actions early")
+    ap.add_argument("--overlap-p2p", action="store_true", help="transfers beside compute, one group per direction")
+    ap.add_argument("--recv-ahead", type=int, default=1, help="with --overlap-p2p: receives this many actions early")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo, float32; cuda: NCCL, bf16")
     ap.add_argument("--timeline", help="also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
@@ -1106,7 +1136,8 @@ def main(argv=None) -> None:
     _, _, device = init_distributed(120, args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model, args.stage_layers, args.recv_ahead)   # a failing rank ends the job at once, with its traceback
+    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model, args.stage_layers, args.overlap_p2p,
+               args.recv_ahead)   # a failing rank ends the job at once, with its traceback
     if args.timeline:
         run_ranked(record_timeline, args.timeline, args.timeline_micro, args.ep, device, 2, args.timeline_hidden,
                    args.timeline_seq)

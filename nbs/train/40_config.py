@@ -78,8 +78,12 @@ class ParallelConfig:
                                     "and the last, on rank 0 with the embedding and the head, may have 0); [] = "
                                     "even, or pp_edge_layers. At pp 2 on the Qwen3 bench config [3, 4, 3, 2] was "
                                     "9% faster than even (benchmarks/RESULTS.md)")
-    pp_recv_ahead: int = cfg(1, "at pp > 1, post each receive this many compute actions before the one that reads "
-                                "it, so it is waiting when the neighbour sends; 0: just before it")
+    pp_overlap_p2p: bool = cfg(False, "at pp > 1, run the point-to-point transfers beside compute (one communicator "
+                                      "per direction, sends as soon as their tensor exists); hides them, but was "
+                                      "3.6% slower on two H200s, where the waiting NCCL kernels slowed the grouped "
+                                      "GEMMs more than the 9 ms of transfer it hid")
+    pp_recv_ahead: int = cfg(1, "with pp_overlap_p2p, post each receive this many compute actions before the one "
+                                "that reads it, so it is waiting when the neighbour sends; 0: just before it")
     overlap_edges: bool = cfg(False, "at pp = 1 with overlap, also pair the step's second and third half-model "
                                      "forwards and its second- and third-last backwards, so only two of them run "
                                      "alone; half a micro-batch more activations, and no faster where measured")

@@ -238,12 +238,14 @@ def moe_layer_count(model) -> int:
 
 
 def build_pipeline(model, parts, group, dispatcher, lb: LoadBalance, n_moe: int, aux_div: int,
-                   device, comm_priority: bool = False, pair_edges: bool = False, recv_ahead: int = 1) -> DualPipeV:
+                   device, comm_priority: bool = False, pair_edges: bool = False, overlap_p2p: bool = False,
+                   recv_ahead: int = 1) -> DualPipeV:
     """DualPipeV over this rank's `parts` (from `split_model(model, ...)`) with micro_step's objective; `n_moe` is
     the MoE layer count of the whole model, counted before the split."""
     loss_fn = (lambda h, labels: head_loss(model, h, labels)) if parts[0].index == 0 else None
     aux_fn = lambda key, routing: lb.loss(key, routing.probs, routing.ids) / (n_moe * aux_div)
-    return DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device, comm_priority, pair_edges, recv_ahead)
+    return DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device, comm_priority, pair_edges, overlap_p2p,
+                     recv_ahead)
 
 # %% [markdown]
 # A check in float64, where the two ways of summing agree to rounding: three micro-batches of the tiny default
@@ -408,7 +410,7 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
         torch._C._set_sm_carveout_experimental(p.comm_sms)   # a process-wide setting, read at each matmul launch
     if pipelined:
         pipe = build_pipeline(model, parts, mesh.pp if mesh is not None else None, dispatcher, lb, n_moe, aux_div,
-                              device, p.comm_priority, p.overlap_edges, p.pp_recv_ahead)
+                              device, p.comm_priority, p.overlap_edges, p.pp_overlap_p2p, p.pp_recv_ahead)
     model_cfg = to_dict(cfg)["model"]
     extra = {"master": master} if master is not None else {}
     world = dist.get_world_size() if mesh is not None else 1

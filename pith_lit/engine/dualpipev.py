@@ -461,17 +461,18 @@ def p2p_links(group) -> dict:
     return links
 
 
-def _receives_first(schedule: list[tuple]) -> list[tuple[list, tuple]]:
-    "The compute actions of a schedule, each with the receives listed since the one before: `[(receives, action)]`."
-    out, receives = [], []
+def _segments(schedule: list[tuple]) -> tuple[list[tuple[list, tuple]], list]:
+    """The compute actions of a schedule, each with the transfers listed since the one before, `[(transfers,
+    action)]`, and the transfers after the last action (sends only)."""
+    out, transfers = [], []
     for a in schedule:
-        if a[0] in ("recv_f", "recv_b"):
-            receives.append(a)
-        elif a[0] in COMPUTE_ACTIONS:
-            out.append((receives, a))
-            receives = []
-    assert not receives, f"receives after the last compute action: {receives}"
-    return out
+        if a[0] in COMPUTE_ACTIONS:
+            out.append((transfers, a))
+            transfers = []
+        else:
+            transfers.append(a)
+    assert all(t[0].startswith("send") for t in transfers), f"receives after the last compute action: {transfers}"
+    return out, transfers
 
 # %% ../../nbs/engine/33_dualpipev.ipynb #8545b2dc
 class DualPipeV:
@@ -483,7 +484,8 @@ class DualPipeV:
     objective (optional). After a step, `timeline.events()` lists its actions."""
 
     def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu",
-                 comm_priority: bool = False, pair_edges: bool = False, recv_ahead: int = 1):
+                 comm_priority: bool = False, pair_edges: bool = False, overlap_p2p: bool = False,
+                 recv_ahead: int = 1):
         self.rank = 0 if group is None else dist.get_rank(group)
         self.size = 1 if group is None else dist.get_world_size(group)
         if tuple(p.index for p in parts) != (self.rank, 2 * self.size - 1 - self.rank):
@@ -495,9 +497,14 @@ class DualPipeV:
         self.streams, self.timeline = Streams(self.device, comm_priority), Timeline(self.device)
         if recv_ahead < 0:
             raise ValueError(f"recv_ahead = {recv_ahead}: post receives 0 or more compute actions early")
-        self.pair_edges, self.recv_ahead = pair_edges, recv_ahead
-        self.interleave = not isinstance(dispatcher, LocalDispatcher)   # F&B halves side by side only to hide all-to-alls
-        self.links = p2p_links(group) if self.size > 1 else {}
+        self.pair_edges, self.overlap_p2p, self.recv_ahead = pair_edges, overlap_p2p, recv_ahead
+        # an F&B's halves run one after the other only where that sends the forward's output early (nothing to hide)
+        self.sequential = overlap_p2p and isinstance(dispatcher, LocalDispatcher)
+        self.links = {}
+        if self.size > 1 and overlap_p2p:
+            self.links = p2p_links(group)
+        elif self.size > 1:     # the group's first collective, with every rank present (batch_isend_irecv needs it)
+            dist.barrier(group=group)
 
     def step(self, micro_batches: list, loss_scale=1.0) -> tuple[Tensor, Tensor]:
         shapes = {tuple(ids.shape) for ids, _ in micro_batches}
@@ -511,15 +518,17 @@ class DualPipeV:
         self.positions = torch.arange(S, device=self.device)
         self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads = ({} for _ in range(6))
         self.arriving = {}      # (phase, m, "f" | "b") -> the work of a posted receive, waited for at first use
-        self.sends = deque(a for a in schedule if a[0] in ("send_f", "send_b"))   # started in this order when ready
+        self.sends = deque(a for a in schedule if a[0] in ("send_f", "send_b") and self.overlap_p2p)   # in order
         self.in_flight = []     # (work, tensor) of started sends
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)   # sums of detached scalars
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.timeline.reset()
-        actions, posted = _receives_first(schedule), 0
-        for k, (_, action) in enumerate(actions):
-            while posted <= min(k + self.recv_ahead, len(actions) - 1):   # the receives of the next actions
-                self._receive(actions[posted][0])
+        (actions, tail), posted = _segments(schedule), 0
+        for k, (transfers, action) in enumerate(actions):
+            if not self.overlap_p2p:
+                self._exchange(transfers)
+            while self.overlap_p2p and posted <= min(k + self.recv_ahead, len(actions) - 1):   # the next receives
+                self._receive([t for t in actions[posted][0] if t[0].startswith("recv")])
                 posted += 1
             self.in_flight = [(w, t) for w, t in self.in_flight if not w.is_completed()]
             match action:
@@ -535,17 +544,19 @@ class DualPipeV:
                     tasks = _tasks(action)
                     with self.timeline.span(*_kind(action)):
                         gens = [self._forward(p, m) if k == "F" else self._backward(p, m) for k, p, m in tasks]
-                        if self.interleave:      # the backward's steps are issued first (see engine/32_stages)
-                            run_steps(self.streams, *gens[::-1])
-                        else:
+                        if self.sequential:
                             for gen in gens:
                                 run_steps(self.streams, gen)
+                        else:                   # the backward's steps are issued first (see engine/32_stages)
+                            run_steps(self.streams, *gens[::-1])
                         for k, p, m in tasks:
                             if k == "B":
                                 self.wgrads.pop((p, m)).drain()
                 case ("W", p, m):
                     with self.timeline.span("W", m):
                         self.wgrads.pop((p, m)).drain()
+        if not self.overlap_p2p:
+            self._exchange(tail)
         for work, _ in self.in_flight:
             work.wait()
         left = [self.inputs, self.outputs, self.out_grads, self.in_grads, self.runs, self.wgrads, self.sends,
@@ -583,8 +594,25 @@ class DualPipeV:
                 self.in_grads[p, m] = run.grad_in
                 self._send()
 
+    def _exchange(self, transfers: list[tuple]) -> None:
+        "Start `transfers` (schedule actions) together and make compute wait for all of them (`overlap_p2p` off)."
+        ops = []
+        for name, p, m in transfers:
+            peer = _peer(name, p, self.rank)
+            if name.startswith("send"):
+                t = (self.outputs if name == "send_f" else self.in_grads).pop((p, m)).contiguous()
+                ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=peer))
+            else:
+                buf = torch.empty(**self.buffer)
+                (self.inputs if name == "recv_f" else self.out_grads)[p, m] = buf
+                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
+        if ops:
+            with self.timeline.span("comm", None):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+
     def _receive(self, receives: list[tuple]) -> None:
-        "Post `receives` (schedule actions) into new buffers; `_arrived` waits for them."
+        "Post `receives` (schedule actions) into new buffers; `_arrived` waits for them (`overlap_p2p`)."
         for name, p, m in receives:
             group, peer = self.links["recv", _peer(name, p, self.rank)]
             buf = torch.empty(**self.buffer)
@@ -600,7 +628,7 @@ class DualPipeV:
         return store.pop((p, m))
 
     def _send(self) -> None:
-        "Start the sends at the head of the schedule's order whose tensors exist."
+        "Start the sends at the head of the schedule's order whose tensors exist (`overlap_p2p`; else none queue)."
         while self.sends:
             name, p, m = self.sends[0]
             store = self.outputs if name == "send_f" else self.in_grads
@@ -705,7 +733,7 @@ def _expert_parallel(model, mesh, ep_rank: int, ep: int, num_experts: int):
 
 def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = torch.device("cpu"),
                    seed: int = 0, family: str = "qwen3_moe", sizes: list[int] | None = None,
-                   recv_ahead: int = 1) -> list[str]:
+                   overlap_p2p: bool = False, recv_ahead: int = 1) -> list[str]:
     """Worker: DualPipeV with pp = world / ep pipeline ranks (and `ep` expert-parallel ranks, `EPDispatcher`) against
     a single-process reference, one step per micro-batch count. With ep > 1 each expert-parallel rank reads its own
     micro-batches (as data parallelism does), so the reference runs all of them, and the ranks sum their gradients
@@ -728,7 +756,7 @@ def check_pipeline(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
         parts = split_model(model, pp_rank, pp, sizes=sizes)
         dispatcher = _expert_parallel(model, mesh, ep_rank, ep, 4)
         pipe = DualPipeV(parts, pp_group, dispatcher, _loss_fn(model) if pp_rank == 0 else None, aux_fn, device,
-                         recv_ahead=recv_ahead)
+                         overlap_p2p=overlap_p2p, recv_ahead=recv_ahead)
         loss, aux = pipe.step(batches, scale)
         if ep > 1:
             all_reduce_grads(model, mesh.dense, mesh.expert)
@@ -777,7 +805,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (pp = processes / ep)")
     ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"], default="qwen3_moe", help="the tiny model family")
     ap.add_argument("--stage-layers", type=int, nargs="*", help="layers of each stage (default: even)")
-    ap.add_argument("--recv-ahead", type=int, default=1, help="post receives this many compute actions early")
+    ap.add_argument("--overlap-p2p", action="store_true", help="transfers beside compute, one group per direction")
+    ap.add_argument("--recv-ahead", type=int, default=1, help="with --overlap-p2p: receives this many actions early")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo, float32; cuda: NCCL, bf16")
     ap.add_argument("--timeline", help="also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
@@ -787,7 +816,8 @@ def main(argv=None) -> None:
     _, _, device = init_distributed(120, args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model, args.stage_layers, args.recv_ahead)   # a failing rank ends the job at once, with its traceback
+    run_ranked(check_pipeline, args.micro, args.ep, device, 0, args.model, args.stage_layers, args.overlap_p2p,
+               args.recv_ahead)   # a failing rank ends the job at once, with its traceback
     if args.timeline:
         run_ranked(record_timeline, args.timeline, args.timeline_micro, args.ep, device, 2, args.timeline_hidden,
                    args.timeline_seq)
