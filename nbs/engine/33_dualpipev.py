@@ -127,11 +127,13 @@ print("48 layers on 4 ranks:", [len(x) for x in stage_layers(48, 4)], "· 27 lay
 # - `sizes` (`parallel.pp_stage_layers`): the layers of every stage, given. The edge stages may have none (stage 0
 #   then runs only the embedding, the last stage only the head and the loss).
 #
-# What paid on two H200s: **3, 4, 3, 2** (rank 0 holds 3 + 2 layers and the head, rank 1 holds 4 + 3), 107.9K
-# tokens/s against 99.3K for the even split; 3, 4, 4, 1 reached 104.1K and 4, 4, 4, 0 103.0K. Balancing the ranks'
-# compute is what counts, and with it the transfers hide (see the executor below). The default still divides
-# evenly, because the right sizes depend on the head's cost against a layer's, which depends on the model and the
-# sequence length; `simulate` below predicts a split's bubble from measured durations.
+# What paid on two H200s: **3, 4, 3, 2** (rank 0 holds 3 + 2 layers and the head, rank 1 holds 4 + 3), 112.1K
+# tokens/s against 98.6K for the even split. With the transfers beside compute (`overlap_p2p`, below) the same
+# split ran at 107.9K, 3, 4, 4, 1 at 104.1K, 4, 4, 4, 0 at 103.0K and the even split at 99.3K: balancing the ranks'
+# compute is what counts. For the DeepSeek-V2-Lite bench, whose head costs less against its layers, 3, 4, 3, 2 was
+# slower than even (67.4K against 73.7K). So the default still divides evenly: the right sizes depend on the head's
+# cost against a layer's, which depends on the model and the sequence length; `simulate` below predicts a split's
+# bubble from measured durations.
 
 # %%
 assert [len(x) for x in stage_layers(12, 2, edge_layers=2)] == [2, 4, 4, 2]
@@ -702,10 +704,10 @@ class Timeline:
 # **Which is faster.** Measured on two H200s (bench Qwen3, compiled, pp 2, global batch 64 in micro-batches of 4,
 # stages cut 3-4-3-2; benchmarks/RESULTS.md): with `overlap_p2p`, 91.9% of the NCCL kernel time ran beside compute
 # and 89.6% of the transfer proper (the time both ranks are in the kernel), at 107.9K tokens/s; batched, 0% hidden
-# and **111.7K tokens/s**. Hiding 9 ms cost more than it saved: a receive posted early is an NCCL kernel waiting
+# and **112.1K tokens/s**. Hiding 9 ms cost more than it saved: a receive posted early is an NCCL kernel waiting
 # on an SM beside the compute, and the grouped GEMMs are persistent kernels that expect every SM; beside one, they
-# ran up to 1.8× longer. On DeepSeek-V2-Lite (pp 2, four micro-batches) the batched form was also faster, 74.5K
-# against 73.1K tokens/s. So batched is the default; overlapping is there for links slow enough that the transfer
+# ran up to 1.8× longer, and the rank whose receives waited longest computed 16% longer. On DeepSeek-V2-Lite
+# (pp 2, four micro-batches) the batched form was also faster, 74.5K against 73.1K tokens/s. So batched is the default; overlapping is there for links slow enough that the transfer
 # outweighs that cost (across hosts), or to study the schedule, and `recv_ahead = 0` posts each receive just
 # before its action instead.
 

@@ -47,7 +47,7 @@ class ParallelConfig:
                                     "9% faster than even (benchmarks/RESULTS.md)")
     pp_overlap_p2p: bool = cfg(False, "at pp > 1, run the point-to-point transfers beside compute (one communicator "
                                       "per direction, sends as soon as their tensor exists); hides them, but was "
-                                      "3.6% slower on two H200s, where the waiting NCCL kernels slowed the grouped "
+                                      "3.8% slower on two H200s, where the waiting NCCL kernels slowed the grouped "
                                       "GEMMs more than the 9 ms of transfer it hid")
     pp_recv_ahead: int = cfg(1, "with pp_overlap_p2p, post each receive this many compute actions before the one "
                                 "that reads it, so it is waiting when the neighbour sends; 0: just before it")
