@@ -760,7 +760,9 @@ class DualPipeV:
     `parts`: this rank's two `StagePart`s from `split_model`. `group`: the pipeline process group, or None for one
     rank. `dispatcher`: stages 2 and 4 (`LocalDispatcher` or an expert-parallel one). `loss_fn(h, labels)`: summed
     token loss from the last hidden states. `aux_fn(layer_key, routing)`: the load-balance term added to the
-    objective (optional). After a step, `timeline.events()` lists its actions."""
+    objective (optional). `overlap_p2p`: transfers beside compute, on one group per direction (see above), with
+    receives posted `recv_ahead` compute actions early; else batched at the boundaries between actions. After a
+    step, `timeline.events()` lists its actions."""
 
     def __init__(self, parts, group, dispatcher, loss_fn, aux_fn=None, device: torch.device | str = "cpu",
                  comm_priority: bool = False, pair_edges: bool = False, overlap_p2p: bool = False,

@@ -44,7 +44,7 @@ class ParallelConfig:
     pp_stage_layers: list = cfg([], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 3, 2] (stage 0 "
                                     "and the last, on rank 0 with the embedding and the head, may have 0); [] = "
                                     "even, or pp_edge_layers. At pp 2 on the Qwen3 bench config [3, 4, 3, 2] was "
-                                    "9% faster than even (benchmarks/RESULTS.md)")
+                                    "14% faster than even (benchmarks/RESULTS.md)")
     pp_overlap_p2p: bool = cfg(False, "at pp > 1, run the point-to-point transfers beside compute (one communicator "
                                       "per direction, sends as soon as their tensor exists); hides them, but was "
                                       "3.8% slower on two H200s, where the waiting NCCL kernels slowed the grouped "
