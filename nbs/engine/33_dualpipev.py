@@ -245,8 +245,8 @@ def split_model(model, pp_rank: int, pp_size: int, edge_layers: int = 0,
 # action that reads it; the order of the lists is what matters. NCCL (and gloo, with one tag) pair the sends from
 # A to B with B's receives from A by **order alone**, and every message here has the same shape: a schedule that
 # sent two messages in a different order than the neighbour receives them would swap activations silently. The
-# simulation below checks the order of every pair of neighbours. How the executor times the transfers, so that
-# they run beside compute rather than between it, is described with `DualPipeV` below.
+# simulation below checks the order of every pair of neighbours. When the executor starts and waits for them is
+# described with `DualPipeV` below.
 
 # %%
 #| export
@@ -486,11 +486,15 @@ def simulate(P: int, M: int, duration: Callable[[tuple], float], pair_edges: boo
 
 def bubble_fraction(events: list[list[tuple]]) -> float:
     """Idle share of P × step time: everything that is not an F, B, F&B or W action. Waits for a transfer count as
-    idle: a `comm` span lies inside the action that waited (the executor waits where a received tensor is first
-    read), so its length is taken off the action's."""
+    idle, also a `comm` span inside the action that waited (with `overlap_p2p` the executor waits where a received
+    tensor is first read): its length is taken off the action's."""
     t0 = min(e[2] for ev in events for e in ev)
     t1 = max(e[3] for ev in events for e in ev)
-    busy = sum((e[3] - e[2]) * (-1 if e[0] == "comm" else 1) for ev in events for e in ev)
+    busy = 0.0
+    for ev in events:
+        actions = [e for e in ev if e[0] != "comm"]
+        busy += sum(e[3] - e[2] for e in actions)
+        busy -= sum(c[3] - c[2] for c in ev if c[0] == "comm" and any(a[2] <= c[2] and c[3] <= a[3] for a in actions))
     return 1 - busy / (len(events) * (t1 - t0))
 
 # %% [markdown]
@@ -521,6 +525,9 @@ except ValueError as e:
     print("M < 2P:", e)
 for P, M in [(4, 8), (4, 16), (8, 16), (8, 32)]:
     print(f"P={P} M={M}: ideal bubble fraction {bubble_fraction(simulate(P, M, unit_duration)):.3f}")
+# a wait between two actions (batched transfers) and one inside its action (overlap_p2p) both count as idle
+assert bubble_fraction([[("F0", 0, 0.0, 2.0), ("comm", None, 2.0, 3.0), ("B0", 0, 3.0, 4.0)]]) == 0.25
+assert bubble_fraction([[("F0&B1", (0, 0), 0.0, 4.0), ("comm", None, 1.0, 2.0)]]) == 0.25
 
 # %% [markdown]
 # The timeline of a step is drawn one row per rank: F in blue (light: phase 0, dark: phase 1), B in green, an
@@ -707,9 +714,13 @@ class Timeline:
 # and **112.1K tokens/s**. Hiding 9 ms cost more than it saved: a receive posted early is an NCCL kernel waiting
 # on an SM beside the compute, and the grouped GEMMs are persistent kernels that expect every SM; beside one, they
 # ran up to 1.8× longer, and the rank whose receives waited longest computed 16% longer. On DeepSeek-V2-Lite
-# (pp 2, four micro-batches) the batched form was also faster, 74.5K against 73.1K tokens/s. So batched is the default; overlapping is there for links slow enough that the transfer
-# outweighs that cost (across hosts), or to study the schedule, and `recv_ahead = 0` posts each receive just
-# before its action instead.
+# (pp 2, four micro-batches) the batched form was also faster, 74.5K against 73.1K tokens/s. So batched is the
+# default; overlapping is there for links slow enough that the transfer outweighs that cost (across hosts), or to
+# study the schedule, and `recv_ahead = 0` posts each receive just before its action instead.
+#
+# With P = 1 (`parallel.overlap`) the same code runs with no transfers at all: rank 0 holds both stages, and in
+# the steady state every action is an F&B pair of two micro-batches; with `pair_edges` the `FF` and `BB` actions
+# run two forwards or two backwards of different micro-batches, interleaved like an F&B pair.
 
 # %%
 #| export

@@ -311,11 +311,15 @@ def simulate(P: int, M: int, duration: Callable[[tuple], float], pair_edges: boo
 
 def bubble_fraction(events: list[list[tuple]]) -> float:
     """Idle share of P × step time: everything that is not an F, B, F&B or W action. Waits for a transfer count as
-    idle: a `comm` span lies inside the action that waited (the executor waits where a received tensor is first
-    read), so its length is taken off the action's."""
+    idle, also a `comm` span inside the action that waited (with `overlap_p2p` the executor waits where a received
+    tensor is first read): its length is taken off the action's."""
     t0 = min(e[2] for ev in events for e in ev)
     t1 = max(e[3] for ev in events for e in ev)
-    busy = sum((e[3] - e[2]) * (-1 if e[0] == "comm" else 1) for ev in events for e in ev)
+    busy = 0.0
+    for ev in events:
+        actions = [e for e in ev if e[0] != "comm"]
+        busy += sum(e[3] - e[2] for e in actions)
+        busy -= sum(c[3] - c[2] for c in ev if c[0] == "comm" and any(a[2] <= c[2] and c[3] <= a[3] for a in actions))
     return 1 - busy / (len(events) * (t1 - t0))
 
 # %% ../../nbs/engine/33_dualpipev.ipynb #0ea56476
