@@ -40,7 +40,8 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
-from pith_lit.engine.dualpipev import COMPUTE_ACTIONS, _kind, bubble_fraction, draw_timeline, dualpipev_schedule, simulate
+from pith_lit.engine.dualpipev import (COMPUTE_ACTIONS, _kind, bubble_fraction, draw_timeline, dualpipev_schedule,
+                                       simulate)
 
 matplotlib.use("Agg")
 out = Path(out_dir)

@@ -37,11 +37,11 @@ def stage_layers(num_layers: int, pp_size: int, edge_layers: int = 0, sizes: lis
     if sizes:
         if edge_layers:
             raise ValueError("set parallel.pp_stage_layers or parallel.pp_edge_layers, not both")
-        if (len(sizes) != n or sum(sizes) != num_layers or not all(isinstance(k, int) and k >= 0 for k in sizes)
-                or min(sizes[1:-1], default=1) < 1):
+        counts = all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in sizes)
+        if len(sizes) != n or not counts or sum(sizes) != num_layers or min(sizes[1:-1], default=1) < 1:
             raise ValueError(f"parallel.pp_stage_layers = {sizes}: give 2·pp = {n} layer counts, one per stage, "
-                             f"that add up to the model's {num_layers} layers; the edge stages (0 and {n - 1}, on "
-                             "rank 0 with the embedding and the head) may have 0, every other stage needs 1 or more")
+                             f"that add up to model.num_hidden_layers = {num_layers}; the edge stages (0 and {n - 1}) "
+                             "may have 0, every other stage needs 1 or more")
         sizes = list(sizes)
     elif edge_layers:
         middle = num_layers - 2 * edge_layers
@@ -600,18 +600,24 @@ class DualPipeV:
                 self.in_grads[p, m] = run.grad_in
                 self._send()
 
+    def _store(self, name: str) -> dict:
+        "The dictionary a transfer reads (`send_*`: outputs, input gradients) or fills (`recv_*`)."
+        return {"send_f": self.outputs, "send_b": self.in_grads, "recv_f": self.inputs, "recv_b": self.out_grads}[name]
+
+    def _buffer(self, name: str, p: int, m: int) -> Tensor:
+        "A new receive buffer for transfer `(name, p, m)`, filed where the stage will read it."
+        buf = self._store(name)[p, m] = torch.empty(**self.buffer)
+        return buf
+
     def _exchange(self, transfers: list[tuple]) -> None:
         "Start `transfers` (schedule actions) together and make compute wait for all of them (`overlap_p2p` off)."
         ops = []
         for name, p, m in transfers:
-            peer = _peer(name, p, self.rank)
             if name.startswith("send"):
-                t = (self.outputs if name == "send_f" else self.in_grads).pop((p, m)).contiguous()
-                ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=peer))
+                op, t = dist.isend, self._store(name).pop((p, m)).contiguous()
             else:
-                buf = torch.empty(**self.buffer)
-                (self.inputs if name == "recv_f" else self.out_grads)[p, m] = buf
-                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
+                op, t = dist.irecv, self._buffer(name, p, m)
+            ops.append(dist.P2POp(op, t, group=self.group, group_peer=_peer(name, p, self.rank)))
         if ops:
             with self.timeline.span("comm", None):
                 for work in dist.batch_isend_irecv(ops):
@@ -621,9 +627,7 @@ class DualPipeV:
         "Post `receives` (schedule actions) into new buffers; `_arrived` waits for them (`overlap_p2p`)."
         for name, p, m in receives:
             group, peer = self.links["recv", _peer(name, p, self.rank)]
-            buf = torch.empty(**self.buffer)
-            (self.inputs if name == "recv_f" else self.out_grads)[p, m] = buf
-            self.arriving[p, m, name[-1]] = dist.irecv(buf, group=group, group_src=peer)
+            self.arriving[p, m, name[-1]] = dist.irecv(self._buffer(name, p, m), group=group, group_src=peer)
 
     def _arrived(self, store: dict, p: int, m: int, kind: str) -> Tensor:
         "Take `store[p, m]`, first waiting for its transfer if it was received (not handed over at the V's turn)."
@@ -637,7 +641,7 @@ class DualPipeV:
         "Start the sends at the head of the schedule's order whose tensors exist (`overlap_p2p`; else none queue)."
         while self.sends:
             name, p, m = self.sends[0]
-            store = self.outputs if name == "send_f" else self.in_grads
+            store = self._store(name)
             if (p, m) not in store:
                 return
             self.sends.popleft()

@@ -17,6 +17,7 @@ from typing import Literal, Sequence, get_args, get_origin, get_type_hints
 
 import torch
 
+from ..engine.dualpipev import stage_layers
 from ..models import deepseek_v2, gpt_oss, qwen3_moe
 from ..models.protocol import cfg
 
@@ -356,14 +357,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _need(m.num_hidden_layers >= 2 * p.pp,
               f"parallel.pp = {p.pp}: DualPipeV cuts the model into 2·pp = {2 * p.pp} stages of at least one layer, "
               f"but model.num_hidden_layers = {m.num_hidden_layers}; use parallel.pp <= {m.num_hidden_layers // 2}")
-    if p.pp_stage_layers:
-        sizes, n = p.pp_stage_layers, 2 * p.pp
-        _need(not p.pp_edge_layers, "set parallel.pp_stage_layers or parallel.pp_edge_layers, not both")
-        _need(len(sizes) == n and all(_accepts(int, k) and k >= 0 for k in sizes) and sum(sizes) == m.num_hidden_layers
-              and min(sizes[1:-1], default=1) >= 1,
-              f"parallel.pp_stage_layers = {sizes}: give 2·pp = {n} layer counts, one per stage, that add up to "
-              f"model.num_hidden_layers = {m.num_hidden_layers}; the edge stages (0 and {n - 1}) may have 0, every "
-              "other stage needs 1 or more")
+    if p.pp_stage_layers:   # the split's own rules (engine/33), checked before anything is built
+        try:
+            stage_layers(m.num_hidden_layers, p.pp, p.pp_edge_layers, p.pp_stage_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _need(not p.ep_sync_free or p.ep_combine == "sum",
           "parallel.ep_sync_free = true needs parallel.ep_combine = sum (a per-pair combine's sizes are only known "
           "on the host); set ep_combine = sum or ep_sync_free = false")

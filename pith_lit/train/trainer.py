@@ -325,10 +325,9 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             if device.type == "cuda":
                 rec["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
             if prof is not None and device.type == "cuda":   # which streams' pools hold the reserved memory
-                pools = {}
+                pools, compute = {}, (0, torch.cuda.current_stream(device).cuda_stream)
                 for seg in torch.cuda.memory_snapshot():
-                    key = "compute" if seg["stream"] in (0, torch.cuda.current_stream(device).cuda_stream) else (
-                        str(seg["stream"]))
+                    key = "compute" if seg["stream"] in compute else str(seg["stream"])
                     pools[key] = pools.get(key, 0.0) + seg["total_size"] / 2**30
                 rec["reserved_gb_by_stream"] = pools
             rec["alloc_retries"] = int(stats[5].item())     # all ranks together, this step
