@@ -26,7 +26,7 @@ def summarise(run: Path) -> dict:
     steady = [r for r in recs if r["step"] > cfg["train"]["warmup"] and r["step"] not in skip]
     mean = lambda k: sum(r[k] for r in steady) / len(steady) if steady and k in steady[0] else None
     out = {"run": run.name, "gpus": world, "pp": p["pp"], "ep": p["ep"], "overlap": p["overlap"],
-           "ep_combine": p.get("ep_combine", "pairs"), "profile_host": cfg["log"].get("profile_host", True),
+           "ep_sync_free": p.get("ep_sync_free", False), "profile_host": cfg["log"].get("profile_host", True),
            "steps": len(recs), "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"),
            "peak_mem_gb": max(r["peak_mem_gb"] for r in recs), "loss_first": recs[0]["loss"],
            "loss_last": recs[-1]["loss"], "balance_last": recs[-1]["balance"], "losses": [r["loss"] for r in recs],

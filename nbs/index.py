@@ -37,11 +37,11 @@ from pith_lit.train.trainer import train
 # ## 1 · A tiny MoE and its five stages
 #
 # Each decoder layer is cut where communication would happen once experts live on other GPUs:
-# `stage1` (attention, norm, router) → **dispatch** → `stage3` (experts on rows grouped by expert) →
-# **combine** → `stage5` (router-weighted sum and residual). Dispatch and combine belong to the engine; on one
-# device they are local permutations (`LocalDispatcher`); across GPUs the expert-parallel combine can do the
-# weighted sum itself, on the experts' rank, so that fewer bytes travel (`engine/31_ep`). Cutting layers this way is what later lets one
-# micro-batch's all-to-all run while another computes (`models/20_protocol`, `engine/32_stages`).
+# `stage1` (attention, norm, router) → **dispatch** → `stage3` (experts on rows grouped by expert, then each
+# token's router-weighted sum) → **combine** → `stage5` (residual). Dispatch and combine belong to the engine; on
+# one device nothing travels (`LocalDispatcher`); across GPUs they are all-to-alls, and the weighted sum on the
+# experts' rank means one row per token and rank returns (`engine/31_ep`). Cutting layers this way is what later
+# lets one micro-batch's all-to-all run while another computes (`models/20_protocol`, `engine/32_stages`).
 
 # %%
 torch.manual_seed(0)
@@ -51,7 +51,8 @@ h = model.prolog(ids)
 layer = model.model.layers["0"]
 h1, x, routing = layer.stage1(h, torch.arange(16))
 print("tokens × top-k expert ids of layer 0:", tuple(routing.ids.shape), "router probs:", tuple(routing.probs.shape))
-x_grouped, counts = LocalDispatcher(Config().num_experts).dispatch(x, routing)
+d = LocalDispatcher(Config().num_experts)
+x_grouped, counts = d.expand(d.dispatch(x, routing), routing)
 print("rows per expert after dispatch:", counts.tolist())
 
 # %% [markdown]

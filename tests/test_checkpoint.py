@@ -213,8 +213,11 @@ def train_qwen(model, opt, extra, start, stop):
 
 
 def resume_target(mode, run_dir):
-    "straight: 20 steps. first: 10 steps and a save. resume: fresh state, load, 10 steps. Writes losses."
+    """straight: 20 steps. first: 10 steps and a save. resume: fresh state, load, 10 steps. Writes losses. One CPU
+    thread in every mode: the resume runs in a subprocess, and a matmul split over another number of threads may
+    round differently."""
     run_dir = Path(run_dir)
+    torch.set_num_threads(1)
     if mode == "resume":
         seed_all(123)  # nothing of the first process's RNG state may survive except through the checkpoint
         model, opt, extra, cfg = make_qwen(seed=77)
@@ -234,8 +237,12 @@ def resume_target(mode, run_dir):
 
 
 def test_resume_is_exact(tmp_path):
-    resume_target("straight", tmp_path)
-    resume_target("first", tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        resume_target("straight", tmp_path)
+        resume_target("first", tmp_path)
+    finally:
+        torch.set_num_threads(threads)
     run_script("resume", "resume", tmp_path)  # a fresh process: only the checkpoint carries state over
     straight, first, resumed = (json.loads((tmp_path / f"{m}.json").read_text()) for m in ("straight", "first", "resume"))
     assert len(first["losses"]) == 10 and len(straight["losses"]) == 20

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from conftest import ROOT, subprocess_env
-from pith_lit.engine.ep import EPDispatcher, qwen3_routing
+from pith_lit.engine.ep import EPDispatcher
+from pith_lit.testing import qwen3_routing
 from pith_lit.engine.mesh import build_mesh, first_host, launch_env
 
 TOKENS = 256   # tokens per rank for the traffic measurement
@@ -22,7 +23,7 @@ TOKENS = 256   # tokens per rank for the traffic measurement
 
 def run_worker(nproc: int) -> dict:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "-m", "pith_lit.engine.ep", "--tokens", str(TOKENS)], cwd=ROOT,
+                           str(nproc), "-m", "pith_lit.testing", "ep", "--tokens", str(TOKENS)], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -42,26 +43,24 @@ def router_count(world: int, ep: int, row_bytes: int = 2048 * 2) -> tuple[int, i
 
 
 def check_result(res: dict, world: int, meshes: set):
-    cases = {(c["dp"], c["ep"], c["case"], c["dtype"], c["combine"], c["sync_free"]) for c in res["checks"]}
+    cases = {(c["dp"], c["ep"], c["case"], c["dtype"], c["dispatcher"]) for c in res["checks"]}
     assert cases == {(dp, ep, *case) for dp, ep in meshes for case in [
-        ("random", "float32", "sum", False), ("random", "float64", "sum", False), ("wide", "float32", "sum", False),
-        ("wide", "float64", "sum", False), ("one_expert", "float64", "sum", False),
-        ("one_rank", "float32", "sum", False), ("random", "float64", "pairs", False),
-        ("wide", "float32", "pairs", False), ("random", "float64", "sum", True), ("wide", "float32", "sum", True),
-        ("one_rank", "float64", "sum", True)]}
+        ("random", "float32", "counted"), ("random", "float64", "counted"), ("wide", "float32", "counted"),
+        ("wide", "float64", "counted"), ("one_expert", "float64", "counted"), ("one_rank", "float32", "counted"),
+        ("random", "float64", "sync_free"), ("wide", "float32", "sync_free"), ("one_rank", "float64", "sync_free")]}
     for c in res["checks"]:
         assert c["max_rel_err"] <= (1e-5 if c["dtype"] == "float32" else 1e-12), c
         if c["case"] == "wide":
             assert c["top_k"] > 8 // c["ep"]                     # more experts per token than per rank
-        if c["case"] == "one_rank" and not c["sync_free"]:
+        if c["case"] == "one_rank" and c["dispatcher"] == "counted":
             assert c["traffic"]["dispatch"] == 0                 # rank 0 keeps everything; the others get nothing
-        if c["sync_free"]:                                       # whole blocks of T rows go to every other rank
+        if c["dispatcher"] == "sync_free":                       # whole blocks of T rows go to every other rank
             assert c["traffic"]["dispatch"] > 0
     for ep in (2, 4):
         if world % ep == 0:
             t = res["traffic"][str(ep)]
             assert (t["dispatch"], t["dispatch_undeduplicated"]) == router_count(world, ep), (ep, t)
-            assert t["combine_pairs"] == t["dispatch_undeduplicated"] and t["calls"] == world
+            assert t["calls"] == world
             assert t["combine"] == t["dispatch"]                   # summed: one row back per row sent
             assert t["dispatch"] < t["dispatch_undeduplicated"]
 
@@ -157,6 +156,6 @@ def test_errors(fake_world):
     mesh = build_mesh(1, 1, 1, 4, "cpu", 60)
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by the expert-parallel size 4"):
         EPDispatcher(mesh.ep, 6)
-    from pith_lit.engine.ep import all_to_all_start
+    from pith_lit.engine.ep import all_to_all
     with pytest.raises(ValueError, match="send must sum to the 3 rows of x"):
-        all_to_all_start(torch.zeros(3, 2), [1, 1, 1, 1], [1, 1, 1, 1], mesh.ep)
+        all_to_all(torch.zeros(3, 2), [1, 1, 1, 1], [1, 1, 1, 1], mesh.ep)

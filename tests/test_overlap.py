@@ -39,11 +39,13 @@ def test_command_line(tmp_path):
 def test_dualpipev_slots_are_profiler_ranges():
     "The schedule's F/B/W slots appear as record_function ranges in a (CPU) profiler trace, which the report reads."
     import torch
-    from pith_lit.engine.dualpipev import DualPipeV, _loss_fn, _micro_batches, _tiny, split_model
-    from pith_lit.models.protocol import LocalDispatcher
-    model = _tiny()
-    pipe = DualPipeV(split_model(model, 0, 1), None, LocalDispatcher(4), _loss_fn(model), None, "cpu")
+    from pith_lit.engine.dualpipev import DualPipeV, split_model
+    from pith_lit.models.protocol import LocalDispatcher, head_loss
+    from pith_lit.testing import micro_batches, tiny_model
+    model = tiny_model()
+    pipe = DualPipeV(split_model(model, 0, 1), None, LocalDispatcher(4), lambda h, y: head_loss(model, h, y), None,
+                     "cpu")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        pipe.step(_micro_batches(2, 64), 1.0)
+        pipe.step(micro_batches(2, 64), 1.0)
     names = {e.name for e in prof.events()}
     assert {"F0", "B0", "W"} & names and any("&" in n for n in names), sorted(n for n in names if len(n) < 8)

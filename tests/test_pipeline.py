@@ -8,9 +8,22 @@ import pytest
 import torch
 
 from conftest import ROOT, subprocess_env
-from pith_lit.engine.dualpipev import (DualPipeV, _aux_fn, _loss_fn, _micro_batches, _tiny, compare,
-                                       dualpipev_schedule, grads, reference_step, simulate, split_model, stage_layers,
-                                       unit_duration)
+from pith_lit.engine.dualpipev import DualPipeV, dualpipev_schedule, simulate, split_model, unit_duration
+from pith_lit.engine.mesh import stage_layers
+from pith_lit.models.protocol import head_loss
+from pith_lit.testing import aux_fn as _aux_fn, compare, micro_batches as _micro_batches, reference_step, tiny_model
+
+
+def _tiny(dtype=torch.float32):
+    return tiny_model(dtype=dtype)
+
+
+def _loss_fn(model):
+    return lambda h, labels: head_loss(model, h, labels)
+
+
+def grads(model):
+    return {n: p.grad for n, p in model.named_parameters()}
 from pith_lit.engine.stages import LayerRun, Streams, backward_layers, forward_layers, run_steps
 from pith_lit.models.protocol import LocalDispatcher
 
@@ -19,13 +32,10 @@ from pith_lit.models.protocol import LocalDispatcher
 def test_schedule_every_size(P):
     "Every message matched in order, no deadlock, every F/B of both phases once, each W after its B."
     for M in range(2 * P, 3 * P + 2):
-        for edges in (False, True):      # pair_edges changes P = 1 only
-            events = simulate(P, M, unit_duration, edges)
-            for r, ev in enumerate(events):
-                zero_bubble = sum(a[0] == "B" and a[3] for a in dualpipev_schedule(r, P, M, edges))
-                assert sum(e[0] == "W" for e in ev) == zero_bubble
-    if P > 1:
-        assert dualpipev_schedule(0, P, 2 * P, True) == dualpipev_schedule(0, P, 2 * P)
+        events = simulate(P, M, unit_duration)
+        for r, ev in enumerate(events):
+            zero_bubble = sum(a[0] == "B" and a[3] for a in dualpipev_schedule(r, P, M))
+            assert sum(e[0] == "W" for e in ev) == zero_bubble
 
 
 def test_schedule_needs_enough_micro_batches():
@@ -37,16 +47,10 @@ def test_stage_layers_edges_get_fewer():
     assert stage_layers(10, 2) == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
     assert stage_layers(9, 2) == [[0, 1], [2, 3, 4], [5, 6], [7, 8]]
     assert [len(s) for s in stage_layers(30, 4)] == [3, 4, 4, 4, 4, 4, 4, 3]
-    assert stage_layers(12, 2, edge_layers=2) == [[0, 1], [2, 3, 4, 5], [6, 7, 8, 9], [10, 11]]
-    with pytest.raises(ValueError, match=r"pp_edge_layers = 6: with 12 layers and pp = 2 the edge stages can hold "
-                                         r"1 to 5 layers"):
-        stage_layers(12, 2, edge_layers=6)
     assert stage_layers(6, 2, sizes=[0, 3, 2, 1]) == [[], [0, 1, 2], [3, 4], [5]]
     for bad in ([3, 4, 3], [3, 0, 3, 6], [4, 4, 4, 4]):
         with pytest.raises(ValueError, match=r"pp_stage_layers = .*: give 2·pp = 4 layer counts"):
             stage_layers(12, 2, sizes=bad)
-    with pytest.raises(ValueError, match="not both"):
-        stage_layers(12, 2, edge_layers=2, sizes=[3, 4, 3, 2])
 
 
 def test_split_model_keeps_only_this_ranks_parameters():
@@ -61,7 +65,7 @@ def test_split_model_keeps_only_this_ranks_parameters():
         assert all(torch.equal(p, full[n]) for n, p in model.named_parameters())
         kept.append(names)
     assert kept[0] | kept[1] == full.keys() and not kept[0] & kept[1]
-    with pytest.raises(ValueError, match="2·pp = 6 stages of at least one layer, but it has 5 layers"):
+    with pytest.raises(ValueError, match="2·pp = 6 stages of at least one layer, but model.num_hidden_layers = 5"):
         split_model(_tiny(), 0, 3)
 
 
@@ -78,29 +82,20 @@ def test_step_rejects_bad_micro_batches():
 
 
 @pytest.mark.parametrize("M", [2, 4])
-@pytest.mark.parametrize("pair_edges", [False, True])
-def test_overlap_one_rank_matches_plain_autograd(M, pair_edges):
+def test_overlap_one_rank_matches_plain_autograd(M):
     """parallel.overlap: P = 1, everything but the first micro-batch's forward and the last one's backward in F&B
-    pairs, or (pair_edges) everything but the first half-model forward and the last half-model backward in pairs;
-    float64 so only the order of sums differs."""
+    pairs; float64 so only the order of sums differs."""
     ref, model = _tiny(dtype=torch.float64), _tiny(dtype=torch.float64)
     batches, scale, aux_fn = _micro_batches(M, 64, seed=7), 1 / (M * 16), _aux_fn(4, coef=0.3)
     ref_loss, ref_aux = reference_step(ref, batches, scale, aux_fn)
-    pipe = DualPipeV(split_model(model, 0, 1), None, LocalDispatcher(4), _loss_fn(model), aux_fn,
-                     pair_edges=pair_edges)
+    pipe = DualPipeV(split_model(model, 0, 1), None, LocalDispatcher(4), _loss_fn(model), aux_fn)
     loss, aux = pipe.step(batches, scale)
     compare(model, grads(ref), loss, ref_loss, f"P=1 M={M}", grad_tol=1e-12, loss_tol=1e-12)
     assert abs(aux - ref_aux) <= 1e-12 * abs(ref_aux)
     events = pipe.timeline.events()
     kinds = [k for k, *_ in events]
-    if not pair_edges:
-        assert kinds.count("F1&B0") == M - 1 and kinds.count("F0&B1") == M - 1
-        assert [k for k in kinds if "&" not in k and k != "W"] == ["F0", "F1", "B1", "B0"]
-        return
-    assert kinds.count("F1&B1") == M - 1 and kinds.count("F0&B0") == M - 2
-    assert kinds.count("F1&F0") == 1 and kinds.count("B0&B1") == 1 and "W" not in kinds
-    assert [k for k in kinds if "&" not in k] == ["F0", "B0"]
-    assert [m for k, m, *_ in events if k == "B0&B1"] == [(M - 2, M - 1)]
+    assert kinds.count("F1&B0") == M - 1 and kinds.count("F0&B1") == M - 1
+    assert [k for k in kinds if "&" not in k and k != "W"] == ["F0", "F1", "B1", "B0"]
 
 
 def test_run_steps_interleaves_at_communication_steps():
@@ -135,7 +130,7 @@ def test_run_steps_interleaves_at_communication_steps():
 def torchrun(nproc: int, *args: str) -> list[str]:
     "Run the module's checks on `nproc` CPU processes; returns the lines that report a passed check."
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "-m", "pith_lit.engine.dualpipev", *args],
+                           str(nproc), "-m", "pith_lit.testing", "pipeline", *args],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [line for line in proc.stdout.splitlines() if line.endswith(")") and " OK " in line]
@@ -151,23 +146,19 @@ def test_overlap_with_expert_parallelism():
     assert len(torchrun(2, "--micro", "2", "3", "--ep", "2")) == 4
 
 
-@pytest.mark.parametrize("overlap_p2p", [False, True])
-def test_pipeline_with_expert_parallelism(overlap_p2p):
-    "pp = 2 × ep = 2 on four processes: two pipeline groups, each with its own per-direction groups when overlapping."
-    assert len(torchrun(4, "--micro", "4", "5", "--ep", "2", *["--overlap-p2p"] * overlap_p2p)) == 8
+def test_pipeline_with_expert_parallelism():
+    "pp = 2 × ep = 2 on four processes: two pipeline groups."
+    assert len(torchrun(4, "--micro", "4", "5", "--ep", "2")) == 8
 
 
-@pytest.mark.parametrize("overlap_p2p", [False, True])
-def test_four_pipeline_ranks(overlap_p2p):
+def test_four_pipeline_ranks():
     "pp = 4 on four processes (9 layers in 8 stages), 2P micro-batches; the middle ranks have two neighbours each."
-    assert len(torchrun(4, "--micro", "8", *["--overlap-p2p"] * overlap_p2p)) == 4
+    assert len(torchrun(4, "--micro", "8")) == 4
 
 
-def test_empty_edge_stages_and_receives_just_in_time():
-    """pp = 2 with rank 0 holding no layer at all (stage 0 only embeds, stage 3 only runs the head and the loss), the
-    transfers beside compute (overlap_p2p) and every receive posted just before the action that reads it."""
-    assert len(torchrun(2, "--micro", "4", "5", "--stage-layers", "0", "3", "2", "0", "--overlap-p2p",
-                        "--recv-ahead", "0")) == 4
+def test_empty_edge_stages():
+    "pp = 2 with rank 0 holding no layer at all (stage 0 only embeds, stage 3 only runs the head and the loss)."
+    assert len(torchrun(2, "--micro", "4", "5", "--stage-layers", "0", "3", "2", "0")) == 4
 
 
 def test_deepseek_v2_pipeline():

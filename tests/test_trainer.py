@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, subprocess_env
 from pith_lit.train import checkpoint
 from pith_lit.train.config import ConfigError, load_config, to_dict
-from pith_lit.train.trainer import build_model, expandable_segments, train
+from pith_lit.train.trainer import build_model, train
 
 QUIET = ["log.sample_tokens=0", "log.tensorboard=false"]
 
@@ -75,16 +75,12 @@ def test_metrics_and_tensorboard(tmp_path):
 OVERLAPPED = ["parallel.ep_sync_free=true", "parallel.overlap=true"]
 
 
-@pytest.mark.parametrize("variant", [[], OVERLAPPED, OVERLAPPED + ["parallel.ep_backward_group=true"],
-                                     OVERLAPPED + ["parallel.ep_permute_in_compute=false"],
-                                     ["parallel.overlap=true", "parallel.ep_combine=pairs"]],
-                         ids=["plain", "sync_free_overlapped", "sync_free_overlapped_backward_group",
-                              "sync_free_overlapped_permute_on_comm", "pairs_overlapped"])
+@pytest.mark.parametrize("variant", [[], OVERLAPPED, ["parallel.overlap=true"]],
+                         ids=["plain", "sync_free_overlapped", "counted_overlapped"])
 def test_expert_parallel_matches_single_process(tmp_path, variant):
     """ep 2 under torchrun (2 gloo processes, each with half the experts and half of every batch) against one
-    process with all experts and the whole batch: the same loss curve; plain, with the sync-free dispatcher
-    under the overlapped schedule, with backward's exchanges on a second communicator, with the rows permuted by
-    the communication steps, and with a per-pair combine overlapped. The load-balance term
+    process with all experts and the whole batch: the same loss curve; plain, and under the overlapped schedule
+    with the sync-free and the counted dispatcher. The load-balance term
     is off: its running global statistic depends on the order in which micro-batches are seen, which differs
     between the two runs."""
     over = ["train.steps=6", "train.warmup=1", "train.lb_coef=0", "ckpt.every=-1", *QUIET]
@@ -164,9 +160,9 @@ def test_pipeline_refuses_a_wrong_process_count(tmp_path):
 
 
 def test_pipeline_resume_repeats_straight_run(tmp_path):
-    """pp 2: a run resumed from its step-3 checkpoint repeats the straight run's steps 4-6 exactly; with the
-    transfers beside compute and rank 0 holding one layer (stage sizes 0, 2, 1, 1: stage 0 only embeds)."""
-    over = ["train.steps=6", "train.warmup=1", "ckpt.every=3", *QUIET, "parallel.pp=2", "parallel.pp_overlap_p2p=true",
+    """pp 2: a run resumed from its step-3 checkpoint repeats the straight run's steps 4-6 exactly; with rank 0
+    holding one layer (stage sizes 0, 2, 1, 1: stage 0 only embeds)."""
+    over = ["train.steps=6", "train.warmup=1", "ckpt.every=3", *QUIET, "parallel.pp=2",
             "parallel.pp_stage_layers=[0, 2, 1, 1]"]
     proc = torchrun_train(2, over + [f"run.dir={tmp_path}/a"])
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -191,13 +187,3 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path):
     assert resumed["start"] == 3
     for a, b in zip(resumed["history"], metrics(tmp_path / "ep2")[3:]):
         assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
-
-
-def test_expandable_segments_leaves_the_users_allocator_settings(monkeypatch):
-    "A PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) in the environment wins: nothing is asked of the allocator."
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        with monkeypatch.context() as m:
-            m.setenv(var, "max_split_size_mb:512")
-            m.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: pytest.fail(f"asked for {s}"),
-                      raising=False)
-            assert expandable_segments() is False

@@ -21,7 +21,7 @@
 # | `launch_env()` | rank, world size, local rank and rendezvous address from torchrun's or SLURM's variables |
 # | `init_distributed(timeout_s, device_type)` | the default process group (NCCL on CUDA, gloo on CPU) |
 # | `build_mesh(pp, dp, cp, ep, device_type, timeout_s)` | a `Mesh`: a group per axis, and three products |
-# | `twin_group(mesh, axis, timeout_s)` | a second communicator over this rank's `axis` group (its own NCCL stream) |
+# | `stage_layers(num_layers, pp, sizes)` | the layers each of the 2·pp pipeline stages holds |
 # | `run_ranked(fn)` | run `fn`; on an exception print it with the rank and end the process at once |
 
 # %%
@@ -173,13 +173,11 @@ class Mesh:
         return {f.name: dist.get_process_group_ranks(getattr(self, f.name)) for f in fields(self)[1:]}
 
 
-def _backend_options(timeout: timedelta, high_priority: bool = False):
-    """(backend, options carrying `timeout`) for the groups DeviceMesh creates; None keeps the backend's defaults.
-    `high_priority`: NCCL runs the group's collectives on a high-priority CUDA stream."""
+def _backend_options(timeout: timedelta):
+    "(backend, options carrying `timeout`) for the groups DeviceMesh creates; None keeps the backend's defaults."
     match dist.get_backend():
         case "nccl":
             opts = dist.ProcessGroupNCCL.Options()
-            opts.is_high_priority_stream = high_priority
         case "gloo":
             opts = dist.ProcessGroupGloo._Options()
         case _:
@@ -188,37 +186,17 @@ def _backend_options(timeout: timedelta, high_priority: bool = False):
     return dist.get_backend(), opts
 
 
-def twin_group(mesh: "Mesh", axis: str, timeout_s: float, high_priority: bool = False) -> dist.ProcessGroup:
-    """A second communicator over the ranks of this rank's `axis` group. Collectives of one communicator run one
-    after another (NCCL: on one stream); two let two streams of collectives proceed side by side. Every rank
-    must call it: it creates the twin of every group along `axis`, in the same order everywhere."""
-    names = mesh.device_mesh.mesh_dim_names
-    grid = mesh.device_mesh.mesh.movedim(names.index(axis), -1)
-    rows = grid.reshape(-1, grid.shape[-1]).tolist()
-    opts = _backend_options(timedelta(seconds=timeout_s), high_priority)
-    mine = None
-    for ranks in rows:
-        g = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s),
-                           pg_options=opts[1] if opts is not None and opts[0] == "nccl" else None)
-        if dist.get_rank() in ranks:
-            mine = g
-    return mine
-
-
-def build_mesh(pp: int, dp: int, cp: int, ep: int, device_type: str, timeout_s: float,
-               comm_priority: bool = False) -> Mesh:
-    """The (pp, dp, cp, ep) mesh over all processes of the default group; every rank must call it.
-    `comm_priority`: the ep and pp groups' NCCL streams get high priority, so their kernels start as soon as SMs
-    free up beside long compute kernels."""
+def build_mesh(pp: int, dp: int, cp: int, ep: int, device_type: str, timeout_s: float) -> Mesh:
+    "The (pp, dp, cp, ep) mesh over all processes of the default group; every rank must call it."
     world, sizes = dist.get_world_size(), (pp, dp, cp, ep)
     if min(sizes) < 1 or pp * dp * cp * ep != world:
         raise ValueError(f"parallel.pp × dp × cp × ep = {pp} × {dp} × {cp} × {ep} = {pp * dp * cp * ep}, but "
                          f"{world} processes were launched; make the product equal the number of processes "
                          "(or launch that many)")
     timeout, names = timedelta(seconds=timeout_s), ("pp", "dp", "cp", "ep")
-    override = {n: o for n in names if (o := _backend_options(timeout, comm_priority and n in ("pp", "ep")))
-                is not None}
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names, backend_override=override or None)
+    opts = _backend_options(timeout)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names,
+                            backend_override=None if opts is None else {n: opts for n in names})
 
     def product(*dims):
         return mesh[dims]._flatten("_".join(dims), backend_override=_backend_options(timeout)).get_group()
@@ -252,8 +230,6 @@ for rank in range(16):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=16)
     mesh = build_mesh(**sizes, device_type="cpu", timeout_s=60)
     got = mesh.ranks()
-    twin = twin_group(mesh, "ep", 60)      # a second communicator over the same ranks as mesh.ep
-    assert twin is not mesh.ep and dist.get_process_group_ranks(twin) == got["ep"], (rank, twin)
     dist.destroy_process_group()
     assert got == {name: expected(rank, a) for name, a in axes.items()}, (rank, got)
 got   # the groups of rank 15
@@ -275,6 +251,69 @@ except ValueError as err:
     print(err)
 finally:
     dist.destroy_process_group()
+
+# %% [markdown]
+# ## Which layers each pipeline stage holds
+#
+# With pp pipeline ranks the model is cut into 2·pp **stages** of consecutive layers, and DualPipeV
+# (engine/33) puts stages r and 2·pp−1−r on rank r. `stage_layers` says which layers each stage holds. It lives
+# here, with the rest of the job's layout, so that the config can check a requested split without importing the
+# pipeline executor.
+#
+# When the layers do not divide evenly, the extra layers go to the stages farthest from the ends of the model:
+# the edge stages (0 and 2·pp−1, both on rank 0) also run the embedding and the head with the loss, so they get
+# fewer layers; stage 0 (the cheap embedding) is served before stage 2·pp−1 (the head, a large matmul).
+# `sizes` (`parallel.pp_stage_layers`) gives the layers of every stage instead. The edge stages may then be
+# empty: stage 0 runs only the embedding, the last stage only the head and the loss. Rank 0's head and loss
+# can cost several layers (about three for the Qwen3 bench config at vocabulary 151,936); benchmarks/RESULTS.md
+# ("Pipeline stage sizes") has the splits that measured fastest.
+
+# %%
+#| export
+def stage_layers(num_layers: int, pp_size: int, sizes: list[int] | None = None) -> list[list[int]]:
+    """The layer indices of each of the 2·pp_size stages, in order; the middle stages get the extra layers first.
+    `sizes`: the number of layers of each stage, given (the edge stages may have none)."""
+    n = 2 * pp_size
+    if sizes:
+        counts = all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in sizes)
+        if len(sizes) != n or not counts or sum(sizes) != num_layers or min(sizes[1:-1], default=1) < 1:
+            raise ValueError(f"parallel.pp_stage_layers = {sizes}: give 2·pp = {n} layer counts, one per stage, "
+                             f"that add up to model.num_hidden_layers = {num_layers}; the edge stages (0 and {n - 1}) "
+                             "may have 0, every other stage needs 1 or more")
+    else:
+        if num_layers < n:
+            raise ValueError(f"parallel.pp = {pp_size}: DualPipeV cuts the model into 2·pp = {n} stages of at least "
+                             f"one layer, but model.num_hidden_layers = {num_layers}; use parallel.pp <= "
+                             f"{num_layers // 2}")
+        sizes = [num_layers // n] * n
+        for s in sorted(range(n), key=lambda s: (-min(s, n - 1 - s), s))[:num_layers % n]:
+            sizes[s] += 1
+    starts = [sum(sizes[:s]) for s in range(n)]
+    return [list(range(a, a + k)) for a, k in zip(starts, sizes)]
+
+# %%
+assert stage_layers(4, 2) == [[0], [1], [2], [3]]
+assert stage_layers(6, 2) == [[0], [1, 2], [3, 4], [5]]
+assert stage_layers(7, 2) == [[0, 1], [2, 3], [4, 5], [6]]
+assert stage_layers(5, 1) == [[0, 1, 2], [3, 4]]
+for L, P in [(48, 4), (27, 4), (61, 8)]:
+    s = stage_layers(L, P)
+    assert sum(s, []) == list(range(L)) and max(map(len, s)) - min(map(len, s)) <= 1
+assert [len(x) for x in stage_layers(12, 2, sizes=[3, 4, 3, 2])] == [3, 4, 3, 2]
+assert stage_layers(5, 2, sizes=[0, 3, 2, 0]) == [[], [0, 1, 2], [3, 4], []]
+for bad in [[3, 4, 3], [3, 4, 3, 3], [3, 0, 5, 4], [3, 4, 3.0, 2]]:     # too few, too many layers, an empty middle
+    try:
+        stage_layers(12, 2, sizes=bad)
+        raise AssertionError(bad)
+    except ValueError as e:
+        assert "parallel.pp_stage_layers" in str(e)
+try:
+    stage_layers(3, 2)
+    raise AssertionError("expected a ValueError")
+except ValueError as e:
+    print(e)
+print("48 layers on 4 ranks:", [len(x) for x in stage_layers(48, 4)],
+      "· 27 layers:", [len(x) for x in stage_layers(27, 4)])
 
 # %% [markdown]
 # ## Failing fast

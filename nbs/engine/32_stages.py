@@ -90,34 +90,30 @@ def _use(*tensors) -> None:
 # | step | reads (leaves) | keeps (outputs) | its backward hands back |
 # |---|---|---|---|
 # | stage 1 | `h_in` | `h`, `x`, `routing.weights`, the load-balance loss | `h_in.grad` |
-# | dispatch | `x` (and `w` when it sums) | `xg_out` (rows by expert, or as received), `counts` | `x.grad` (and `w.grad`) |
-# | stage 3 | `xg` (and the received weights) | `y_out` (expert outputs, or sums per received row) | `xg.grad` |
-# | combine | `y` | `yc_out` (outputs back home) | `y.grad` |
-# | stage 5 | `h1`, `yc`, `w` (unless dispatch summed) | `h_out` | `h1.grad`, `yc.grad`, `w.grad` |
+# | dispatch | `x`, `w` | `xg_out` (the rows as received), `pw_out` (their router weights) | `x.grad`, `w.grad` |
+# | stage 3 | `xg`, `pw` | `y_out` (per received row, the weighted sum of its experts' outputs) | `xg.grad`, `pw.grad` |
+# | combine | `y` | `yc_out` (each token's sum, back home) | `y.grad` |
+# | stage 5 | `h1`, `yc` | `h_out` | `h1.grad`, `yc.grad` |
 #
-# The router weights leave stage 1 as the leaf `w`, which replaces them on the routing record. Stage 5 reads it,
-# or, when the dispatcher weights and sums on the experts' rank (engine/31_ep's `combine="sum"`), dispatch does and
-# its backward hands back `w.grad`. Either way stage 1's backward receives three gradients plus the load-balance
-# loss, whose gradient is 1: the loss `aux_fn(key, routing)` joins stage 1's
-# backward, as it would in one `loss.backward()`. Each backward step drops what the next one no longer needs.
+# The router weights leave stage 1 as the leaf `w`, which replaces them on the routing record; they travel with
+# the rows in dispatch (a no-op with one rank), and stage 3 reads them as the leaf `pw`. Stage 1's backward
+# receives three gradients plus the load-balance loss, whose gradient is 1: the loss `aux_fn(key, routing)` joins
+# stage 1's backward, as it would in one `loss.backward()`. Each backward step drops what the next one no longer
+# needs.
 #
 # `wgrad_queue` is where the expert weight gradients of stage 3 go when a pipeline defers them to a W slot
 # (zero-bubble scheduling; ops/12_grouped_linear's `WeightGradQueue`): the layer protocol's
 # `stage3(x, counts, wgrad_queue)` hands it to the grouped expert linears, whose backward then computes only the
 # input gradient and leaves the weight gradient in the queue until the schedule drains it.
 #
-# **What runs where.** With an expert-parallel dispatcher that says `permute_in_compute` (engine/31_ep, the
-# default there), the dispatch step only exchanges rows: `xg_out` is the rows as received, and stage 3 first
-# expands them to (token, expert) pairs (`dispatcher.expand`) and, after the experts, sums each received row's
-# pairs back into one row (`dispatcher.reduce`); the combine step exchanges those rows. The router weights that
-# `reduce` needs arrive with dispatch and cross into stage 3 as one more leaf, whose gradient dispatch's
-# backward hands back. The reason is memory, not arithmetic: PyTorch's caching allocator keeps a pool per
-# stream, and a block freed by one stream's tensors is not reused by another stream's allocations. The pair
-# buffers (T·k rows, or ep·T·k with the sync-free dispatcher) and their gradients are the largest tensors of a
-# layer; made in the communication steps, they filled a second pool of 37 GiB on an H200 while the compute
-# stream's pool ran out, so the allocator freed its cache and synchronised about ten times a step. Made in
-# stage 3, they share the compute stream's pool: the communication stream kept 7 GiB, the allocator never ran
-# out, and the step got 9.6% faster (benchmarks/RESULTS.md).
+# **What runs where.** The dispatch and combine steps only exchange rows. Stage 3 expands the received rows to
+# (token, expert) pairs (`dispatcher.expand`) and, after the experts, sums each received row's pairs back into one
+# row (`dispatcher.reduce`), on the compute stream. The reason is memory, not arithmetic: PyTorch's caching
+# allocator keeps a pool per stream, and a block freed by one stream's tensors is not reused by another stream's
+# allocations. The pair buffers (T·k rows, or ep·T·k with the sync-free dispatcher) and their gradients are the
+# largest tensors of a layer; made in the communication steps, they filled a second pool of 37 GiB on an H200
+# while the compute stream's pool ran out, and the allocator freed its cache and synchronised about ten times a
+# step. Made in stage 3 they share the compute stream's pool (benchmarks/RESULTS.md, "The allocator").
 
 # %%
 #| export
@@ -137,15 +133,12 @@ class LayerRun:
         self.layer, self.key, self.dispatcher, self.aux_fn = layer, key, dispatcher, aux_fn
         self.wgrad_queue = wgrad_queue
         self.aux = None
-        self.pw_out = self.pw = None
-        # rows permuted on the compute stream, in stage 3 (the dispatcher's `expand` and `reduce`), when it can
-        self.permute = getattr(dispatcher, "permute_in_compute", False)
 
     def forward(self, h: Tensor, positions: Tensor):
         self.h_in, self.positions = _leaf(h), positions
         yield COMPUTE, self._stage1
         if self.routing is not None:
-            if getattr(self.dispatcher, "counts_step", False):   # sizes across ranks first, rows after a switch
+            if self.dispatcher.counts_step:   # sizes across ranks first, rows after a switch
                 yield COMM, self._counts
             yield COMM, self._dispatch
             yield COMPUTE, self._stage3
@@ -171,46 +164,34 @@ class LayerRun:
             self.aux = self.aux_fn(self.key, self.routing)
         self.s1_out = [h, x, self.routing.weights, self.aux]
         self.h1, self.x, self.w = _leaf(h), _leaf(x), _leaf(self.routing.weights)
-        self.routing.weights = self.w     # a summing dispatcher reads them in dispatch, stage 5 otherwise
+        self.routing.weights = self.w                 # dispatch sends these with the rows
 
     def _counts(self):
         self.dispatcher.exchange_counts(self.routing)
 
     def _dispatch(self):
         _use(self.x, self.w)
-        d, r = self.dispatcher, self.routing
-        if self.permute:   # the exchange alone: stage 3 makes the pairs from the received rows
-            d.dispatch_start(self.x, r)
-            self.xg_out, self.counts = d.dispatch_wait(r, expand=False)
-            self.pw_out = r.plan.weights               # combine "sum": stage 3 weights with them, a leaf there
-            self.pw = r.plan.weights = None if self.pw_out is None else _leaf(self.pw_out)
-        else:
-            self.xg_out, self.counts = d.dispatch(self.x, r)
-        self.xg = _leaf(self.xg_out)
+        self.xg_out = self.dispatcher.dispatch(self.x, self.routing)
+        plan = self.routing.plan
+        self.pw_out = plan.weights                    # the received rows' router weights: stage 3 applies them
+        self.xg, self.pw = _leaf(self.xg_out), _leaf(self.pw_out)
+        plan.weights = self.pw
 
     def _stage3(self):
-        _use(self.xg, self.counts)
-        if self.permute:
-            plan = self.routing.plan
-            _use(plan.expand_rows, plan.pair_row, plan.back, self.pw)
-            y = self.layer.stage3(self.dispatcher.expand(self.xg, self.routing), self.counts, self.wgrad_queue)
-            self.y_out = self.dispatcher.reduce(y, self.routing)
-        else:
-            self.y_out = self.layer.stage3(self.xg, self.counts, self.wgrad_queue)
+        d, r = self.dispatcher, self.routing
+        _use(self.xg, *(v for v in vars(r.plan).values() if isinstance(v, Tensor)))
+        y = self.layer.stage3(*d.expand(self.xg, r), self.wgrad_queue)
+        self.y_out = d.reduce(y, r)
         self.y = _leaf(self.y_out)
 
     def _combine(self):
         _use(self.y)
-        if self.permute:
-            self.dispatcher.combine_start(self.y, self.routing, reduced=True)
-            self.yc_out = self.dispatcher.combine_wait(self.routing)
-        else:
-            self.yc_out = self.dispatcher.combine(self.y, self.routing)
+        self.yc_out = self.dispatcher.combine(self.y, self.routing)
         self.yc = _leaf(self.yc_out)
 
     def _stage5(self):
-        _use(self.yc, self.routing.row_index)
-        self.h_out = self.layer.stage5(self.h1, self.yc, self.routing)
+        _use(self.yc)
+        self.h_out = self.layer.stage5(self.h1, self.yc)
 
     # backward steps, in the order they run
     def _stage5_backward(self):
@@ -228,10 +209,9 @@ class LayerRun:
         self.y_out = self.y = None
 
     def _dispatch_backward(self):
-        pw_grad = None if self.pw is None else self.pw.grad
-        _use(self.xg.grad, pw_grad)
-        _backward([self.xg_out, self.pw_out], [self.xg.grad, pw_grad])
-        self.xg_out = self.xg = self.counts = self.pw_out = self.pw = None
+        _use(self.xg.grad, self.pw.grad)
+        _backward([self.xg_out, self.pw_out], [self.xg.grad, self.pw.grad])
+        self.xg_out = self.xg = self.pw_out = self.pw = None
 
     def _stage1_backward(self):
         if self.routing is None:
@@ -320,9 +300,9 @@ model.zero_grad(set_to_none=True)
 # the host, so a forward layer has one more COMM step, `counts`, just before `dispatch`: the counts exchange is
 # queued, the driver switches, the other micro-batch queues a compute step, and only then does `dispatch` block
 # the host on the sizes, while the GPU still has that compute step to run. (That step is one expert backward, and
-# on two H200s it was not enough: the host block still drained the GPU's queue. With `sync_free=True` the
-# dispatcher never blocks and asks for no `counts` step, its `counts_step` being False, so the two tasks switch in
-# lock step; see `uncovered` below, engine/31_ep and benchmarks/RESULTS.md.)
+# on two H200s it was not enough: the host block still drained the GPU's queue. `SyncFreeEPDispatcher`
+# never blocks and asks for no `counts` step, so the two tasks switch in lock step; see `uncovered` below,
+# engine/31_ep and benchmarks/RESULTS.md.)
 # On a GPU, COMPUTE steps run on `streams.compute` (the stream that
 # was current when `Streams` was made) and COMM steps on `streams.comm`. Within a task each step waits for the
 # task's previous step through a CUDA event (recorded after every step), so a task is a chain of dependencies
@@ -352,12 +332,11 @@ def backward_layers(runs: list[LayerRun], grad: Tensor):
 
 
 class Streams:
-    """The compute stream (current when made) and a communication stream, on a CUDA device; both None on the CPU.
-    `high_priority`: the communication stream's kernels are scheduled ahead of the compute stream's."""
-    def __init__(self, device: torch.device, high_priority: bool = False):
+    "The compute stream (current when made) and a communication stream, on a CUDA device; both None on the CPU."
+    def __init__(self, device: torch.device):
         cuda = torch.device(device).type == "cuda"
         self.compute = torch.cuda.current_stream(device) if cuda else None
-        self.comm = torch.cuda.Stream(device, priority=-1 if high_priority else 0) if cuda else None
+        self.comm = torch.cuda.Stream(device) if cuda else None
 
 
 class _Task:
@@ -411,7 +390,7 @@ def uncovered(trace: list) -> list[tuple[int, str]]:
 # The embedding and the head sit outside the layers, behind detach points of their own: the embedding output
 # `h0` is the first layer's input, and the loss is computed on a leaf copy of the last layer's output, so its
 # backward hands `h_last.grad` to the layers and the layers hand `grad_in` back to the embedding. The objective is
-# the trainer's (train/45_trainer `micro_step`): token cross-entropy summed over tokens, divided by the token
+# the trainer's (train/45_trainer): token cross-entropy summed over tokens, divided by the token
 # count, plus every MoE layer's load-balance loss. Stage by stage must match one `loss.backward()` of the plain
 # model, in float64 to 1e-12 and, for the record, in float32 to 1e-6.
 

@@ -18,17 +18,22 @@
 # | stage | call | by | does |
 # |---|---|---|---|
 # | 1 | `layer.stage1(h, positions) -> (h, x, routing)` | model | attention + residual, norm, router, shared experts |
-# | 2 | `dispatcher.dispatch(x, routing) -> (x_grouped, counts)` | engine | send rows to their experts, grouped |
-# | 3 | `layer.stage3(x_grouped, counts, wgrad_queue=None) -> y` | model | the routed experts on grouped rows |
-# | 4 | `dispatcher.combine(y, routing) -> y` | engine | bring expert outputs back to the tokens' rank |
-# | 5 | `layer.stage5(h, y, routing) -> h` | model | router-weighted sum of each token's outputs + residual |
+# | 2 | `dispatcher.dispatch(x, routing) -> rows` | engine | send each token's row to the ranks of its experts |
+# | 3 | `dispatcher.expand`, `layer.stage3(x_grouped, counts, wgrad_queue=None) -> y`, `dispatcher.reduce` | model, between two engine permutations | the routed experts on rows grouped by expert, then each row's router-weighted sum |
+# | 4 | `dispatcher.combine(rows, routing) -> y` | engine | bring the sums back to the tokens' rank, one (T, H) row per token |
+# | 5 | `layer.stage5(h, y) -> h` | model | the residual |
+#
+# The router weights are applied where the experts ran (`reduce`, in stage 3), so that combine returns one row
+# per token and rank instead of one per (token, expert) pair: at ep 2 with top-8 that is a quarter of the bytes,
+# and it measured 3.7–5.7% faster than returning the pairs (benchmarks/RESULTS.md, third session).
 #
 # Stage 3's optional `wgrad_queue` (ops/12_grouped_linear) defers the experts' weight gradients: backward then
 # computes only the input gradient, and a pipeline schedule computes the weight gradient later, in a slot that
-# would otherwise be idle. A model never sees stages 2 and 4, and the engine never looks inside 1, 3 and 5. This notebook defines the
-# pieces they share: the `Routing` record that travels from stage 1 to stage 5, the single-rank dispatcher, and
-# `run_layers`, the plain loop that calls the five stages. The expert-parallel dispatcher and the overlapped
-# schedules (in `engine/`) replace the last two without touching any model.
+# would otherwise be idle. A model never sees stages 2 and 4, and the engine never looks inside 1, 3 and 5. This
+# notebook defines the pieces they share: the `Routing` record that travels from stage 1 to stage 5, the
+# single-rank dispatcher, `run_layers`, the plain loop that calls the five stages, and `head_loss`, the loss of a
+# micro-batch. The expert-parallel dispatchers and the overlapped schedules (in `engine/`) replace the dispatcher
+# and the loop without touching any model.
 
 # %%
 #| default_exp models.protocol
@@ -40,32 +45,39 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pith_lit.ops.permute import gather_rows, sort_by_expert, weighted_gather
 
 # %% [markdown]
-# ## Config fields carry their help
+# ## Config fields carry their help and their range
 #
 # Every model's `Config` is a dataclass whose fields are declared with `cfg(default, help)`, so the command
-# line can print what each field means (train/config).
+# line can print what each field means (train/config). A number's valid range is declared on the field too
+# (`gt`, `ge`, `lt`, `le`), and the config validation checks every declared range, with no list of names of its
+# own.
 
 # %%
 #| export
-def cfg(default, help: str):
-    "A dataclass field that carries its documentation; `--help` prints it. Lists and dicts get a factory."
+def cfg(default, help: str, **bounds):
+    """A dataclass field that carries its documentation (`--help` prints it) and, for a number, its valid range:
+    `gt`, `ge`, `lt`, `le` (train/config checks them). Lists and dicts get a factory."""
+    unknown = set(bounds) - {"gt", "ge", "lt", "le"}
+    if unknown:
+        raise TypeError(f"cfg: unknown bound(s) {sorted(unknown)}; use gt, ge, lt or le")
+    meta = {"help": help, **bounds}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 # %% [markdown]
 # ## Routing: what stage 1 tells stages 2–5
 #
 # Stage 1 decides, for each of the T = B·S tokens of a micro-batch, which k experts it goes to and with what
-# weight. Dispatch then records where each (token, expert) pair's output will be found after combine, and
-# stage 5 reads that back. `probs` keeps the full softmax over all experts for the load-balance loss; `counts`
-# is the number of (token, expert) pairs per expert, for load-balance statistics. The engine may add its own
-# metadata (split sizes, deduplication indices) to this record; a model only reads the fields below.
+# weight. `probs` keeps the full softmax over all experts for the load-balance loss; `counts`, set by dispatch,
+# is the number of (token, expert) pairs per expert, for load-balance statistics. A dispatcher keeps what it
+# needs between dispatch and combine in `plan`; a model only reads the fields above it.
 
 # %%
 #| export
@@ -74,68 +86,70 @@ class Routing:
     """Router decision for the T tokens of one micro-batch, passed from stage 1 through stages 2-5.
 
     ids: (T, k) int64 expert ids; weights: (T, k) router weights (the model's compute dtype);
-    probs: (T, E) full router probabilities (float32, float64 for a float64 model) or None;
-    row_index: (T, k) int64, set by dispatch/combine: the row of the combined expert-output buffer that holds
-    the output of token t's k-th expert (None when combine already weighted and summed); counts: (E,) int64
-    (token, expert) pairs per expert in this micro-batch, set by dispatch; plan: whatever else a dispatcher keeps
-    between dispatch and combine (the expert-parallel one keeps its split sizes and index maps there)."""
+    probs: (T, E) full router probabilities (float32, float64 for a float64 model) or None; counts: (E,) int64
+    (token, expert) pairs per expert in this micro-batch, set by dispatch; plan: what the dispatcher keeps
+    between dispatch and combine (its index maps, and `plan.weights`, the router weights that `reduce` applies)."""
     ids: Tensor
     weights: Tensor
     probs: Tensor | None
-    row_index: Tensor | None = None
     counts: Tensor | None = None
     plan: object | None = None
 
 # %% [markdown]
 # ## Stages 2 and 4 on one rank
 #
-# With all experts on one rank, dispatch is a permutation: sort the T·k (token, expert) pairs by expert and
-# copy each token's row once per pair. Combine has nothing to move, so the grouped expert outputs are already
-# the combined buffer and `row_index` from the sort points into them. `sort_by_expert` and `gather_rows` (in
-# `ops/permute`) are the torch reference on CPU and Triton kernels on CUDA; `gather_rows` is differentiable,
-# so gradients flow back to the tokens.
+# Every dispatcher offers the same four calls, and a schedule needs nothing else to know about it:
 #
-# The expert-parallel dispatcher has the same two methods: its `dispatch` returns the rows for this rank's
-# experts grouped by local expert with `counts` of shape (E_local,), and its `combine` returns the outputs
-# to the tokens' home rank in the order `routing.row_index` names.
+# - `dispatch(x (T, H), routing) -> rows`: the rows this rank's experts need, exchanged between ranks (a
+#   communication step); sets `routing.counts` and `routing.plan`;
+# - `expand(rows, routing) -> (x_grouped (N, H), counts (E_local,))`: one row per (token, expert) pair, grouped
+#   by local expert (`counts[e]` rows for local expert e);
+# - `reduce(y (N, H), routing) -> rows`: per received row, the sum of its pairs' outputs weighted by
+#   `routing.plan.weights`;
+# - `combine(rows, routing) -> (T, H)`: the sums back on the tokens' rank, each token's rows added up (a
+#   communication step); drops the plan.
 #
-# A dispatcher may also do stage 5's weighted sum itself, on the rank that ran the experts: then only one row
-# per token and rank has to travel back instead of one per (token, expert) pair (engine/31_ep does this). Such a
-# combine returns the (T, H) sums, already weighted, and leaves `routing.row_index` None; its dispatch reads
-# `routing.weights` and is differentiable in them. Stage 5 calls `expert_sum`, which weights and sums in the
-# first case and passes the sums through in the second, so a model works with either kind.
+# `expand` and `reduce` only permute and sum rows: a schedule that runs communication on a stream of its own
+# (engine/32_stages) calls them in stage 3, on its compute stream. `counts_step` says whether the dispatcher
+# also wants `exchange_counts(routing)` called as a communication step of its own before `dispatch` (engine/31).
+# All four are differentiable, in the rows and in `plan.weights`.
+#
+# With all experts on one rank nothing travels: `dispatch` sorts the T·k (token, expert) pairs by expert and
+# returns the rows as they are, `expand` copies each token's row once per pair, `reduce` forms each token's
+# weighted sum and `combine` passes it on. `sort_by_expert`, `gather_rows` and `weighted_gather` (ops/permute)
+# are the torch reference on CPU and Triton kernels on CUDA.
 
 # %%
 #| export
-class LocalDispatcher:
-    """Stages 2 and 4 when one rank holds all `num_experts` experts.
+@dataclass(eq=False)
+class LocalPlan:
+    "What `LocalDispatcher` keeps between dispatch and combine."
+    src_token: Tensor    # (T·k,) the token of each grouped pair
+    row_index: Tensor    # (T, k) the grouped row of each (token, choice)
+    weights: Tensor      # (T, k) the router weights `reduce` applies
 
-    The contract every dispatcher keeps:
-    `dispatch(x (T, H), routing) -> (x_grouped (N, H), counts (E_local,) int64)`: the rows the local experts
-    must process, grouped by local expert in order (`counts[e]` rows for local expert e, padding included);
-    it sets `routing.counts` (pairs per global expert) and whatever it needs for `combine`.
-    `combine(y (N, H), routing) -> y (M, H)`: the expert outputs back on the tokens' rank, with
-    `routing.row_index[t, j]` the row of token t's j-th expert output; or, for a dispatcher that weights and sums
-    on the experts' rank, the (T, H) sums with `routing.row_index` None (`expert_sum` reads either). Both are
-    differentiable."""
+
+class LocalDispatcher:
+    "Stages 2 and 4 when one rank holds all `num_experts` experts (the calls are described above)."
+    counts_step = False
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, x: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
-        src_token, row_index, counts = sort_by_expert(routing.ids, self.num_experts)
-        routing.row_index, routing.counts = row_index, counts
-        return gather_rows(x, src_token), counts
+    def dispatch(self, x: Tensor, routing: Routing) -> Tensor:
+        src_token, row_index, routing.counts = sort_by_expert(routing.ids, self.num_experts)
+        routing.plan = LocalPlan(src_token, row_index, routing.weights)
+        return x
 
-    def combine(self, y: Tensor, routing: Routing) -> Tensor:
-        "Locally the grouped outputs are the combined buffer: `routing.row_index` already points into them."
-        return y
+    def expand(self, rows: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
+        return gather_rows(rows, routing.plan.src_token), routing.counts
 
+    def reduce(self, y: Tensor, routing: Routing) -> Tensor:
+        return weighted_gather(y, routing.plan.row_index, routing.plan.weights)
 
-def expert_sum(y: Tensor, routing: Routing) -> Tensor:
-    """Stage 5's mixture, (T, H): `Σ_j weights[t, j] · y[row_index[t, j]]` after a combine that returned one row
-    per (token, expert) pair, or `y` itself after one that already weighted and summed (`row_index` None)."""
-    return y if routing.row_index is None else weighted_gather(y, routing.row_index, routing.weights)
+    def combine(self, rows: Tensor, routing: Routing) -> Tensor:
+        routing.plan = None
+        return rows
 
 # %% [markdown]
 # ## The five calls
@@ -143,6 +157,11 @@ def expert_sum(y: Tensor, routing: Routing) -> Tensor:
 # `run_layers` is the whole schedule with no overlap: for each layer, the five stages in order. A dense layer
 # (one that does its MLP in stage 1) returns `routing = None` and skips stages 2–5. The overlapped schedules
 # in `engine/` make the same calls in a different order, and their tests compare against this loop.
+#
+# `head_loss` is the loss of a micro-batch from the last hidden states, written once for the plain loop, the
+# pipeline schedule and the checks: the final norm, the head and the summed token cross-entropy over labels that
+# are not -100, in fp32. On CUDA the fused linear cross-entropy of ops/13 computes it without materialising the
+# (tokens × vocabulary) logits.
 
 # %%
 #| export
@@ -154,18 +173,29 @@ def run_layers(layers, h: Tensor, positions: Tensor, dispatcher) -> tuple[Tensor
     for layer in layers:
         h, x, routing = layer.stage1(h, positions)
         if routing is not None:
-            x, counts = dispatcher.dispatch(x, routing)
-            y = layer.stage3(x, counts)
-            y = dispatcher.combine(y, routing)
-            h = layer.stage5(h, y, routing)
+            rows = dispatcher.dispatch(x, routing)
+            y = layer.stage3(*dispatcher.expand(rows, routing))
+            h = layer.stage5(h, dispatcher.combine(dispatcher.reduce(y, routing), routing))
         routings.append(routing)
     return h, routings
+
+
+def head_loss(model, h: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Summed token cross-entropy (fp32, or fp64 for a float64 model) of the model's final norm and head on
+    `h (B, S, H)` against `labels (B, S)`."""
+    h, labels = model.model.norm(h).flatten(0, 1), labels.flatten()
+    if h.is_cuda:
+        from pith_lit.ops.cross_entropy import linear_cross_entropy
+        return linear_cross_entropy(h, model.lm_head.weight, labels, ignore_index)
+    logits = model.lm_head(h)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 # %% [markdown]
 # ## Check: five stages equal a plain loop over experts
 #
 # A toy layer shows the protocol in its smallest form: stage 1 is a softmax top-k router (no attention),
-# each expert is one tanh-linear map, and stage 5 uses `weighted_gather` from `ops/permute`. Its
+# each expert is one tanh-linear map, and stage 5 adds the dispatcher's weighted sums to the residual. Its
 # `reference` computes the same thing without any protocol piece: every expert on every token, masked by
 # whether the token chose it. A dense toy layer in the middle checks that `run_layers` skips stages 2–5
 # for it.
@@ -173,8 +203,6 @@ def run_layers(layers, h: Tensor, positions: Tensor, dispatcher) -> tuple[Tensor
 # %%
 import torch
 from torch import nn
-
-from pith_lit.ops.permute import weighted_gather
 
 # %%
 class ToyMoE(nn.Module):
@@ -194,8 +222,8 @@ class ToyMoE(nn.Module):
         ends = counts.cumsum(0).tolist()  # the one host sync: row ranges per expert
         return torch.cat([torch.tanh(x[s:e] @ w.T) for s, e, w in zip([0] + ends[:-1], ends, self.w)])
 
-    def stage5(self, h, y, routing):
-        return h + expert_sum(y, routing).view(h.shape)
+    def stage5(self, h, y):
+        return h + y.view(h.shape)
 
     def reference(self, h):
         x = h.flatten(0, 1)
@@ -228,7 +256,7 @@ out, routings = run_layers(layers, h0, torch.arange(S), LocalDispatcher(E))
 ref = h0
 for l in layers: ref = l.reference(ref)
 assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
-assert routings[1] is None and routings[0].row_index.shape == (B * S, k)
+assert routings[1] is None and routings[0].plan is None     # combine dropped the plan
 assert torch.equal(routings[0].counts, torch.bincount(routings[0].ids.flatten(), minlength=E))
 
 params = [h0, *(p for l in layers for p in l.parameters())]

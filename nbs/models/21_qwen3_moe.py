@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, expert_sum, init_shared, run_layers
+from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.swiglu import swiglu
 
@@ -40,25 +40,25 @@ from pith_lit.ops.swiglu import swiglu
 class Config:
     "Qwen3-MoE hyper-parameters. Field names are those of Hugging Face's `Qwen3MoeConfig`."
     model_type: str = cfg("qwen3_moe", "model family; selects the model module")
-    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)")
-    hidden_size: int = cfg(128, "model width")
-    moe_intermediate_size: int = cfg(128, "FFN width of one routed expert")
-    intermediate_size: int = cfg(512, "FFN width of a dense MLP layer (layers listed in mlp_only_layers)")
-    num_hidden_layers: int = cfg(4, "number of decoder layers")
-    num_attention_heads: int = cfg(4, "query heads")
-    num_key_value_heads: int = cfg(2, "key/value heads (grouped-query attention); divides num_attention_heads")
-    head_dim: int = cfg(32, "width of one attention head")
-    num_experts: int = cfg(8, "routed experts per MoE layer")
-    num_experts_per_tok: int = cfg(2, "experts chosen per token (top-k)")
+    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)", gt=0)
+    hidden_size: int = cfg(128, "model width", gt=0)
+    moe_intermediate_size: int = cfg(128, "FFN width of one routed expert", gt=0)
+    intermediate_size: int = cfg(512, "FFN width of a dense MLP layer (layers listed in mlp_only_layers)", gt=0)
+    num_hidden_layers: int = cfg(4, "number of decoder layers", gt=0)
+    num_attention_heads: int = cfg(4, "query heads", gt=0)
+    num_key_value_heads: int = cfg(2, "key/value heads (grouped-query attention); divides num_attention_heads", gt=0)
+    head_dim: int = cfg(32, "width of one attention head", gt=0)
+    num_experts: int = cfg(8, "routed experts per MoE layer", ge=0)
+    num_experts_per_tok: int = cfg(2, "experts chosen per token (top-k)", gt=0)
     norm_topk_prob: bool = cfg(True, "renormalise the top-k router probabilities to sum to 1")
-    decoder_sparse_step: int = cfg(1, "every n-th layer is MoE (1 = all layers)")
+    decoder_sparse_step: int = cfg(1, "every n-th layer is MoE (1 = all layers)", gt=0)
     mlp_only_layers: list = cfg([], "layer indices that use a dense MLP instead of experts")
-    rms_norm_eps: float = cfg(1e-6, "epsilon of every RMSNorm")
-    rope_theta: float = cfg(1_000_000.0, "RoPE base frequency")
-    max_position_embeddings: int = cfg(4096, "longest sequence the model is meant for (RoPE has no table)")
+    rms_norm_eps: float = cfg(1e-6, "epsilon of every RMSNorm", gt=0)
+    rope_theta: float = cfg(1_000_000.0, "RoPE base frequency", gt=0)
+    max_position_embeddings: int = cfg(4096, "longest sequence the model is meant for (RoPE has no table)", gt=0)
     attention_bias: bool = cfg(False, "bias on the q/k/v/o projections")
     tie_word_embeddings: bool = cfg(False, "share the embedding and output head weights")
-    initializer_range: float = cfg(0.02, "standard deviation of the N(0, σ) initialisation")
+    initializer_range: float = cfg(0.02, "standard deviation of the N(0, σ) initialisation", gt=0)
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -328,9 +328,9 @@ class DecoderLayer(nn.Module):
         "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
         return self.mlp.experts(x, counts, wgrad_queue)
 
-    def stage5(self, h: Tensor, y: Tensor, routing: Routing) -> Tensor:
-        "h + Σ_j weights[t, j] · y[row_index[t, j]] (protocol's `expert_sum`), back in (B, S, H)."
-        return h + expert_sum(y, routing).view(h.shape)
+    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
+        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
+        return h + y.view(h.shape)
 
 # %% [markdown]
 # ## The model
@@ -506,10 +506,10 @@ layer, h_in = model.model.layers["0"], torch.randn(2, 7, c.hidden_size)
 h1, x1, r1 = torch.compile(layer.stage1, fullgraph=True, backend="aot_eager")(h_in, torch.arange(7))
 h1e, x1e, r1e = layer.stage1(h_in, torch.arange(7))
 assert torch.allclose(h1, h1e) and torch.allclose(x1, x1e) and torch.equal(r1.ids, r1e.ids)
-x_g, counts = LocalDispatcher(c.num_experts).dispatch(x1, r1)
-y = layer.stage3(x_g, counts)
-h5 = torch.compile(layer.stage5, fullgraph=True, backend="aot_eager")(h1, y, r1)
-assert torch.allclose(h5, layer.stage5(h1, y, r1))
+d = LocalDispatcher(c.num_experts)
+y = d.combine(d.reduce(layer.stage3(*d.expand(d.dispatch(x1, r1), r1)), r1), r1)
+h5 = torch.compile(layer.stage5, fullgraph=True, backend="aot_eager")(h1, y)
+assert torch.allclose(h5, layer.stage5(h1, y))
 torch._dynamo.reset()  # drop the compiled graphs (and their teardown warnings at exit)
 
 # %% [markdown]

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, expert_sum, init_shared, run_layers
+from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.swiglu import swiglu
 
@@ -58,36 +58,37 @@ YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", 
 class Config:
     "DeepSeek-V2 hyper-parameters. Field names are those of Hugging Face's `DeepseekV2Config`."
     model_type: str = cfg("deepseek_v2", "model family; selects the model module")
-    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)")
-    hidden_size: int = cfg(128, "model width")
-    intermediate_size: int = cfg(384, "FFN width of the dense MLP in the first first_k_dense_replace layers")
-    moe_intermediate_size: int = cfg(64, "FFN width of one routed expert (and of one shared expert)")
-    num_hidden_layers: int = cfg(3, "number of decoder layers")
-    num_attention_heads: int = cfg(4, "attention heads")
-    num_key_value_heads: int = cfg(4, "must equal num_attention_heads: MLA expands keys and values per head")
-    n_shared_experts: int = cfg(1, "shared experts, run on every token as one MLP of width n·moe_intermediate_size")
-    n_routed_experts: int = cfg(8, "routed experts per MoE layer")
-    num_experts_per_tok: int = cfg(2, "routed experts chosen per token (top-k)")
-    routed_scaling_factor: float = cfg(1.0, "multiplies the chosen experts' router probabilities")
+    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)", gt=0)
+    hidden_size: int = cfg(128, "model width", gt=0)
+    intermediate_size: int = cfg(384, "FFN width of the dense MLP in the first first_k_dense_replace layers", gt=0)
+    moe_intermediate_size: int = cfg(64, "FFN width of one routed expert (and of one shared expert)", gt=0)
+    num_hidden_layers: int = cfg(3, "number of decoder layers", gt=0)
+    num_attention_heads: int = cfg(4, "attention heads", gt=0)
+    num_key_value_heads: int = cfg(4, "must equal num_attention_heads: MLA expands keys and values per head", gt=0)
+    n_shared_experts: int = cfg(1, "shared experts, run on every token as one MLP of width n·moe_intermediate_size",
+                                   ge=0)
+    n_routed_experts: int = cfg(8, "routed experts per MoE layer", ge=0)
+    num_experts_per_tok: int = cfg(2, "routed experts chosen per token (top-k)", gt=0)
+    routed_scaling_factor: float = cfg(1.0, "multiplies the chosen experts' router probabilities", gt=0)
     topk_method: str = cfg("greedy", "'greedy' (top-k of all experts) or 'group_limited_greedy' (top-k within "
                                      "the topk_group best of n_group groups)")
-    n_group: int = cfg(1, "expert groups for group_limited_greedy; divides n_routed_experts")
-    topk_group: int = cfg(1, "groups a token may use under group_limited_greedy")
-    first_k_dense_replace: int = cfg(1, "the first this-many layers have a dense MLP, the rest are MoE")
+    n_group: int = cfg(1, "expert groups for group_limited_greedy; divides n_routed_experts", gt=0)
+    topk_group: int = cfg(1, "groups a token may use under group_limited_greedy", gt=0)
+    first_k_dense_replace: int = cfg(1, "the first this-many layers have a dense MLP, the rest are MoE", ge=0)
     norm_topk_prob: bool = cfg(False, "must be false (ignored by transformers; false in DeepSeek-V2 and V2-Lite)")
-    q_lora_rank: int = cfg(0, "rank of the low-rank query path q_a_proj -> q_b_proj; 0 = one q_proj")
-    kv_lora_rank: int = cfg(64, "width of the compressed key/value latent")
-    qk_nope_head_dim: int = cfg(32, "per-head query/key channels without rotary embedding")
-    qk_rope_head_dim: int = cfg(16, "per-head query/key channels with rotary embedding (the key part is shared)")
-    v_head_dim: int = cfg(32, "per-head value channels")
-    rope_theta: float = cfg(10_000.0, "RoPE base frequency")
+    q_lora_rank: int = cfg(0, "rank of the low-rank query path q_a_proj -> q_b_proj; 0 = one q_proj", ge=0)
+    kv_lora_rank: int = cfg(64, "width of the compressed key/value latent", gt=0)
+    qk_nope_head_dim: int = cfg(32, "per-head query/key channels without rotary embedding", gt=0)
+    qk_rope_head_dim: int = cfg(16, "per-head query/key channels with rotary embedding (the key part is shared)", gt=0)
+    v_head_dim: int = cfg(32, "per-head value channels", gt=0)
+    rope_theta: float = cfg(10_000.0, "RoPE base frequency", gt=0)
     rope_scaling: dict = cfg({}, "{} for plain RoPE, or YaRN: {type = 'yarn', factor, original_max_position_"
                                  "embeddings, beta_fast, beta_slow, mscale, mscale_all_dim}")
-    max_position_embeddings: int = cfg(4096, "longest sequence the model is meant for (RoPE has no table)")
-    rms_norm_eps: float = cfg(1e-6, "epsilon of the layer norms (the two latent norms always use 1e-6)")
+    max_position_embeddings: int = cfg(4096, "longest sequence the model is meant for (RoPE has no table)", gt=0)
+    rms_norm_eps: float = cfg(1e-6, "epsilon of the layer norms (the two latent norms always use 1e-6)", gt=0)
     attention_bias: bool = cfg(False, "bias on q_a_proj, kv_a_proj_with_mqa and o_proj")
     tie_word_embeddings: bool = cfg(False, "share the embedding and output head weights")
-    initializer_range: float = cfg(0.02, "standard deviation of the N(0, σ) initialisation")
+    initializer_range: float = cfg(0.02, "standard deviation of the N(0, σ) initialisation", gt=0)
 
     def __post_init__(self):
         if self.num_key_value_heads != self.num_attention_heads:
@@ -500,9 +501,9 @@ class DecoderLayer(nn.Module):
         "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
         return self.mlp.experts(x, counts, wgrad_queue)
 
-    def stage5(self, h: Tensor, y: Tensor, routing: Routing) -> Tensor:
-        "h + Σ_j weights[t, j] · y[row_index[t, j]] (protocol's `expert_sum`), back in (B, S, H)."
-        return h + expert_sum(y, routing).view(h.shape)
+    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
+        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
+        return h + y.view(h.shape)
 
 # %% [markdown]
 # ## The model
@@ -691,10 +692,10 @@ layer, h_in = model.model.layers["1"], torch.randn(2, 7, c.hidden_size)
 h1, x1, r1 = torch.compile(layer.stage1, fullgraph=True, backend="aot_eager")(h_in, torch.arange(7))
 h1e, x1e, r1e = layer.stage1(h_in, torch.arange(7))
 assert torch.allclose(h1, h1e) and torch.allclose(x1, x1e) and torch.equal(r1.ids, r1e.ids)
-x_g, counts = LocalDispatcher(c.n_routed_experts).dispatch(x1, r1)
-y = layer.stage3(x_g, counts)
-h5 = torch.compile(layer.stage5, fullgraph=True, backend="aot_eager")(h1, y, r1)
-assert torch.allclose(h5, layer.stage5(h1, y, r1))
+d = LocalDispatcher(c.n_routed_experts)
+y = d.combine(d.reduce(layer.stage3(*d.expand(d.dispatch(x1, r1), r1)), r1), r1)
+h5 = torch.compile(layer.stage5, fullgraph=True, backend="aot_eager")(h1, y)
+assert torch.allclose(h5, layer.stage5(h1, y))
 torch._dynamo.reset()  # drop the compiled graphs (and their teardown warnings at exit)
 
 # %% [markdown]

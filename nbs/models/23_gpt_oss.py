@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, expert_sum, init_shared, run_layers
+from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.swiglu import clamped_swiglu
 
@@ -63,30 +63,33 @@ ROPE_KEYS = ("rope_type", "rope_theta", "factor", "beta_fast", "beta_slow", "tru
 class Config:
     "GPT-OSS hyper-parameters. Field names are those of Hugging Face's `GptOssConfig` (transformers 5.x)."
     model_type: str = cfg("gpt_oss", "model family; selects the model module")
-    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)")
-    hidden_size: int = cfg(128, "model width")
-    intermediate_size: int = cfg(128, "FFN width of one routed expert")
-    num_hidden_layers: int = cfg(4, "number of decoder layers")
-    num_attention_heads: int = cfg(4, "query heads")
-    num_key_value_heads: int = cfg(2, "key/value heads (grouped-query attention); divides num_attention_heads")
-    head_dim: int = cfg(32, "width of one attention head")
-    num_local_experts: int = cfg(8, "routed experts per layer (every layer is MoE)")
-    num_experts_per_tok: int = cfg(2, "experts chosen per token (top-k)")
-    sliding_window: int = cfg(16, "keys a sliding-attention layer sees: the query's own and the window - 1 before it")
+    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)", gt=0)
+    hidden_size: int = cfg(128, "model width", gt=0)
+    intermediate_size: int = cfg(128, "FFN width of one routed expert", gt=0)
+    num_hidden_layers: int = cfg(4, "number of decoder layers", gt=0)
+    num_attention_heads: int = cfg(4, "query heads", gt=0)
+    num_key_value_heads: int = cfg(2, "key/value heads (grouped-query attention); divides num_attention_heads", gt=0)
+    head_dim: int = cfg(32, "width of one attention head", gt=0)
+    num_local_experts: int = cfg(8, "routed experts per layer (every layer is MoE)", gt=0)
+    num_experts_per_tok: int = cfg(2, "experts chosen per token (top-k)", gt=0)
+    sliding_window: int = cfg(16, "keys a sliding-attention layer sees: the query's own and the window - 1 before it",
+                                  gt=0)
     layer_types: list = cfg([], "per layer 'sliding_attention' or 'full_attention'; [] = alternate, sliding first")
     rope_parameters: dict = cfg(
         {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
          "truncate": False, "original_max_position_embeddings": 4096},
         "YaRN RoPE: base rope_theta, context stretched `factor` times beyond original_max_position_embeddings")
-    max_position_embeddings: int = cfg(131072, "longest sequence meant (factor × original length); RoPE has no table")
-    rms_norm_eps: float = cfg(1e-5, "epsilon of every RMSNorm")
+    max_position_embeddings: int = cfg(131072, "longest sequence meant (factor × original length); RoPE has no table",
+                                               gt=0)
+    rms_norm_eps: float = cfg(1e-5, "epsilon of every RMSNorm", gt=0)
     attention_bias: bool = cfg(True, "bias on the q/k/v/o projections")
-    swiglu_limit: float = cfg(7.0, "experts' SwiGLU clamps the gate above and the up projection on both sides here")
-    swiglu_alpha: float = cfg(1.702, "sigmoid gain of the experts' SwiGLU: gate · sigmoid(alpha · gate)")
+    swiglu_limit: float = cfg(7.0, "experts' SwiGLU clamps the gate above and the up projection on both sides here",
+                                   gt=0)
+    swiglu_alpha: float = cfg(1.702, "sigmoid gain of the experts' SwiGLU: gate · sigmoid(alpha · gate)", gt=0)
     router_aux_loss_coef: float = cfg(0.001, "Hugging Face's load-balance weight, kept for conversion; "
-                                             "the trainer's weight is train.lb_coef")
+                                             "the trainer's weight is train.lb_coef", ge=0)
     tie_word_embeddings: bool = cfg(False, "share the embedding and output head weights")
-    initializer_range: float = cfg(0.02, "standard deviation of the N(0, σ) initialisation")
+    initializer_range: float = cfg(0.02, "standard deviation of the N(0, σ) initialisation", gt=0)
 
     def __post_init__(self):
         if not self.layer_types:  # Hugging Face's default: sliding, full, sliding, full, ...
@@ -517,9 +520,9 @@ class DecoderLayer(nn.Module):
         "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
         return self.mlp.experts(x, counts, wgrad_queue)
 
-    def stage5(self, h: Tensor, y: Tensor, routing: Routing) -> Tensor:
-        "h + Σ_j weights[t, j] · y[row_index[t, j]] (protocol's `expert_sum`), back in (B, S, H)."
-        return h + expert_sum(y, routing).view(h.shape)
+    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
+        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
+        return h + y.view(h.shape)
 
 # %% [markdown]
 # ## The model
@@ -698,10 +701,10 @@ for i in ("0", "1"):
     h1, x1, r1 = torch.compile(layer.stage1, fullgraph=True, backend="aot_eager")(h_in, torch.arange(13))
     h1e, x1e, r1e = layer.stage1(h_in, torch.arange(13))
     assert torch.allclose(h1, h1e) and torch.allclose(x1, x1e) and torch.equal(r1.ids, r1e.ids)
-    x_g, counts = LocalDispatcher(c.num_local_experts).dispatch(x1, r1)
-    y = layer.stage3(x_g, counts)
-    h5 = torch.compile(layer.stage5, fullgraph=True, backend="aot_eager")(h1, y, r1)
-    assert torch.allclose(h5, layer.stage5(h1, y, r1))
+    d = LocalDispatcher(c.num_local_experts)
+    y = d.combine(d.reduce(layer.stage3(*d.expand(d.dispatch(x1, r1), r1)), r1), r1)
+    h5 = torch.compile(layer.stage5, fullgraph=True, backend="aot_eager")(h1, y)
+    assert torch.allclose(h5, layer.stage5(h1, y))
 torch._dynamo.reset()  # drop the compiled graphs (and their teardown warnings at exit)
 
 # %% [markdown]

@@ -114,7 +114,8 @@ class LoadBalance:
                              "(set train.lb_coef)")
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-        self.num_experts, self.coef, self.level, self.group = num_experts, coef, level, group
+        self.num_experts, self.coef, self.level = num_experts, coef, level
+        self.group = group if group is not None and group.size() > 1 else None   # a group of one sums nothing
         self.deferred = deferred and level == "global"
         self.pending: list[_Pending] = []
         self.start_step()

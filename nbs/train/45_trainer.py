@@ -9,14 +9,22 @@
 # %% [markdown]
 # # The trainer
 #
-# One function, `train(cfg)`, that a reader can follow top to bottom: set up the device and process group,
-# build the model, optimizer and data, resume from the latest checkpoint, then loop over optimizer steps. Each
-# step runs its micro-batches through the five-stage layer protocol, adds the load-balance loss, divides the
-# summed token loss by the token count of the whole global batch (so gradient accumulation is exact), clips,
-# steps, logs, and checkpoints. The micro-batches run one after the other, or, with `parallel.pp > 1` or
-# `parallel.overlap`, through the DualPipeV schedule of `engine/33_dualpipev`, which computes the same gradients.
-# Everything a step needs is a pure function of the step number (learning rate, data), which is why a resumed run
-# repeats the straight one exactly.
+# Three parts a reader can hold at once:
+#
+# 1. **Building a run** (`build_run`): the process group and mesh, the model on the meta device cut to this rank's
+#    share, the optimizer, the data, the dispatcher and the pipeline, and the resume from the latest checkpoint,
+#    gathered in one plain object, `Run`.
+# 2. **One step** (`train_step(run, step)`): its micro-batches through the five-stage layer protocol, the
+#    load-balance loss, the summed token loss divided by the token count of the whole global batch (so gradient
+#    accumulation is exact), the gradient sums across ranks, clipping and the optimizer. The micro-batches run one
+#    after the other, or, with `parallel.pp > 1` or `parallel.overlap`, through the DualPipeV schedule of
+#    `engine/33_dualpipev`, which computes the same gradients.
+# 3. **Reporting** (`Reporter`): the log line, `metrics.jsonl`, TensorBoard, the profiler and the allocator's
+#    statistics.
+#
+# `train(cfg)` ties them together: build, then step, report and checkpoint until the last step. Everything a step
+# needs is a pure function of the step number (learning rate, data), which is why a resumed run repeats the
+# straight one exactly. One process is a mesh of size one, so the same code runs on one CPU and on many GPUs.
 #
 # What it guards against: a NaN or infinite loss stops the run naming the step, *before* anything is saved, so
 # the last good checkpoint stays the latest; SIGINT or SIGTERM finishes the current step, saves, and exits
@@ -31,10 +39,10 @@
 #| export
 import json
 import math
-import os
 import resource
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,14 +50,14 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from pith_lit.engine.dualpipev import DualPipeV, split_model
-from pith_lit.engine.ep import EPDispatcher, all_reduce_grads, is_expert_param, shard_experts
-from pith_lit.engine.mesh import Mesh, build_mesh, init_distributed, launch_env, twin_group
-from pith_lit.models.protocol import LocalDispatcher, run_layers
+from pith_lit.engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_grads, is_expert_param, shard_experts
+from pith_lit.engine.mesh import Mesh, build_mesh, init_distributed, launch_env
+from pith_lit.models.protocol import LocalDispatcher, head_loss, run_layers
 from pith_lit.train import checkpoint
 from pith_lit.train.config import Config, ConfigError, dump_toml, to_dict
 from pith_lit.train.data import build_dataset, load_tokenizer
 from pith_lit.train.load_balance import LoadBalance
-from pith_lit.train.optim import MasterWeights, build_optimizer, clip_grad_norm, count_tokens, lr_at, token_loss_sum
+from pith_lit.train.optim import MasterWeights, build_optimizer, clip_grad_norm, count_tokens, lr_at
 
 # %% [markdown]
 # ## Building the model
@@ -98,15 +106,15 @@ def peak_flops(device: torch.device) -> float | None:
 # %% [markdown]
 # ## Setup: device, process group, mesh
 #
-# A single process needs no process group: everything below then reduces over nothing. Launched by torchrun
-# (or SLURM), the default group is started and the device mesh of `engine/30_mesh` gives the groups the step
-# needs: `batch` (dp × ep: ranks that read different data), `dense` (ranks holding the same non-expert weights;
-# gradients, token counts and losses are summed over it) and `expert` (ranks holding the same experts). With
-# `parallel.ep > 1` each rank keeps its share of every layer's experts and the expert-parallel dispatcher of
-# `engine/31_ep` exchanges tokens; with `parallel.dp` alone it is plain data parallelism. With `parallel.pp > 1`
-# the `pp` group links the pipeline ranks (below). Context parallelism is not wired into this trainer. The
-# number of processes must be the product of the sizes; the command line checks it too, `train(cfg)` called from
-# Python checks it here.
+# Every run has a process group and a device mesh, one process being a mesh of size one: launched by torchrun
+# (or SLURM) the default group joins the other processes, and a single process starts a group of its own (and
+# closes it at the end). The device mesh of `engine/30_mesh` gives the groups the step needs: `batch` (dp × ep:
+# ranks that read different data), `dense` (ranks holding the same non-expert weights; gradients, token counts and
+# losses are summed over it) and `expert` (ranks holding the same experts). With `parallel.ep > 1` each rank keeps
+# its share of every layer's experts and an expert-parallel dispatcher of `engine/31_ep` exchanges tokens; with
+# `parallel.dp` alone it is plain data parallelism. With `parallel.pp > 1` the `pp` group links the pipeline ranks
+# (below). The number of processes must be the product of the sizes; the command line checks it too, `train(cfg)`
+# called from Python checks it here. A sum over a group of one rank is skipped (`_sum`).
 #
 # Checkpoints work in every layout: pipeline ranks save their own parameters under their real names, expert
 # slices are saved as slices of one tensor (train/44_checkpoint), and the optimizer is saved through the module
@@ -114,39 +122,24 @@ def peak_flops(device: torch.device) -> float | None:
 
 # %%
 #| export
-def setup_distributed(cfg: Config) -> tuple[int, torch.device, Mesh | None]:
-    "Start the process group and mesh when launched with several processes; returns (rank, device, mesh or None)."
+def start_distributed(cfg: Config) -> tuple[torch.device, Mesh, bool]:
+    "(device, mesh, whether this call started the process group), for the processes the launcher started."
     p, world = cfg.parallel, launch_env()["world"]
-    if p.cp > 1:
-        raise ConfigError(f"parallel.cp = {p.cp}: context parallelism is not wired into this trainer; set cp = 1")
     if world != cfg.world_size:
         raise ConfigError(f"parallel: pp × dp × cp × ep = {p.pp} × {p.dp} × {p.cp} × {p.ep} = {cfg.world_size}, but "
                           f"{world} process(es) were launched; launch {cfg.world_size} (torchrun --nproc-per-node) "
                           "or choose sizes whose product is the number of processes")
-    if world == 1:
-        device = torch.device("cuda", 0) if cfg.device_type == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        return 0, device, None
-    rank, _, device = init_distributed(p.timeout_s, cfg.device_type)
-    return rank, device, build_mesh(p.pp, p.dp, p.cp, p.ep, cfg.device_type, p.timeout_s, p.comm_priority)
+    started = not dist.is_initialized()
+    if started:
+        _, _, device = init_distributed(p.timeout_s, cfg.device_type)
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if cfg.device_type == "cuda" else torch.device("cpu")
+    return device, build_mesh(p.pp, p.dp, p.cp, p.ep, cfg.device_type, p.timeout_s), started
 
 
-def expandable_segments() -> bool:
-    """Ask the CUDA caching allocator for expandable segments, unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF
-    is set (the user's choice stands). Returns whether it was asked."""
-    if any(v in os.environ for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
-        return False
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:                                  # torch before 2.9
-        setter = torch.cuda.memory._set_allocator_settings
-    setter("expandable_segments:True")
-    return True
-
-
-def all_reduce_(t: torch.Tensor, group) -> torch.Tensor:
-    "Sum a tensor over `group` in place (a no-op without one)."
-    if group is not None:
+def _sum(t: torch.Tensor, group) -> torch.Tensor:
+    "Sum a tensor over `group` in place (nothing to do for a group of one)."
+    if group.size() > 1:
         dist.all_reduce(t, group=group)
     return t
 
@@ -179,36 +172,188 @@ class NonFiniteLoss(RuntimeError):
     "The loss became NaN or infinite; nothing was saved at or after that step."
 
 # %% [markdown]
+# ## The run: everything a step needs
+#
+# `build_run` makes one `Run`. What needs the whole model is computed before the split: the parameter count, the
+# model FLOPs per token and the number of MoE layers. The model is built on the **meta device**: the whole model's
+# shapes cost nothing, each rank cuts out its pipeline stages and expert slices, and only then are this rank's
+# parameters allocated (`to_empty`) and initialised (`init_weights(run.seed)`). Every parameter draws from its own
+# generator keyed by its name and, for experts, the global expert index (models/20_protocol `SeededInit`), so a
+# rank holds exactly the values the same parameters have in the whole model: the layouts start from the same
+# weights, and a 30B model never has to fit one GPU. With `train.compile` stages 1 and 5 of every layer are
+# compiled (they have static shapes and no host syncs by design; stages 2–4 stay eager).
+#
+# The optimizer (and the fp32 master weights) are built after the cut, over the parameters this rank keeps.
+# `replicated` are the parameters that are the same on every rank of `dense`, `experts` this rank's expert
+# shards (empty at ep 1); clipping needs them apart. The dispatcher is `LocalDispatcher` at ep 1, else the counted
+# or the sync-free expert-parallel one (`parallel.ep_sync_free`). Under DualPipeV at ep > 1 on CUDA the matmuls
+# leave `parallel.comm_sms` SMs to the all-to-alls (engine/32_stages says why).
+#
+# Checkpoints work at every layout: each rank saves and loads its own stages and expert slices (train/44). A run
+# can also start from a weights-only checkpoint (imported Hugging Face weights, train/47_convert): that holds no
+# optimizer, and each rank reads its own parameters; the fp32 masters then follow the loaded weights.
+
+# %%
+#| export
+@dataclass(eq=False)
+class Run:
+    "One training run on this rank, as `build_run` made it: what `train_step` and the checkpoints need."
+    cfg: Config
+    device: torch.device
+    mesh: Mesh
+    started_group: bool            # this process started the process group (and closes it at the end)
+    model: torch.nn.Module         # this rank's stages and expert slices, in the compute dtype
+    master: MasterWeights | None   # fp32 master weights, when the model computes in bf16 with fp32 states
+    optimizer: torch.optim.Optimizer
+    replicated: list               # parameters the optimizer steps that are the same on every rank of `dense`
+    experts: list                  # this rank's expert shards (empty at ep 1)
+    data: object
+    lb: LoadBalance
+    dispatcher: object
+    pipe: DualPipeV | None         # the DualPipeV schedule at pp > 1 or with parallel.overlap
+    sizes: dict                    # the whole model's parameters, active matmul parameters, FLOPs/token, MoE layers
+    start: int = 0                 # the step this run resumed from
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run.dir)
+
+    def ckpt_args(self) -> dict:
+        "The keyword arguments of `checkpoint.save` and `checkpoint.load` for this run."
+        ep = self.mesh.device_mesh["ep"] if self.mesh.ep.size() > 1 else None
+        return dict(model=self.model, optimizer=self.optimizer, model_config=to_dict(self.cfg)["model"],
+                    extra={"master": self.master} if self.master is not None else {}, optim_module=self.master,
+                    ep_mesh=ep)
+
+
+def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.nn.Module, tuple | None, dict]:
+    "This rank's share of the model, initialised, compiled and cast; its pipeline parts; the whole model's sizes."
+    torch.manual_seed(cfg.run.seed)
+    with torch.device("meta"):  # shapes only: the whole model costs no memory until this rank has cut out its share
+        model = build_model(cfg.model)
+    sizes = dict(params=sum(p.numel() for p in model.parameters()), active=model.active_matmul_params(),
+                 flops_per_token=model.flops_per_token(cfg.train.seq_len),
+                 moe_layers=sum(any(is_expert_param(n) for n, _ in layer.named_parameters())
+                                for layer in model.model.layers.values()))
+    parts = split_model(model, mesh.pp.rank(), mesh.pp.size(), cfg.parallel.pp_stage_layers) if cfg.pipelined else None
+    if mesh.ep.size() > 1:
+        shard_experts(model, mesh.ep.rank(), mesh.ep.size())
+    model.to_empty(device=device)
+    model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
+    if cfg.train.compile:
+        for layer in model.model.layers.values():
+            layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
+            layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
+    return model.to(cfg.torch_dtype), parts, sizes
+
+
+def _dispatcher(cfg: Config, mesh: Mesh, device: torch.device):
+    "Stages 2 and 4 for this layout; at ep > 1 under DualPipeV on CUDA, the SMs the matmuls leave free."
+    E, p = cfg.model.routed_experts, cfg.parallel
+    if mesh.ep.size() == 1:
+        return LocalDispatcher(E)
+    if cfg.comm_sms:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if cfg.comm_sms >= sms:
+            raise ConfigError(f"parallel.comm_sms = {p.comm_sms}, but this GPU has {sms} SMs; leave the matmuls "
+                              f"some (e.g. comm_sms = {sms // 8})")
+        torch._C._set_sm_carveout_experimental(cfg.comm_sms)   # process-wide, read at each matmul launch
+    return (SyncFreeEPDispatcher if p.ep_sync_free else EPDispatcher)(mesh.ep, E)
+
+
+def build_run(cfg: Config) -> Run:
+    """Everything a step needs on this rank, resumed from the latest checkpoint in `run.dir` when there is one. A
+    process group this call started is closed again if building fails."""
+    device, mesh, started = start_distributed(cfg)
+    try:
+        return _build(cfg, device, mesh, started)
+    except BaseException:
+        if started:
+            dist.destroy_process_group()
+        raise
+
+
+def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
+    model, parts, sizes = _place_model(cfg, mesh, device)
+    t = cfg.train
+    master = MasterWeights(model) if cfg.torch_dtype != torch.float32 and t.optim_dtype == "float32" else None
+    stepped = master if master is not None else model   # what the optimizer updates: fp32 masters or the model
+    optimizer = build_optimizer(stepped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps)
+    sharded = mesh.ep.size() > 1
+    named = list(stepped.named_parameters())
+    data, _ = build_dataset(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.run.dir).parent / "cache", t.seq_len,
+                            cfg.run.seed, mesh.batch.rank(), mesh.batch.size(), cfg.model.vocab_size,
+                            cfg.data.val_frac)
+    # deferred: the forward does not wait for the global counts (train/42); their values are settled per step
+    lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=mesh.dense, deferred=True)
+    run = Run(cfg, device, mesh, started, model, master, optimizer,
+              [p for n, p in named if not (sharded and is_expert_param(n))],
+              [p for n, p in named if sharded and is_expert_param(n)], data, lb, _dispatcher(cfg, mesh, device),
+              None, sizes)
+    if parts is not None:
+        run.pipe = build_pipeline(run, parts)
+    last = checkpoint.latest(run.run_dir) if cfg.ckpt.resume else None
+    if last is not None:
+        run.start = checkpoint.load(last, **run.ckpt_args())
+        if run.start == 0 and master is not None:  # imported weights (weights-only checkpoint): masters follow
+            master.model_to_master()
+    return run
+
+# %% [markdown]
+# What a rank of the real Qwen3-30B-A3B holds at pp 2 × ep 4 (the paper's eight-GPU shape), counted on the meta
+# device: with bf16 weights and gradients, fp32 masters and two fp32 AdamW moments (16 bytes a parameter) it is
+# about 70 GiB, where building the whole model first would have needed 114 GiB of float32 on every GPU.
+
+# %%
+import copy
+
+from pith_lit.train.config import load_config
+
+# %%
+for r in range(2):
+    with torch.device("meta"):
+        big = build_model(load_config(Path("../../configs/qwen3-30b-a3b.toml")).model)
+    n_all = sum(p.numel() for p in big.parameters())
+    split_model(big, r, 2)
+    shard_experts(big, 0, 4)
+    n = sum(p.numel() for p in big.parameters())
+    print(f"pp rank {r} of 2, ep 4: {n / 1e9:.2f}B of {n_all / 1e9:.2f}B parameters, {n * 16 / 2**30:.1f} GiB of "
+          "weights, gradients and optimizer states")
+    assert n * 16 / 2**30 < 80 and n_all * 4 / 2**30 > 110
+
+# %% [markdown]
 # ## One optimizer step
 #
 # The micro-batches of a step are fetched first so the number of tokens that count toward the loss (labels not
 # equal to -100) is known for the whole global batch before any backward; each micro-batch's summed loss is
-# divided by it. The load-balance loss is averaged over MoE layers, micro-batches and data-parallel ranks (the
-# gradients are summed over ranks, as the token-weighted loss needs). On CUDA the head and the
-# loss are fused (`linear_cross_entropy`), which never holds the fp32 logits of the whole micro-batch; on the CPU
-# the torch reference runs.
+# divided by it. The load-balance loss is averaged over MoE layers, micro-batches and data-parallel ranks
+# (`aux_div`; the gradients are summed over ranks, as the token-weighted loss needs). The loss of a micro-batch is
+# the layer protocol's `head_loss`: on CUDA the head and the loss are fused (`linear_cross_entropy`), which never
+# holds the fp32 logits of the whole micro-batch.
 
 # %%
 #| export
-def head_loss(model, h, labels) -> torch.Tensor:
-    "Summed token loss of the final norm and the head on the last hidden states `h (B, S, H)`, `labels (B, S)`."
-    h = model.model.norm(h).flatten(0, 1)
-    if h.is_cuda:
-        from pith_lit.ops.cross_entropy import linear_cross_entropy
-        return linear_cross_entropy(h, model.lm_head.weight, labels.flatten())
-    return token_loss_sum(model.lm_head(h), labels.flatten())
+def aux_div(run: Run) -> int:
+    "What the summed load-balance terms are divided by: micro-batches per step × data ranks."
+    return run.cfg.num_micro_batches * run.mesh.batch.size()
 
 
-def micro_step(model, input_ids, labels, n_tokens, lb: LoadBalance, aux_div: int, dispatcher):
-    "Forward and backward of one micro-batch; returns the summed token loss and the load-balance loss (detached)."
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    h = model.prolog(input_ids)
-    h, routings = run_layers(model.model.layers.values(), h, positions, dispatcher)
+def micro_step(run: Run, input_ids, labels, n_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of one micro-batch, one after the other; returns the summed token loss and the
+    load-balance loss as it entered the objective (both detached; a deferred `LoadBalance` gives its values at
+    `settle`)."""
+    model = run.model
+    h, routings = run_layers(model.model.layers.values(), model.prolog(input_ids),
+                             torch.arange(input_ids.shape[1], device=input_ids.device), run.dispatcher)
     ce = head_loss(model, h, labels)
     moe = [(key, r) for key, r in zip(model.model.layers.keys(), routings) if r is not None]
-    aux = sum(lb.loss(key, r.probs, r.ids) for key, r in moe) / max(len(moe), 1)
-    (ce / n_tokens + aux / aux_div).backward()
-    return ce.detach(), aux.detach() if torch.is_tensor(aux) else torch.tensor(0.0)
+    aux = sum(run.lb.loss(key, r.probs, r.ids) for key, r in moe) / (max(len(moe), 1) * aux_div(run))
+    (ce / n_tokens + aux).backward()
+    return ce.detach(), aux.detach() if torch.is_tensor(aux) else torch.zeros(())
 
 # %% [markdown]
 # ## The same step through DualPipeV
@@ -232,54 +377,49 @@ def micro_step(model, input_ids, labels, n_tokens, lb: LoadBalance, aux_div: int
 
 # %%
 #| export
-def moe_layer_count(model) -> int:
-    "Layers holding routed experts (a module named `experts`, which engine/31_ep shards)."
-    return sum(any(is_expert_param(n) for n, _ in layer.named_parameters()) for layer in model.model.layers.values())
-
-
-def build_pipeline(model, parts, group, dispatcher, lb: LoadBalance, n_moe: int, aux_div: int,
-                   device, comm_priority: bool = False, pair_edges: bool = False, overlap_p2p: bool = False,
-                   recv_ahead: int = 1) -> DualPipeV:
-    """DualPipeV over this rank's `parts` (from `split_model(model, ...)`) with micro_step's objective; `n_moe` is
-    the MoE layer count of the whole model, counted before the split."""
+def build_pipeline(run: Run, parts) -> DualPipeV:
+    "DualPipeV over this rank's `parts` (from `split_model`) with `micro_step`'s objective."
+    model, lb, div = run.model, run.lb, max(run.sizes["moe_layers"], 1) * aux_div(run)
     loss_fn = (lambda h, labels: head_loss(model, h, labels)) if parts[0].index == 0 else None
-    aux_fn = lambda key, routing: lb.loss(key, routing.probs, routing.ids) / (n_moe * aux_div)
-    return DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device, comm_priority, pair_edges, overlap_p2p,
-                     recv_ahead)
+    aux_fn = lambda key, routing: lb.loss(key, routing.probs, routing.ids) / div
+    return DualPipeV(parts, run.mesh.pp, run.dispatcher, loss_fn, aux_fn, run.device)
 
 # %% [markdown]
 # A check in float64, where the two ways of summing agree to rounding: three micro-batches of the tiny default
 # model, with a global load-balance loss of weight 0.1, through `micro_step` one after the other and through
-# DualPipeV with one pipeline rank (`parallel.overlap`). Losses, load-balance losses, balance statistics and every
-# gradient agree. (The token loss itself is computed in float32 by `token_loss_sum`; `step` sums it in float64.)
-# Two processes against one (`pp = 2`) are in tests/test_trainer.py.
+# DualPipeV with one pipeline rank (`parallel.overlap`), each run built by `build_run` in a scratch directory.
+# Losses, load-balance losses, balance statistics and every gradient agree. Two processes against one (`pp = 2`)
+# are in tests/test_trainer.py.
 
 # %%
-import copy
-
-from pith_lit.train.config import load_config
+import tempfile
 
 # %%
-mc = load_config().model
-torch.manual_seed(0)
-plain = build_model(mc).double()
-piped = copy.deepcopy(plain)
+tmp = tempfile.mkdtemp()
+over = ["train.dtype=float32", "train.lb_coef=0.1", "train.global_batch=6", "train.micro_batch=2",
+        "train.seq_len=16", "train.warmup=0", "log.tensorboard=false"]
+runs = []
+for overlap in (False, True):
+    flag = f"parallel.overlap={str(overlap).lower()}"
+    run = build_run(load_config(overrides=over + [f"run.dir={tmp}/chk{overlap}", flag]))
+    run.model.double()
+    runs.append(run)
+plain, piped = runs
 g = torch.Generator().manual_seed(0)
-mbs = [tuple(torch.randint(0, mc.vocab_size, (2, 16), generator=g) for _ in range(2)) for _ in range(3)]
-n_tok, E = torch.tensor(3 * 2 * 16.0, dtype=torch.float64), mc.routed_experts
-lb_plain, lb_piped = LoadBalance(E, 0.1, "global"), LoadBalance(E, 0.1, "global")
-outs = [micro_step(plain, x, y, n_tok, lb_plain, 3, LocalDispatcher(E)) for x, y in mbs]
-pipe = build_pipeline(piped, split_model(piped, 0, 1), None, LocalDispatcher(E), lb_piped, moe_layer_count(piped),
-                      3, torch.device("cpu"))
-ce_piped, aux_piped = pipe.step(mbs, 1 / n_tok)
-ce_plain, aux_plain = sum(c.double() for c, _ in outs), sum(a for _, a in outs) / 3   # summed as step does
+mbs = [tuple(torch.randint(0, 384, (2, 16), generator=g) for _ in range(2)) for _ in range(3)]
+n_tok = torch.tensor(3 * 2 * 16.0, dtype=torch.float64)
+outs = [micro_step(plain, x, y, n_tok) for x, y in mbs]
+ce_piped, _ = piped.pipe.step(mbs, 1 / n_tok)
+ce_plain = sum(c.double() for c, _ in outs)
+aux_plain, aux_piped = plain.lb.settle(), piped.lb.settle()   # the deferred load-balance terms' values (train/42)
 worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
-            for p, q in zip(piped.parameters(), plain.parameters()))
+            for p, q in zip(piped.model.parameters(), plain.model.parameters()))
 print(f"loss {ce_piped.item():.6f} vs {ce_plain.item():.6f}, load balance {aux_piped.item():.6f} vs "
       f"{aux_plain.item():.6f}, worst gradient difference {worst:.1e} (relative)")
 assert abs(ce_piped - ce_plain) < 1e-12 * ce_plain and abs(aux_piped - aux_plain) < 1e-12 * aux_plain
 assert worst < 1e-10, worst
-assert all(abs(v - lb_plain.stats()[k]) < 1e-12 for k, v in lb_piped.stats().items())
+assert all(abs(v - plain.lb.stats()[k]) < 1e-12 for k, v in piped.lb.stats().items())
+dist.destroy_process_group()
 
 # %% [markdown]
 # ## The gradient norm of a split model
@@ -292,57 +432,186 @@ assert all(abs(v - lb_plain.stats()[k]) < 1e-12 for k, v in lb_piped.stats().ite
 
 # %%
 #| export
-def clip_grads(replicated: list, experts: list, max_norm: float, mesh: Mesh | None) -> torch.Tensor:
-    """Clip by the whole model's gradient norm and return it. `replicated`: this rank's parameters that are the same
-    on every rank of the `dense` group; `experts`: its expert shards (empty unless ep > 1)."""
-    ep_group = mesh.ep if mesh is not None and mesh.ep.size() > 1 else None
-    if mesh is None or mesh.pp.size() == 1:
-        return clip_grad_norm(replicated, max_norm, experts, ep_group)
-    sq = clip_grad_norm(replicated, 0, experts, ep_group).float() ** 2
-    dist.all_reduce(sq, group=mesh.pp)
-    norm = sq.sqrt()
+def clip_grads(run: Run, max_norm: float) -> torch.Tensor:
+    "Clip this rank's gradients by the whole model's gradient norm and return the norm."
+    mesh, params = run.mesh, run.replicated + run.experts
+    ep_group = mesh.ep if mesh.ep.size() > 1 else None
+    if mesh.pp.size() == 1:
+        return clip_grad_norm(run.replicated, max_norm, run.experts, ep_group)
+    sq = clip_grad_norm(run.replicated, 0, run.experts, ep_group).float() ** 2
+    norm = _sum(sq, mesh.pp).sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(replicated + experts, max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+# %% [markdown]
+# ## The step
+#
+# `train_step(run, step)` is one optimizer step as a function of the run and the step number. After it, every
+# statistic that is logged is summed over all ranks in one collective, so every rank agrees on the loss and on
+# whether a signal asked to stop: the token loss (nonzero on pipeline rank 0 only), the load-balance terms as they
+# entered the objective (their sum over all ranks is the mean load-balance loss over layers, micro-batches and data
+# ranks), and each MoE layer's balance (`LoadBalance.stats`, already summed over the data ranks; a pipeline rank
+# reports its own layers, and the logged balance is the mean over all of them).
+
+# %%
+#| export
+def _forward_backward(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "All micro-batches of `step`, forward and backward: (summed token loss, load-balance loss, global tokens)."
+    t, dev, n_micro = run.cfg.train, run.device, run.cfg.num_micro_batches
+    run.lb.start_step()
+    batches = [run.data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro)]
+    n_tokens = _sum(sum(count_tokens(y) for _, y in batches).to(dev, torch.float32), run.mesh.dense)
+    batches = [(x.to(dev), y.to(dev)) for x, y in batches]
+    if run.pipe is not None:  # sums of this rank's stages: the token loss on pipeline rank 0 only
+        ce_sum, aux_sum = run.pipe.step(batches, 1 / n_tokens)
+    else:
+        ce_sum = aux_sum = torch.zeros((), device=dev, dtype=torch.float64)
+        for x, y in batches:
+            ce, aux = micro_step(run, x, y, n_tokens)
+            ce_sum, aux_sum = ce_sum + ce.double(), aux_sum + aux.double().to(dev)
+    settled = run.lb.settle().to(aux_sum) / (max(run.sizes["moe_layers"], 1) * aux_div(run))  # the deferred terms
+    return ce_sum, aux_sum + settled, n_tokens
+
+
+def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
+    """Optimizer step `step` (0-based) of the run; returns its record, the same on every rank. The record's `stop`
+    says whether any rank's `stop` flag was set by the end of the step."""
+    t = run.cfg.train
+    lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup, schedule=t.schedule, decay_frac=t.decay_frac,
+               min_lr_ratio=t.min_lr_ratio)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    ce_sum, aux_sum, n_tokens = _forward_backward(run, step)
+    all_reduce_grads(run.model, run.mesh.dense, run.mesh.expert)  # sums: the loss divides by the global tokens
+    if run.master is not None:
+        run.master.grads_to_master()
+    grad_norm = clip_grads(run, t.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.master is not None:
+        run.master.master_to_model()
+    balance = [v for k, v in run.lb.stats().items() if k != "lb/mean"] if run.lb.counts else []  # this rank's layers
+    stats = torch.cat([torch.stack([ce_sum, aux_sum]).double(), torch.tensor(
+        [sum(balance), len(balance), float(stop is not None and stop.set)], dtype=torch.float64, device=run.device)])
+    _sum(stats, dist.group.WORLD)
+    return {"step": step + 1, "loss": (stats[0] / n_tokens.double()).item(), "lb_loss": stats[1].item(),
+            "balance": (stats[2] / stats[3]).item(), "lr": lr, "grad_norm": float(grad_norm),
+            "stop": stats[4].item() > 0}
+
+# %% [markdown]
+# ## Reporting
+#
+# `Reporter` is everything the run tells: the progress bar and the log line every `log.every` steps,
+# `metrics.jsonl` (one JSON object per step), TensorBoard, the profiled step (`log.profile_step`, every rank
+# writes `trace-rank<R>.json` into the run directory) and the allocator's statistics. Only rank 0 writes. The
+# record of a step gains its timing (`tokens_per_s`, `step_time_s`, MFU on a known GPU) and memory (peak
+# allocated, and on CUDA the peak reserved). `alloc_retries` counts how many times, on any rank, the CUDA caching
+# allocator ran out of cached blocks during the step: each time it waits for every stream, frees its cache and
+# allocates again, which stalls that rank and, through the next collective, all the others; the log says so the
+# first time it happens. At the profiled step `reserved_gb_by_stream` holds the memory of each stream's pool of
+# the allocator (engine/32_stages explains why that matters).
+
+# %%
+#| export
+class Reporter:
+    "What a run tells: log lines, metrics.jsonl, TensorBoard, the profiled step, allocator statistics (rank 0)."
+
+    def __init__(self, run: Run, end: int, quiet: bool = False):
+        self.run, self.cfg, self.dev = run, run.cfg, run.device
+        self.main = run.rank == 0
+        self.say = tqdm.write if self.main and not quiet else (lambda s: None)
+        self.peak = peak_flops(run.device)
+        self.writer = self.metrics = None
+        if self.main:
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(run.run_dir / "metrics.jsonl", "a")
+            if self.cfg.log.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(run.run_dir / "tb")
+        self.bar = tqdm(range(run.start, end), initial=run.start, total=end, disable=quiet or not self.main,
+                        desc="train", dynamic_ncols=True)
+        self.prof, self.warned = None, False
+
+    def _retries(self) -> float:   # times the caching allocator ran out, freed its cache and synchronised, so far
+        return float(torch.cuda.memory_stats(self.dev).get("num_alloc_retries", 0)) if self.dev.type == "cuda" else 0.0
+
+    def begin(self, step: int) -> None:
+        "Before step `step` (0-based): start the clock, and the profiler at the profiled step."
+        if step + 1 == self.cfg.log.profile_step:   # one whole step, every rank: host ranges and GPU kernels
+            cuda, acts = self.dev.type == "cuda", torch.profiler.ProfilerActivity
+            self.prof = torch.profiler.profile(activities=([acts.CPU] if self.cfg.log.profile_host or not cuda
+                                                           else []) + ([acts.CUDA] if cuda else []))
+            self.prof.start()
+        self.t0, self.retried = time.perf_counter(), self._retries()
+
+    def end(self, rec: dict) -> None:
+        "After a step: time and memory into its record, the trace, then the record to every output."
+        retries = _sum(torch.tensor([self._retries() - self.retried], device=self.dev), dist.group.WORLD)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - self.t0
+        rec.update(tokens_per_s=self.cfg.tokens_per_step / dt, step_time_s=dt, alloc_retries=int(retries.item()))
+        if self.peak is not None:
+            rec["mfu"] = rec["tokens_per_s"] * self.run.sizes["flops_per_token"] / (self.peak * dist.get_world_size())
+        rec.update(self._memory())
+        if self.prof is not None:   # after the timing, so writing the trace does not count against the step
+            self.prof.stop()
+            self.prof.export_chrome_trace(str(self.run.run_dir / f"trace-rank{self.run.rank}.json"))
+            self.prof = None
+        self._warn(rec)
+        if self.main:
+            self._write(rec)
+
+    def _memory(self) -> dict:
+        if self.dev.type != "cuda":
+            return {"peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
+        out = {"peak_mem_gb": torch.cuda.max_memory_allocated(self.dev) / 2**30,
+               "peak_reserved_gb": torch.cuda.max_memory_reserved(self.dev) / 2**30}
+        if self.prof is not None:   # which streams' pools hold the reserved memory
+            pools, compute = {}, (0, torch.cuda.current_stream(self.dev).cuda_stream)
+            for seg in torch.cuda.memory_snapshot():
+                key = "compute" if seg["stream"] in compute else str(seg["stream"])
+                pools[key] = pools.get(key, 0.0) + seg["total_size"] / 2**30
+            out["reserved_gb_by_stream"] = pools
+        return out
+
+    def _warn(self, rec: dict) -> None:
+        if rec["alloc_retries"] and not self.warned:
+            self.warned = True
+            self.say(f"step {rec['step']}: the CUDA caching allocator ran out of cached blocks {rec['alloc_retries']} "
+                     "time(s) on some rank (each time it frees its cache and synchronises, stalling every rank); "
+                     f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch "
+                     "(benchmarks/RESULTS.md, 'The allocator')")
+
+    def _write(self, rec: dict) -> None:
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+        if self.writer is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):   # not the profiled step's pool sizes
+                    self.writer.add_scalar(f"train/{k}", v, rec["step"])
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.1e}")
+        if rec["step"] % self.cfg.log.every == 0 or rec["step"] == self.run.start + 1:
+            mfu = f" mfu {rec['mfu']:.1%}" if "mfu" in rec else ""
+            self.say(f"step {rec['step']:>6} loss {rec['loss']:.4f} balance {rec['balance']:.3f} lr {rec['lr']:.2e} "
+                     f"grad {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s{mfu} "
+                     f"peak {rec['peak_mem_gb']:.2f} GiB")
+
+    def close(self) -> None:
+        "Close the bar and the files (again: a no-op)."
+        self.bar.close()
+        for f in (self.writer, self.metrics):
+            if f is not None:
+                f.close()
+        self.writer = self.metrics = None
 
 # %% [markdown]
 # ## The loop
 #
-# What needs the whole model is computed before the split: the parameter count, the model FLOPs per token and the
-# number of MoE layers. The optimizer (and the fp32 master weights) are built after it, over the parameters this
-# rank keeps. After the step every statistic that is logged is summed over all ranks in one collective, so every
-# rank agrees on the loss and on whether a signal asked to stop: the token loss (nonzero on pipeline rank 0 only),
-# the load-balance terms as they entered the objective (their sum over all ranks is the mean load-balance loss over
-# layers, micro-batches and data ranks), and each MoE layer's balance (`LoadBalance.stats`, already summed over
-# the data ranks; a pipeline rank reports its own layers, and the logged balance is the mean over all of them).
-#
-# The model is built on the **meta device**: the whole model's shapes cost nothing, each rank cuts out its
-# pipeline stages and expert slices, and only then are this rank's parameters allocated (`to_empty`) and
-# initialised (`init_weights(run.seed)`). Every parameter draws from its own generator keyed by its name and, for
-# experts, the global expert index (models/20_protocol `SeededInit`), so a rank holds exactly the values the same
-# parameters have in the whole model: the layouts start from the same weights, and a 30B model never has to fit
-# one GPU.
-#
-# Checkpoints work at every layout: each rank saves and loads its own stages and expert slices (train/44). A run
-# can also start from a weights-only checkpoint (imported Hugging Face weights, train/47_convert): that holds no
-# optimizer, and each rank reads its own parameters. The greedy sample at the end needs the whole model and is
-# skipped when it is split.
-#
-# What a rank of the real Qwen3-30B-A3B holds at pp 2 × ep 4 (the paper's eight-GPU shape), counted on the meta
-# device: with bf16 weights and gradients, fp32 masters and two fp32 AdamW moments (16 bytes a parameter) it is
-# about 70 GiB, where building the whole model first would have needed 114 GiB of float32 on every GPU.
-
-# %%
-for r in range(2):
-    with torch.device("meta"):
-        big = build_model(load_config(Path("../../configs/qwen3-30b-a3b.toml")).model)
-    n_all = sum(p.numel() for p in big.parameters())
-    split_model(big, r, 2)
-    shard_experts(big, 0, 4)
-    n = sum(p.numel() for p in big.parameters())
-    print(f"pp rank {r} of 2, ep 4: {n / 1e9:.2f}B of {n_all / 1e9:.2f}B parameters, {n * 16 / 2**30:.1f} GiB of "
-          "weights, gradients and optimizer states")
-    assert n * 16 / 2**30 < 80 and n_all * 4 / 2**30 > 110
+# `train` builds the run, writes the config it runs with, then steps, reports and checkpoints: every
+# `ckpt.every` steps, at the last step and when a signal asked to stop. A non-finite loss stops it before anything
+# is saved for that step. The greedy sample at the end needs the whole model and is skipped when it is split.
 
 # %%
 #| export
@@ -351,214 +620,63 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
 
     `until` stops (with a checkpoint) after that many steps in total, as if the run were interrupted there; the
     schedule still follows `train.steps`. Tests and the validation notebook use it to split a run in two."""
-    if cfg.train.expandable_segments and cfg.device_type == "cuda":
-        expandable_segments()
-    rank, device, mesh = setup_distributed(cfg)
-    dense = mesh.dense if mesh is not None else None          # sum token counts, dense grads, lb counts over these
-    everyone = dist.group.WORLD if mesh is not None else None  # sum the logged statistics over all ranks
-    ep = mesh.ep.size() if mesh is not None else 1
-    pp, pp_rank = (mesh.pp.size(), mesh.pp.rank()) if mesh is not None else (1, 0)
-    pipelined = pp > 1 or cfg.parallel.overlap
-    data_rank, data_world = (mesh.batch.rank(), mesh.batch.size()) if mesh is not None else (0, 1)
-    t, run_dir = cfg.train, Path(cfg.run.dir)
-    torch.manual_seed(cfg.run.seed)
-    with torch.device("meta"):  # shapes only: the whole model costs no memory until this rank has cut out its share
-        model = build_model(cfg.model)
-    # what needs the whole model comes first
-    n_params, active = sum(p.numel() for p in model.parameters()), model.active_matmul_params()
-    fpt, n_moe = model.flops_per_token(t.seq_len), moe_layer_count(model)
-    parts = (split_model(model, pp_rank, pp, cfg.parallel.pp_edge_layers, cfg.parallel.pp_stage_layers)
-             if pipelined else None)   # this rank's stages
-    if ep > 1:  # keep this rank's experts
-        shard_experts(model, mesh.ep.rank(), ep)
-    model.to_empty(device=device)
-    model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
-    if t.compile:  # stages 1 and 5 have static shapes and no host syncs by design; 2-4 stay eager
-        for layer in model.model.layers.values():
-            layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
-            layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
-    dtype = cfg.torch_dtype
-    master = None
-    if dtype != torch.float32:
-        model.to(dtype)
-        if t.optim_dtype == "float32":
-            master = MasterWeights(model)
-    stepped = master if master is not None else model   # what the optimizer updates: fp32 masters or the model
-    optimizer = build_optimizer(stepped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps)
-    replicated = [p for n, p in stepped.named_parameters() if not (ep > 1 and is_expert_param(n))]
-    experts = [p for n, p in stepped.named_parameters() if ep > 1 and is_expert_param(n)]
-    data, _ = build_dataset(cfg.data.corpus, cfg.data.tokenizer, run_dir.parent / "cache", t.seq_len, cfg.run.seed,
-                            data_rank, data_world, cfg.model.vocab_size, cfg.data.val_frac)
-    # deferred: the forward does not wait for the global counts (train/42); their values are settled per step
-    lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=dense, deferred=True)
-    E = cfg.model.routed_experts
-    p = cfg.parallel
-    back = twin_group(mesh, "ep", p.timeout_s, p.comm_priority) if ep > 1 and p.ep_backward_group else None
-    dispatcher = (EPDispatcher(mesh.ep, E, p.ep_combine, p.ep_sync_free, back, p.ep_permute_in_compute) if ep > 1
-                  else LocalDispatcher(E))
-    n_micro = cfg.num_micro_batches
-    aux_div = n_micro * data_world    # the load-balance loss is a mean over micro-batches and data ranks
-    pipe = None
-    if pipelined and ep > 1 and p.comm_sms and device.type == "cuda":   # measured there; nothing to hide at ep 1
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if p.comm_sms >= sms:
-            raise ConfigError(f"parallel.comm_sms = {p.comm_sms}, but this GPU has {sms} SMs; leave the matmuls "
-                              f"some (e.g. comm_sms = {sms // 8})")
-        if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-            raise ConfigError(f"parallel.comm_sms = {p.comm_sms} needs torch's SM carveout, which torch "
-                              f"{torch.__version__} lacks; set parallel.comm_sms = 0 or install a newer torch")
-        torch._C._set_sm_carveout_experimental(p.comm_sms)   # a process-wide setting, read at each matmul launch
-    if pipelined:
-        pipe = build_pipeline(model, parts, mesh.pp if mesh is not None else None, dispatcher, lb, n_moe, aux_div,
-                              device, p.comm_priority, p.overlap_edges, p.pp_overlap_p2p, p.pp_recv_ahead)
-    model_cfg = to_dict(cfg)["model"]
-    extra = {"master": master} if master is not None else {}
-    world = dist.get_world_size() if mesh is not None else 1
+    run = build_run(cfg)
+    end = cfg.train.steps if until is None else min(until, cfg.train.steps)
+    if run.rank == 0:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / "config.toml").write_text(dump_toml(cfg))
+    report = Reporter(run, end, quiet)
+    report.say(f"pith_lit: {cfg.model.model_type} {run.sizes['params']/1e6:.2f}M params "
+               f"({run.sizes['active']/1e6:.2f}M active matmul), {run.device.type} "
+               f"{str(cfg.torch_dtype).removeprefix('torch.')}, {dist.get_world_size()} rank(s)"
+               f"{f', DualPipeV over {run.mesh.pp.size()} pipeline rank(s)' if run.pipe else ''}, steps "
+               f"{run.start}->{end}, {cfg.tokens_per_step} tokens/step, run dir {run.run_dir}")
+    try:
+        history, stopped = _loop(run, report, end)
+        report.close()
+        sample = _sample(run, report) if history and not stopped else ""
+    finally:
+        report.close()
+        if run.started_group:
+            dist.destroy_process_group()
+    return {"history": history, "start": run.start, "end": history[-1]["step"] if history else run.start,
+            "stopped": stopped, "sample": sample, "model": run.model}
 
-    start = 0
-    last = checkpoint.latest(run_dir) if cfg.ckpt.resume else None
-    ckpt_args = dict(model=model, optimizer=optimizer, extra=extra, model_config=model_cfg, optim_module=master,
-                     ep_mesh=mesh.device_mesh["ep"] if ep > 1 else None)
-    if last is not None:
-        start = checkpoint.load(last, **ckpt_args)
-        if start == 0 and master is not None:  # imported weights (weights-only checkpoint): masters follow the model
-            master.model_to_master()
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(dump_toml(cfg))
-    end = t.steps if until is None else min(until, t.steps)
 
-    peak = peak_flops(device)
-    writer = None
-    if rank == 0 and cfg.log.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(run_dir / "tb")
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
-    say = (lambda s: None) if quiet or rank != 0 else tqdm.write
-    if rank == 0 and not quiet:
-        how = f", DualPipeV over {pp} pipeline rank(s)" if pipelined else ""
-        say(f"pith_lit: {cfg.model.model_type} {n_params/1e6:.2f}M params ({active/1e6:.2f}M active matmul), "
-            f"{device.type} {str(dtype).removeprefix('torch.')}, {world} rank(s){how}, steps {start}->{end}, "
-            f"{cfg.tokens_per_step} tokens/step, run dir {run_dir}")
-
-    def retries() -> float:   # times the caching allocator ran out, freed its cache and synchronised, so far
-        return float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0.0
-
-    warned_retries = False
-    bar = tqdm(range(start, end), initial=start, total=end, disable=quiet or rank != 0, desc="train",
-               dynamic_ncols=True)
-    history, step, stopped = [], start, False
+def _loop(run: Run, report: Reporter, end: int) -> tuple[list[dict], bool]:
+    "Steps until `end`, a signal or a non-finite loss: report each, checkpoint as `ckpt` says; (records, stopped)."
+    cfg, history = run.cfg, []
     with StopFlag() as stop:
-        for step in bar:
-            prof = None
-            if step + 1 == cfg.log.profile_step:   # one whole step, every rank: host ranges and GPU kernels
-                cuda = device.type == "cuda"
-                acts = ([torch.profiler.ProfilerActivity.CPU] if cfg.log.profile_host or not cuda else []) + (
-                    [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-                prof = torch.profiler.profile(activities=acts)
-                prof.start()
-            t0, retried = time.perf_counter(), retries()
-            lr = lr_at(step, lr=t.lr, steps=t.steps, warmup=t.warmup, schedule=t.schedule,
-                       decay_frac=t.decay_frac, min_lr_ratio=t.min_lr_ratio)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            lb.start_step()
-            batches = [data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro)]
-            n_tokens = all_reduce_(sum(count_tokens(y) for _, y in batches).to(device, torch.float32), dense)
-            if pipe is not None:  # sums of this rank's stages: the token loss on pipeline rank 0 only
-                ce_sum, aux_sum = pipe.step([(x.to(device), y.to(device)) for x, y in batches], 1 / n_tokens)
-            else:
-                ce_sum, aux_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-                for x, y in batches:
-                    ce, aux = micro_step(model, x.to(device), y.to(device), n_tokens, lb, aux_div, dispatcher)
-                    ce_sum += ce.float()
-                    aux_sum += aux.float().to(device) / aux_div     # as it entered the objective
-            aux_sum = aux_sum + lb.settle().to(aux_sum) / (max(n_moe, 1) * aux_div)   # the deferred terms' values
-            if mesh is not None:  # sums: the token-weighted loss already divides by the global token count
-                all_reduce_grads(model, mesh.dense, mesh.expert)
-            if master is not None:
-                master.grads_to_master()
-            grad_norm = clip_grads(replicated, experts, t.grad_clip, mesh)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if master is not None:
-                master.master_to_model()
-            balance = [v for k, v in lb.stats().items() if k != "lb/mean"] if lb.counts else []  # this rank's layers
-            stats = torch.cat([torch.stack([ce_sum, aux_sum]).double(), torch.tensor(
-                [sum(balance), len(balance), float(stop.set), retries() - retried], dtype=torch.float64,
-                device=device)])
-            all_reduce_(stats, everyone)
-            loss = (stats[0] / n_tokens.double()).item()
-            stop_now = stats[4].item() > 0
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            if prof is not None:   # after the timing, so writing the trace does not count against the step
-                prof.stop()
-                run_dir.mkdir(parents=True, exist_ok=True)
-                prof.export_chrome_trace(str(run_dir / f"trace-rank{rank}.json"))
-            rec = {"step": step + 1, "loss": loss, "lb_loss": stats[1].item(), "balance": (stats[2] / stats[3]).item(),
-                   "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": cfg.tokens_per_step / dt,
-                   "step_time_s": dt}
-            if peak is not None:
-                rec["mfu"] = rec["tokens_per_s"] * fpt / (peak * world)
-            rec["peak_mem_gb"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else
-                                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
-            if device.type == "cuda":
-                rec["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
-            if prof is not None and device.type == "cuda":   # which streams' pools hold the reserved memory
-                pools, compute = {}, (0, torch.cuda.current_stream(device).cuda_stream)
-                for seg in torch.cuda.memory_snapshot():
-                    key = "compute" if seg["stream"] in compute else str(seg["stream"])
-                    pools[key] = pools.get(key, 0.0) + seg["total_size"] / 2**30
-                rec["reserved_gb_by_stream"] = pools
-            rec["alloc_retries"] = int(stats[5].item())     # all ranks together, this step
-            if rec["alloc_retries"] and not warned_retries:
-                warned_retries = True
-                say(f"step {step + 1}: the CUDA caching allocator ran out of cached blocks {rec['alloc_retries']} "
-                    "time(s) on some rank (each time it frees its cache and synchronises, stalling every rank); "
-                    f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch; under DualPipeV "
-                    "keep parallel.ep_permute_in_compute on and parallel.overlap_edges off (benchmarks/RESULTS.md)")
+        for step in report.bar:
+            report.begin(step)
+            rec = train_step(run, step, stop)
+            stopped = rec.pop("stop")
+            report.end(rec)
             history.append(rec)
-            if rank == 0:
-                metrics_file.write(json.dumps(rec) + "\n")
-                metrics_file.flush()
-                if writer is not None:
-                    for k, v in rec.items():
-                        if k != "step" and isinstance(v, (int, float)):   # not the profiled step's pool sizes
-                            writer.add_scalar(f"train/{k}", v, rec["step"])
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}")
-                if (step + 1) % cfg.log.every == 0 or step == start:
-                    mfu = f" mfu {rec['mfu']:.1%}" if "mfu" in rec else ""
-                    say(f"step {step + 1:>6} loss {loss:.4f} balance {rec['balance']:.3f} lr {lr:.2e} "
-                        f"grad {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s{mfu} "
-                        f"peak {rec['peak_mem_gb']:.2f} GiB")
-            if not math.isfinite(loss):
-                raise NonFiniteLoss(f"loss is {loss} at step {step + 1}; nothing was saved for this step, so the "
-                                    f"latest checkpoint in {run_dir / 'ckpt'} is the last good one. Lower train.lr, "
-                                    "raise train.warmup or check the data, then rerun to resume from it.")
-            done = step + 1
+            if not math.isfinite(rec["loss"]):
+                raise NonFiniteLoss(f"loss is {rec['loss']} at step {step + 1}; nothing was saved for this step, so "
+                                    f"the latest checkpoint in {run.run_dir / 'ckpt'} is the last good one. Lower "
+                                    "train.lr, raise train.warmup or check the data, then rerun to resume from it.")
             every = cfg.ckpt.every
-            if every >= 0 and (stop_now or done == end or (every and done % every == 0)):
-                checkpoint.save(run_dir, done, keep=cfg.ckpt.keep, **ckpt_args)
-            if stop_now:
-                say(f"stopped by signal after step {done}; checkpoint saved, rerun to resume")
-                stopped = True
-                break
-    bar.close()
-    if writer is not None:
-        writer.close()
-    if metrics_file is not None:
-        metrics_file.close()
-    sample = ""
-    if rank == 0 and cfg.log.sample_tokens and not stopped and history:
-        if pp == 1 and ep == 1:
-            sample = greedy_sample(model, load_tokenizer(cfg.data.tokenizer), data, cfg.log.sample_tokens, device)
-            say("sample: " + repr(sample))
-        else:
-            say(f"no sample: greedy_sample needs the whole model, and pp = {pp}, ep = {ep} split it among the ranks")
-    return {"history": history, "start": start, "end": step + 1 if history else start, "stopped": stopped,
-            "sample": sample, "model": model}
+            if every >= 0 and (stopped or step + 1 == end or (every and (step + 1) % every == 0)):
+                checkpoint.save(run.run_dir, step + 1, keep=cfg.ckpt.keep, **run.ckpt_args())
+            if stopped:
+                report.say(f"stopped by signal after step {step + 1}; checkpoint saved, rerun to resume")
+                return history, True
+    return history, False
+
+
+def _sample(run: Run, report: Reporter) -> str:
+    "The greedy sample at the end of a run, on rank 0 of an unsplit model; '' otherwise."
+    n, pp, ep = run.cfg.log.sample_tokens, run.mesh.pp.size(), run.mesh.ep.size()
+    if run.rank != 0 or not n:
+        return ""
+    if pp > 1 or ep > 1:
+        report.say(f"no sample: greedy_sample needs the whole model, and pp = {pp}, ep = {ep} split it among the ranks")
+        return ""
+    sample = greedy_sample(run.model, load_tokenizer(run.cfg.data.tokenizer), run.data, n, run.device)
+    report.say("sample: " + repr(sample))
+    return sample
 
 # %% [markdown]
 # ## A greedy sample
@@ -584,9 +702,6 @@ def greedy_sample(model, tokenizer, data, n_tokens: int, device, prompt_len: int
 #
 # Twenty steps of the tiny default model on the embedded corpus, in a scratch directory. The loss starts near
 # ln(vocab) and falls.
-
-# %%
-import tempfile
 
 # %%
 tmp = tempfile.mkdtemp()

@@ -9,7 +9,7 @@
 # %% [markdown]
 # # v02 · Pipeline validation
 #
-# Runs DualPipeV (engine/33_dualpipev) on `nproc` processes, `nproc / ep` pipeline ranks times `ep` expert-parallel
+# Runs DualPipeV (engine/33_dualpipev, through the checks of engine/35_testing) on `nproc` processes, `nproc / ep` pipeline ranks times `ep` expert-parallel
 # ranks, and checks two things: one step per micro-batch count in `micro` gives the loss and gradients of a single
 # process running the whole model (float32 on the CPU to 1e-6 / 1e-5 relative; bf16 on GPUs, to rounding); and a
 # measured step of a wider model runs every rank's schedule, action by action. It draws the measured timeline
@@ -40,8 +40,8 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
-from pith_lit.engine.dualpipev import (COMPUTE_ACTIONS, _kind, bubble_fraction, draw_timeline, dualpipev_schedule,
-                                       simulate)
+from pith_lit.engine.dualpipev import COMPUTE_ACTIONS, _kind, bubble_fraction, dualpipev_schedule, simulate
+from pith_lit.testing import draw_timeline
 
 matplotlib.use("Agg")
 out = Path(out_dir)
@@ -53,7 +53,7 @@ failures = []
 
 # %%
 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-       "-m", "pith_lit.engine.dualpipev", "--micro", *map(str, micro), "--ep", str(ep), "--device", device,
+       "-m", "pith_lit.testing", "pipeline", "--micro", *map(str, micro), "--ep", str(ep), "--device", device,
        "--timeline", str(timeline_file), "--timeline-micro", str(timeline_micro),
        "--timeline-hidden", str(timeline_hidden), "--timeline-seq", str(timeline_seq)]
 env = {**os.environ, "OMP_NUM_THREADS": "1"}

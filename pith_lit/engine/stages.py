@@ -43,15 +43,12 @@ class LayerRun:
         self.layer, self.key, self.dispatcher, self.aux_fn = layer, key, dispatcher, aux_fn
         self.wgrad_queue = wgrad_queue
         self.aux = None
-        self.pw_out = self.pw = None
-        # rows permuted on the compute stream, in stage 3 (the dispatcher's `expand` and `reduce`), when it can
-        self.permute = getattr(dispatcher, "permute_in_compute", False)
 
     def forward(self, h: Tensor, positions: Tensor):
         self.h_in, self.positions = _leaf(h), positions
         yield COMPUTE, self._stage1
         if self.routing is not None:
-            if getattr(self.dispatcher, "counts_step", False):   # sizes across ranks first, rows after a switch
+            if self.dispatcher.counts_step:   # sizes across ranks first, rows after a switch
                 yield COMM, self._counts
             yield COMM, self._dispatch
             yield COMPUTE, self._stage3
@@ -77,46 +74,34 @@ class LayerRun:
             self.aux = self.aux_fn(self.key, self.routing)
         self.s1_out = [h, x, self.routing.weights, self.aux]
         self.h1, self.x, self.w = _leaf(h), _leaf(x), _leaf(self.routing.weights)
-        self.routing.weights = self.w     # a summing dispatcher reads them in dispatch, stage 5 otherwise
+        self.routing.weights = self.w                 # dispatch sends these with the rows
 
     def _counts(self):
         self.dispatcher.exchange_counts(self.routing)
 
     def _dispatch(self):
         _use(self.x, self.w)
-        d, r = self.dispatcher, self.routing
-        if self.permute:   # the exchange alone: stage 3 makes the pairs from the received rows
-            d.dispatch_start(self.x, r)
-            self.xg_out, self.counts = d.dispatch_wait(r, expand=False)
-            self.pw_out = r.plan.weights               # combine "sum": stage 3 weights with them, a leaf there
-            self.pw = r.plan.weights = None if self.pw_out is None else _leaf(self.pw_out)
-        else:
-            self.xg_out, self.counts = d.dispatch(self.x, r)
-        self.xg = _leaf(self.xg_out)
+        self.xg_out = self.dispatcher.dispatch(self.x, self.routing)
+        plan = self.routing.plan
+        self.pw_out = plan.weights                    # the received rows' router weights: stage 3 applies them
+        self.xg, self.pw = _leaf(self.xg_out), _leaf(self.pw_out)
+        plan.weights = self.pw
 
     def _stage3(self):
-        _use(self.xg, self.counts)
-        if self.permute:
-            plan = self.routing.plan
-            _use(plan.expand_rows, plan.pair_row, plan.back, self.pw)
-            y = self.layer.stage3(self.dispatcher.expand(self.xg, self.routing), self.counts, self.wgrad_queue)
-            self.y_out = self.dispatcher.reduce(y, self.routing)
-        else:
-            self.y_out = self.layer.stage3(self.xg, self.counts, self.wgrad_queue)
+        d, r = self.dispatcher, self.routing
+        _use(self.xg, *(v for v in vars(r.plan).values() if isinstance(v, Tensor)))
+        y = self.layer.stage3(*d.expand(self.xg, r), self.wgrad_queue)
+        self.y_out = d.reduce(y, r)
         self.y = _leaf(self.y_out)
 
     def _combine(self):
         _use(self.y)
-        if self.permute:
-            self.dispatcher.combine_start(self.y, self.routing, reduced=True)
-            self.yc_out = self.dispatcher.combine_wait(self.routing)
-        else:
-            self.yc_out = self.dispatcher.combine(self.y, self.routing)
+        self.yc_out = self.dispatcher.combine(self.y, self.routing)
         self.yc = _leaf(self.yc_out)
 
     def _stage5(self):
-        _use(self.yc, self.routing.row_index)
-        self.h_out = self.layer.stage5(self.h1, self.yc, self.routing)
+        _use(self.yc)
+        self.h_out = self.layer.stage5(self.h1, self.yc)
 
     # backward steps, in the order they run
     def _stage5_backward(self):
@@ -134,10 +119,9 @@ class LayerRun:
         self.y_out = self.y = None
 
     def _dispatch_backward(self):
-        pw_grad = None if self.pw is None else self.pw.grad
-        _use(self.xg.grad, pw_grad)
-        _backward([self.xg_out, self.pw_out], [self.xg.grad, pw_grad])
-        self.xg_out = self.xg = self.counts = self.pw_out = self.pw = None
+        _use(self.xg.grad, self.pw.grad)
+        _backward([self.xg_out, self.pw_out], [self.xg.grad, self.pw.grad])
+        self.xg_out = self.xg = self.pw_out = self.pw = None
 
     def _stage1_backward(self):
         if self.routing is None:
@@ -170,12 +154,11 @@ def backward_layers(runs: list[LayerRun], grad: Tensor):
 
 
 class Streams:
-    """The compute stream (current when made) and a communication stream, on a CUDA device; both None on the CPU.
-    `high_priority`: the communication stream's kernels are scheduled ahead of the compute stream's."""
-    def __init__(self, device: torch.device, high_priority: bool = False):
+    "The compute stream (current when made) and a communication stream, on a CUDA device; both None on the CPU."
+    def __init__(self, device: torch.device):
         cuda = torch.device(device).type == "cuda"
         self.compute = torch.cuda.current_stream(device) if cuda else None
-        self.comm = torch.cuda.Stream(device, priority=-1 if high_priority else 0) if cuda else None
+        self.comm = torch.cuda.Stream(device) if cuda else None
 
 
 class _Task:

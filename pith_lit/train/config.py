@@ -17,7 +17,7 @@ from typing import Literal, Sequence, get_args, get_origin, get_type_hints
 
 import torch
 
-from ..engine.dualpipev import stage_layers
+from ..engine.mesh import stage_layers
 from ..models import deepseek_v2, gpt_oss, qwen3_moe
 from ..models.protocol import cfg
 
@@ -34,69 +34,46 @@ class RunConfig:
 @dataclass
 class ParallelConfig:
     "How the processes divide the work. pp × dp × cp × ep must equal the number of processes."
-    pp: int = cfg(1, "pipeline-parallel ranks (DualPipeV: rank r holds stages r and 2·pp−1−r)")
-    dp: int = cfg(1, "data-parallel ranks")
-    cp: int = cfg(1, "context-parallel ranks (ring attention splits each sequence among them)")
-    ep: int = cfg(1, "expert-parallel ranks (the routed experts are divided among them)")
-    overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one "
-                               "micro-batch beside the backward of another)")
-    pp_edge_layers: int = cfg(0, "at pp > 1, layers in each of the two edge stages (rank 0 holds both, with the "
-                                 "embedding, head and loss); the other stages share the rest. 0 divides evenly")
+    pp: int = cfg(1, "pipeline-parallel ranks (DualPipeV: rank r holds stages r and 2·pp−1−r)", gt=0)
+    dp: int = cfg(1, "data-parallel ranks", gt=0)
+    cp: int = cfg(1, "context-parallel ranks; must be 1: context parallelism is not implemented yet", gt=0)
+    ep: int = cfg(1, "expert-parallel ranks (the routed experts are divided among them)", gt=0)
+    overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one micro-batch beside "
+                               "the backward of another); faster than the plain loop at ep > 1 with several "
+                               "micro-batches per rank, slower at ep = 1 (benchmarks/RESULTS.md)")
     pp_stage_layers: list = cfg([], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 3, 2] (stage 0 "
                                     "and the last, on rank 0 with the embedding and the head, may have 0); [] = "
-                                    "even, or pp_edge_layers. At pp 2 on the Qwen3 bench config [3, 4, 3, 2] was "
-                                    "14% faster than even (benchmarks/RESULTS.md)")
-    pp_overlap_p2p: bool = cfg(False, "at pp > 1, run the point-to-point transfers beside compute (one communicator "
-                                      "per direction, sends as soon as their tensor exists); hides them, but was "
-                                      "3.8% slower on two H200s, where the waiting NCCL kernels slowed the grouped "
-                                      "GEMMs more than the 9 ms of transfer it hid")
-    pp_recv_ahead: int = cfg(1, "with pp_overlap_p2p, post each receive this many compute actions before the one "
-                                "that reads it, so it is waiting when the neighbour sends; 0: just before it")
-    overlap_edges: bool = cfg(False, "at pp = 1 with overlap, also pair the step's second and third half-model "
-                                     "forwards and its second- and third-last backwards, so only two of them run "
-                                     "alone; half a micro-batch more activations, and no faster where measured")
-    ep_combine: Literal["sum", "pairs"] = cfg(
-        "sum", "how expert outputs return at ep > 1: sum = weighted and summed on the experts' rank, one row per "
-               "(token, rank); pairs = one row per (token, expert) pair, weighted at home")
+                                    "even. Move layers off rank 0 where its head costs several layers (the Qwen3 "
+                                    "bench at pp 2: benchmarks/RESULTS.md)")
     ep_sync_free: bool = cfg(False, "at ep > 1, size the all-to-alls by bounds instead of exchanging counts: no "
-                                    "host synchronisation per layer, but every rank sends T rows to every rank "
-                                    "and the expert buffers hold ep·T·top_k rows (needs ep_combine = sum)")
-    ep_permute_in_compute: bool = cfg(
-        True, "at ep > 1 with DualPipeV, expand the received rows to (token, expert) pairs and sum them back on the "
-              "compute stream, in stage 3, so that the communication stream only exchanges rows and every "
-              "buffer sized by the experts' rows comes from the compute stream's memory pool; false: the "
-              "communication steps do it, beside the other micro-batch's compute")
-    ep_backward_group: bool = cfg(False, "at ep > 1, run backward's all-to-alls on a second communicator over the "
-                                         "same ranks, so the overlapped schedule's forward and backward "
-                                         "exchanges do not queue behind each other on one NCCL stream")
-    comm_priority: bool = cfg(False, "run the ep and pp groups' NCCL streams and the overlapped schedule's "
-                                     "communication stream at high CUDA priority")
+                                    "host synchronisation per layer (faster where the host limits the step), but "
+                                    "the expert buffers hold ep·T·top_k rows (more memory)")
     comm_sms: int = cfg(16, "with DualPipeV (pp > 1 or overlap) at ep > 1 on GPUs, SMs that grouped GEMMs and "
-                            "cuBLAS matmuls leave free, so the all-to-alls' kernels run beside them rather than "
-                            "after them (torch's experimental SM carveout; 0: matmuls take every SM, which was faster "
-                            "for the DeepSeek-V2-Lite bench at two micro-batches per rank: benchmarks/RESULTS.md)")
-    timeout_s: int = cfg(600, "timeout of a collective, in seconds")
+                            "cuBLAS matmuls leave free so the all-to-alls run beside them (torch's SM carveout); "
+                            "0 gives the matmuls every SM, better with few micro-batches per rank "
+                            "(benchmarks/RESULTS.md)", ge=0)
+    timeout_s: int = cfg(600, "timeout of a collective, in seconds", gt=0)
 
 
 @dataclass
 class TrainConfig:
     "The optimisation: batch, schedule, AdamW, load balance, precision."
-    steps: int = cfg(300, "optimizer steps")
-    global_batch: int = cfg(16, "sequences per optimizer step, all ranks together")
-    micro_batch: int = cfg(4, "sequences per micro-batch per data-parallel rank")
-    seq_len: int = cfg(128, "tokens per sequence")
-    lr: float = cfg(3e-3, "peak learning rate")
-    min_lr_ratio: float = cfg(0.1, "final learning rate as a fraction of lr (wsd and cosine)")
-    warmup: int = cfg(30, "steps of linear warmup from 0 to lr")
+    steps: int = cfg(300, "optimizer steps", gt=0)
+    global_batch: int = cfg(16, "sequences per optimizer step, all ranks together", gt=0)
+    micro_batch: int = cfg(4, "sequences per micro-batch per data-parallel rank", gt=0)
+    seq_len: int = cfg(128, "tokens per sequence", gt=0)
+    lr: float = cfg(3e-3, "peak learning rate", gt=0)
+    min_lr_ratio: float = cfg(0.1, "final learning rate as a fraction of lr (wsd and cosine)", ge=0, le=1)
+    warmup: int = cfg(30, "steps of linear warmup from 0 to lr", ge=0)
     schedule: Literal["wsd", "cosine", "constant"] = cfg(
         "wsd", "learning-rate schedule after warmup: warmup-stable-decay, cosine, or constant")
-    decay_frac: float = cfg(0.2, "last fraction of the steps that wsd decays over")
-    weight_decay: float = cfg(0.1, "AdamW weight decay")
-    beta1: float = cfg(0.9, "AdamW β1")
-    beta2: float = cfg(0.95, "AdamW β2")
-    eps: float = cfg(1e-8, "AdamW ε")
-    grad_clip: float = cfg(1.0, "clip the global gradient norm to this (0 disables)")
-    lb_coef: float = cfg(0.01, "load-balance loss coefficient (0 disables)")
+    decay_frac: float = cfg(0.2, "last fraction of the steps that wsd decays over", ge=0, le=1)
+    weight_decay: float = cfg(0.1, "AdamW weight decay", ge=0)
+    beta1: float = cfg(0.9, "AdamW β1", ge=0, lt=1)
+    beta2: float = cfg(0.95, "AdamW β2", ge=0, lt=1)
+    eps: float = cfg(1e-8, "AdamW ε", gt=0)
+    grad_clip: float = cfg(1.0, "clip the global gradient norm to this (0 disables)", ge=0)
+    lb_coef: float = cfg(0.01, "load-balance loss coefficient (0 disables)", ge=0)
     lb_level: Literal["micro", "global"] = cfg(
         "global", "load-balance expert counts per micro-batch, or over the whole step on all ranks")
     dtype: Literal["auto", "bfloat16", "float32"] = cfg("auto", "auto = bfloat16 on CUDA, float32 on CPU")
@@ -104,11 +81,6 @@ class TrainConfig:
         "float32", "when computing in bfloat16: float32 = fp32 master weights and AdamW states; bfloat16 = "
         "update the bf16 weights in place with bf16 states (half the optimizer memory, less exact)")
     compile: bool = cfg(False, "torch.compile stages 1 and 5 of every layer")
-    expandable_segments: bool = cfg(
-        False, "on CUDA, let the caching allocator grow its memory segments in place (PyTorch's "
-               "expandable_segments): less fragmentation, 1.6% faster on one H200 with the bench config, but 25% "
-               "slower where memory was nearly full (benchmarks/RESULTS.md); a PYTORCH_CUDA_ALLOC_CONF set in the "
-               "environment takes precedence")
 
 
 @dataclass
@@ -117,25 +89,25 @@ class DataConfig:
     corpus: str = cfg("stdlib", "stdlib = the embedded corpus (the Python standard library's source), "
                                 "or the path of a packed token file made by `python -m pith_lit.tokenize`")
     tokenizer: str = cfg("bytes", "bytes = the byte-level tokenizer, or the path of a Hugging Face tokenizer.json")
-    val_frac: float = cfg(0.01, "fraction of the corpus held out for validation")
+    val_frac: float = cfg(0.01, "fraction of the corpus held out for validation", ge=0, lt=1)
 
 
 @dataclass
 class CkptConfig:
     "When to save, and what to keep."
-    every: int = cfg(100, "steps between checkpoints (0 = only at the end; -1 = never, for benchmarks)")
-    keep: int = cfg(2, "most recent checkpoints kept")
+    every: int = cfg(100, "steps between checkpoints (0 = only at the end; -1 = never, for benchmarks)", ge=-1)
+    keep: int = cfg(2, "most recent checkpoints kept", gt=0)
     resume: bool = cfg(True, "continue from the newest checkpoint in run.dir if there is one")
 
 
 @dataclass
 class LogConfig:
     "What the run reports."
-    every: int = cfg(10, "steps between log lines")
+    every: int = cfg(10, "steps between log lines", gt=0)
     tensorboard: bool = cfg(True, "write TensorBoard event files to run.dir")
-    sample_tokens: int = cfg(64, "length of the greedy sample printed at the end (0 disables)")
+    sample_tokens: int = cfg(64, "length of the greedy sample printed at the end (0 disables)", ge=0)
     profile_step: int = cfg(0, "step (counted from 1) to record with torch.profiler into run.dir/trace-rank<R>.json, "
-                            "for `python -m pith_lit.engine.overlap` (0 disables)")
+                            "for `python -m pith_lit.engine.overlap` (0 disables)", ge=0)
     profile_host: bool = cfg(True, "record host-side operators too (their ranges give the per-slot rows of the "
                                    "report); false records GPU kernels only, so the profiler does not slow the "
                                    "host that feeds the GPU (CUDA only)")
@@ -185,6 +157,17 @@ class Config:
         """Micro-batches per optimizer step on each rank that reads its own data: the dp × ep ranks (expert-parallel
         ranks share experts, not tokens, so each reads a different part of the batch)."""
         return self.train.global_batch // (self.train.micro_batch * self.parallel.dp * self.parallel.ep)
+
+    @property
+    def pipelined(self) -> bool:
+        "Whether DualPipeV runs the step: pp > 1, or parallel.overlap at pp = 1."
+        return self.parallel.pp > 1 or self.parallel.overlap
+
+    @property
+    def comm_sms(self) -> int:
+        "SMs the matmuls leave to communication: parallel.comm_sms where it applies (DualPipeV at ep > 1 on CUDA)."
+        p = self.parallel
+        return p.comm_sms if self.pipelined and p.ep > 1 and self.device_type == "cuda" else 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -302,8 +285,25 @@ def _need(ok: bool, message: str):
         raise ConfigError(message)
 
 
-def validate(cfg: Config, world_size: int | None = None) -> Config:
-    "Raise `ConfigError` naming the field, the value and what would be valid, at the first problem; else return `cfg`."
+_BOUNDS = {"gt": (lambda v, b: v > b, ">"), "ge": (lambda v, b: v >= b, ">="), "lt": (lambda v, b: v < b, "<"),
+           "le": (lambda v, b: v <= b, "<=")}
+
+
+def _check_bounds(name: str, value, metadata) -> None:
+    "Raise ConfigError when `value` breaks a bound declared on its field (`cfg(..., gt=0)` and the like)."
+    if all(ok(value, metadata[k]) for k, (ok, _) in _BOUNDS.items() if k in metadata):
+        return
+    lo = next((k for k in ("gt", "ge") if k in metadata), None)
+    hi = next((k for k in ("lt", "le") if k in metadata), None)
+    if lo and hi:
+        want = f"in {'(' if lo == 'gt' else '['}{metadata[lo]!r}, {metadata[hi]!r}{')' if hi == 'lt' else ']'}"
+    else:
+        want = f"{_BOUNDS[lo or hi][1]} {metadata[lo or hi]!r}"
+    raise ConfigError(f"{name} = {value!r}: must be {want}")
+
+
+def _check_fields(cfg: Config) -> None:
+    "Every field's type, and every range declared on a field."
     for s in fields(Config):
         section = getattr(cfg, s.name)
         if s.name == "model":
@@ -311,32 +311,16 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                   f"model.model_type = {section.model_type!r}, but [model] is a {type(section).__qualname__} "
                   f"from {type(section).__module__}; build the model section with model_class(model_type)")
         _check_types(s.name, get_type_hints(type(section)), {f.name: getattr(section, f.name) for f in fields(section)})
-    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+        for f in fields(section):
+            _check_bounds(f"{s.name}.{f.name}", getattr(section, f.name), f.metadata)
 
-    positive = [("parallel", n) for n in ("pp", "dp", "cp", "ep", "timeout_s")]
-    positive += [("train", n) for n in ("steps", "global_batch", "micro_batch", "seq_len", "lr", "eps")]
-    positive += [("ckpt", "keep"), ("log", "every")]
-    # numbers of the model section: a count of experts or a low rank may be 0 (none); everything else > 0
-    may_be_zero = {"num_experts", "n_routed_experts", "n_shared_experts", "q_lora_rank", "first_k_dense_replace",
-                   "router_aux_loss_coef"}
-    numbers = [f.name for f in fields(m) if _accepts(int, getattr(m, f.name)) or _accepts(float, getattr(m, f.name))]
-    positive += [("model", n) for n in numbers if n not in may_be_zero]
-    for sec, name in positive:
-        v = getattr(getattr(cfg, sec), name)
-        _need(v > 0, f"{sec}.{name} = {v!r}: must be > 0")
-    for sec, name in [("train", "warmup"), ("train", "weight_decay"), ("train", "grad_clip"),
-                      ("train", "lb_coef"), ("log", "sample_tokens"), ("parallel", "comm_sms"),
-                      ("parallel", "pp_edge_layers"), ("parallel", "pp_recv_ahead")] + [
-                      ("model", n) for n in numbers if n in may_be_zero]:
-        v = getattr(getattr(cfg, sec), name)
-        _need(v >= 0, f"{sec}.{name} = {v!r}: must be >= 0")
-    for name, v, hi in [("train.min_lr_ratio", t.min_lr_ratio, "1]"), ("train.decay_frac", t.decay_frac, "1]"),
-                        ("train.beta1", t.beta1, "1)"), ("train.beta2", t.beta2, "1)"),
-                        ("data.val_frac", d.val_frac, "1)")]:
-        _need(0 <= v and (v <= 1 if hi == "1]" else v < 1), f"{name} = {v!r}: must be in [0, {hi}")
-    _need(cfg.ckpt.every >= -1, f"ckpt.every = {cfg.ckpt.every}: use a number of steps, 0 (only at the end) or -1 "
-          "(never)")
 
+def _check_layout(cfg: Config, world_size: int | None) -> None:
+    "The parallel sizes against the world, the model and the batch; the device and what it must offer."
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _need(p.cp == 1, f"parallel.cp = {p.cp}: context parallelism is not implemented yet; set parallel.cp = 1")
+    _need(cfg.run.device != "cuda" or torch.cuda.is_available(),
+          "run.device = 'cuda', but torch sees no CUDA GPU here; set run.device = cpu (or auto)")
     if world_size is not None:
         _need(cfg.world_size == world_size,
               f"parallel: pp × dp × cp × ep = {p.pp} × {p.dp} × {p.cp} × {p.ep} = {cfg.world_size}, "
@@ -348,24 +332,26 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _need(t.global_batch % per_step == 0,
           f"train.global_batch = {t.global_batch}: not divisible by train.micro_batch × parallel.dp × parallel.ep = "
           f"{t.micro_batch} × {p.dp} × {p.ep} = {per_step}; use a multiple of {per_step}")
-    if p.pp > 1 or p.overlap:
+    if cfg.pipelined:
         why = f"parallel.pp = {p.pp}" if p.pp > 1 else "parallel.overlap = true"
         _need(cfg.num_micro_batches >= 2 * p.pp,
               f"train.global_batch = {t.global_batch}: gives {cfg.num_micro_batches} micro-batches per step "
               f"(global_batch / (micro_batch × dp × ep)), but DualPipeV with {why} needs at least 2·pp = {2 * p.pp}; "
               f"use global_batch >= {2 * p.pp * per_step} or a smaller micro_batch")
-        _need(m.num_hidden_layers >= 2 * p.pp,
-              f"parallel.pp = {p.pp}: DualPipeV cuts the model into 2·pp = {2 * p.pp} stages of at least one layer, "
-              f"but model.num_hidden_layers = {m.num_hidden_layers}; use parallel.pp <= {m.num_hidden_layers // 2}")
-    if p.pp_stage_layers:   # the split's own rules (engine/33), checked before anything is built
-        try:
-            stage_layers(m.num_hidden_layers, p.pp, p.pp_edge_layers, p.pp_stage_layers)
+        try:        # the split's own rules (engine/30_mesh), checked before anything is built
+            stage_layers(m.num_hidden_layers, p.pp, p.pp_stage_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    _need(not p.ep_sync_free or p.ep_combine == "sum",
-          "parallel.ep_sync_free = true needs parallel.ep_combine = sum (a per-pair combine's sizes are only known "
-          "on the host); set ep_combine = sum or ep_sync_free = false")
-    _need(0 <= cfg.log.profile_step <= t.steps,
+    if cfg.comm_sms:
+        _need(hasattr(torch._C, "_set_sm_carveout_experimental"),
+              f"parallel.comm_sms = {p.comm_sms} needs torch's SM carveout, which torch {torch.__version__} lacks; "
+              "set parallel.comm_sms = 0 or install a newer torch")
+
+
+def _check_schedule(cfg: Config) -> None:
+    "The learning-rate schedule and the profiled step against the number of steps."
+    t = cfg.train
+    _need(cfg.log.profile_step <= t.steps,
           f"log.profile_step = {cfg.log.profile_step}: not a step of this run; use 1..{t.steps} (train.steps), or 0 "
           "for no trace")
     _need(t.warmup <= t.steps, f"train.warmup = {t.warmup}: longer than train.steps = {t.steps}; use at most "
@@ -375,20 +361,33 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _need(t.warmup + decay <= t.steps,
               f"train.warmup = {t.warmup}: overlaps the wsd decay (decay_frac {t.decay_frac} × {t.steps} steps = "
               f"{decay} steps); use warmup <= {t.steps - decay} or a smaller train.decay_frac")
-    if p.cp > 1:
-        _need(t.seq_len % (2 * p.cp) == 0,
-              f"train.seq_len = {t.seq_len}: not divisible by 2 × parallel.cp = {2 * p.cp} (context parallelism "
-              f"cuts each sequence into 2·cp chunks); use a multiple of {2 * p.cp}")
+
+
+def _check_model(cfg: Config) -> None:
+    "The model's own cross-field rules, and what the data asks of it."
+    m, t = cfg.model, cfg.train
     _need(m.routed_experts == 0 or m.num_experts_per_tok <= m.routed_experts,
           f"model.num_experts_per_tok = {m.num_experts_per_tok}: more than the model's {m.routed_experts} routed "
           f"experts; use at most {m.routed_experts}")
     _need(m.num_attention_heads % m.num_key_value_heads == 0,
           f"model.num_attention_heads = {m.num_attention_heads}: not divisible by model.num_key_value_heads = "
           f"{m.num_key_value_heads}; use a multiple of {m.num_key_value_heads}")
-    if d.tokenizer == "bytes":
+    _need(t.seq_len <= m.max_position_embeddings,
+          f"train.seq_len = {t.seq_len}: longer than model.max_position_embeddings = {m.max_position_embeddings}; "
+          f"use seq_len <= {m.max_position_embeddings} (or raise max_position_embeddings where the model's RoPE "
+          "scaling supports it)")
+    if cfg.data.tokenizer == "bytes":
         _need(m.vocab_size >= BYTE_VOCAB,
               f"model.vocab_size = {m.vocab_size}: the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes + "
               f"3 special tokens); use vocab_size >= {BYTE_VOCAB} or set data.tokenizer to a tokenizer.json")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    "Raise `ConfigError` naming the field, the value and what would be valid, at the first problem; else return `cfg`."
+    _check_fields(cfg)
+    _check_layout(cfg, world_size)
+    _check_schedule(cfg)
+    _check_model(cfg)
     return cfg
 
 # %% ../../nbs/train/40_config.ipynb #e72a49b6
