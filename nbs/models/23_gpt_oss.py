@@ -40,8 +40,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from pith_lit.ops.attention import causal_attention
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.swiglu import clamped_swiglu
+
+# %%
+import os
 
 # %% [markdown]
 # ## Config
@@ -250,7 +254,7 @@ cs2 = rope_cos_sin(torch.arange(5).expand(2, 5), 32, rope, xr.dtype)
 assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 
 # %% [markdown]
-# ## Attention with sinks, by SDPA
+# ## Attention with sinks: our kernel on the GPU, SDPA on the CPU
 #
 # Head h's attention of query i is `softmax([s_i1, …, s_iS, sink_h])` without its last entry: the sink is one more
 # logit in the denominator that brings no value, so the weights over the real keys sum to less than 1. The keys
@@ -276,9 +280,14 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # kernel, 6.3 ms forward and 17.6 ms forward + backward, window or not; plain causal FlashAttention without sinks
 # takes 0.64 and 2.5 ms, the explicit-score reference 29 and 63 ms, and SDPA's memory-efficient kernel 9.3 and 32 ms.
 # So sinks by SDPA cost 7 to 10× FlashAttention without sinks, but 3.6 to 4.6× less than explicit scores, and no S²
-# memory per head. A FlashAttention or flex-attention kernel with native sinks and block-skipping windows would close
-# that gap; it is a later step. The mask is by place in the given sequence (a whole sequence per micro-batch);
-# context parallelism will bring its own attention.
+# memory per head.
+#
+# On CUDA the layers therefore call ops/14's `causal_attention` instead: a flash-attention kernel with the sinks in
+# its softmax and a window that skips whole key blocks, as one custom operator that `torch.compile` keeps whole.
+# At the shape above it takes 5.1 ms forward + backward on a full layer and 1.0 ms on a sliding one (the same
+# benchmarks/RESULTS.md section, "Attention kernel"), against 17.6 ms for either by SDPA. On the CPU the SDPA form
+# stays (the Triton kernels run there only under the interpreter, for tests); the two are checked against each
+# other in ops/14.
 
 # %%
 #| export
@@ -353,6 +362,21 @@ with torch.no_grad():
     no_sink = sink_attention(q, k, v, torch.full_like(sinks, -1e4), W)
     assert torch.allclose(no_sink, plain_out, rtol=0, atol=1e-14)
 assert keep.sum(1).tolist() == [1, 2, 3] + [W] * (S - 3)  # each query sees itself and at most W - 1 before it
+
+# %% [markdown]
+# The kernel the GPU runs, `causal_attention` (ops/14), gives the SDPA form's outputs and gradients. Its Triton
+# kernels run on the CPU only under the interpreter (`TRITON_INTERPRET=1`, which the tests set), in float32.
+
+# %%
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    q32, k32, v32, s32 = (t.detach().float().requires_grad_() for t in (q, k, v, sinks))
+    for window in (W, None):
+        out = causal_attention(q32, k32, v32, s32, window)
+        ref = sink_attention(q, k, v, sinks, window)
+        assert torch.allclose(out.double(), ref, rtol=0, atol=1e-5), (out - ref).abs().max()
+        g = torch.autograd.grad(out.sin().sum(), (q32, k32, v32, s32))
+        g_ref = torch.autograd.grad(ref.sin().sum(), (q, k, v, sinks))
+        for a, b in zip(g, g_ref): assert torch.allclose(a.double(), b, rtol=0, atol=1e-5), (a - b).abs().max()
 
 # %% [markdown]
 # ## The projections FP8 will replace
@@ -455,7 +479,11 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
-        o = sink_attention(*self.qkv(x, positions), self.sinks, self.sliding_window)
+        q, k, v = self.qkv(x, positions)
+        if q.is_cuda:   # ops/14's kernel: sinks in the softmax, whole blocks outside the window skipped
+            o = causal_attention(q, k, v, self.sinks, self.sliding_window)
+        else:
+            o = sink_attention(q, k, v, self.sinks, self.sliding_window)
         return self.o_proj(o.transpose(1, 2).flatten(2))
 
 

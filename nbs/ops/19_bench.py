@@ -33,7 +33,7 @@ import sys
 import torch
 import triton
 
-from pith_lit.ops import cross_entropy, grouped_linear, permute, swiglu
+from pith_lit.ops import attention, cross_entropy, grouped_linear, permute, swiglu
 
 # %% [markdown]
 # ## Rows and the table
@@ -43,6 +43,7 @@ from pith_lit.ops import cross_entropy, grouped_linear, permute, swiglu
 # %%
 #| export
 BENCHES = {"swiglu": swiglu.bench, "permute": permute.bench, "grouped_linear": grouped_linear.bench,
+           "attention": attention.bench,
            "cross_entropy": cross_entropy.bench}
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from ..ops.attention import causal_attention
 from ..ops.grouped_linear import grouped_linear
 from ..ops.swiglu import clamped_swiglu
 
@@ -217,7 +218,11 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
-        o = sink_attention(*self.qkv(x, positions), self.sinks, self.sliding_window)
+        q, k, v = self.qkv(x, positions)
+        if q.is_cuda:   # ops/14's kernel: sinks in the softmax, whole blocks outside the window skipped
+            o = causal_attention(q, k, v, self.sinks, self.sliding_window)
+        else:
+            o = sink_attention(q, k, v, self.sinks, self.sliding_window)
         return self.o_proj(o.transpose(1, 2).flatten(2))
 
 

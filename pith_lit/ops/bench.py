@@ -12,10 +12,11 @@ import sys
 import torch
 import triton
 
-from . import cross_entropy, grouped_linear, permute, swiglu
+from . import attention, cross_entropy, grouped_linear, permute, swiglu
 
 # %% ../../nbs/ops/19_bench.ipynb #a065ddd5
 BENCHES = {"swiglu": swiglu.bench, "permute": permute.bench, "grouped_linear": grouped_linear.bench,
+           "attention": attention.bench,
            "cross_entropy": cross_entropy.bench}
 
 
