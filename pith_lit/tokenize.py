@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .train.config import ExistingFile, InvalidInput, MissingFile, run_command
 from .train.data import (
     PackedWriter, TokenWindows, load_tokenizer, open_packed, packed_base, stdlib_packed, write_json_atomic)
 
@@ -25,13 +26,13 @@ def input_files(inputs) -> list[Path]:
         if spec.is_dir():
             files += sorted(p for p in spec.rglob("*") if p.suffix in SUFFIXES and not p.is_dir())
         elif not spec.exists():
-            raise FileNotFoundError(f"input {spec} does not exist")
+            raise MissingFile(f"input {spec} does not exist")
         elif spec.suffix in SUFFIXES:
             files.append(spec)
         else:
-            raise ValueError(f"input {spec}: expected a .txt file, a .jsonl file or a folder of them")
+            raise InvalidInput(f"input {spec}: expected a .txt file, a .jsonl file or a folder of them")
     if not files:
-        raise ValueError(f"no .txt or .jsonl files in the inputs {[str(i) for i in inputs]}")
+        raise InvalidInput(f"no .txt or .jsonl files in the inputs {[str(i) for i in inputs]}")
     return files
 
 
@@ -48,12 +49,12 @@ def read_documents(path: Path, field: str = "text"):
                 try:
                     doc = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno} is not valid JSON ({e})") from e
+                    raise InvalidInput(f"{path}:{lineno} is not valid JSON ({e})") from e
                 if not isinstance(doc, dict) or not isinstance(doc.get(field), str):
-                    raise ValueError(f"{path}:{lineno} has no string field {field!r}; choose the field with --field")
+                    raise InvalidInput(f"{path}:{lineno} has no string field {field!r}; choose the field with --field")
                 yield doc[field]
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path} is not UTF-8 text ({e})") from e
+            raise InvalidInput(f"{path} is not UTF-8 text ({e})") from e
 
 # %% ../nbs/train/48_tokenize.ipynb #16db07e7
 def tokenize_files(inputs, out, tokenizer_spec: str = "bytes", field: str = "text") -> dict:
@@ -66,7 +67,7 @@ def tokenize_files(inputs, out, tokenizer_spec: str = "bytes", field: str = "tex
     if base.with_suffix(".json").exists():
         header = open_packed(base).header
         if (header["tokenizer_fingerprint"], header["source"]) != (tokenizer.fingerprint, source):
-            raise ValueError(f"{base}.json already holds a finished corpus made from other inputs or another "
+            raise InvalidInput(f"{base}.json already holds a finished corpus made from other inputs or another "
                              f"tokenizer; choose another --out, or delete {base}.json, .bin and .idx")
         progress_path.unlink(missing_ok=True)   # left over if a run stopped between the header and its removal
         print(f"{base} is already complete: {header['num_tokens']:,} tokens in {header['num_docs']:,} documents")
@@ -76,24 +77,33 @@ def tokenize_files(inputs, out, tokenizer_spec: str = "bytes", field: str = "tex
         try:
             saved = json.loads(progress_path.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"{progress_path} is not valid JSON ({e}); delete it to start over") from e
+            raise InvalidInput(f"{progress_path} is not valid JSON ({e}); delete it to start over") from e
         if {k: saved.get(k) for k in ("files", "field", "tokenizer")} != \
                 {k: record[k] for k in ("files", "field", "tokenizer")}:
-            raise ValueError(f"{progress_path} records an interrupted run with other input files, field or "
+            raise InvalidInput(f"{progress_path} records an interrupted run with other input files, field or "
                              f"tokenizer; re-run that command to finish it, or delete {progress_path} to start over")
         record = saved
         print(f"resuming {base} after {record['done']} of {len(files)} files ({record['num_tokens']:,} tokens)")
     writer = PackedWriter(base, tokenizer, source, record["num_tokens"], record["num_docs"])
     bar = tqdm(total=len(files), initial=record["done"], unit="file", desc=f"tokenizing into {base.name}")
     for i in range(record["done"], len(files)):
+        text = 0
         for doc in read_documents(files[i], field):
+            text += len(doc)
             writer.add(tokenizer.encode(doc))
+        if not text:
+            tqdm.write(f"warning: {files[i]} holds no text")
         writer.flush()
         record.update(done=i + 1, num_tokens=writer.num_tokens, num_docs=writer.num_docs)
         write_json_atomic(progress_path, record)
         bar.update()
         bar.set_postfix(tokens=f"{writer.num_tokens:,}")
     bar.close()
+    if writer.num_tokens == writer.num_docs:   # nothing but the end-of-document tokens
+        for suffix in (".bin", ".idx", ".progress.json"):
+            base.with_suffix(suffix).unlink(missing_ok=True)
+        raise InvalidInput(f"the inputs {[str(i) for i in inputs]} hold no text (field {field!r}): nothing to "
+                           "tokenize; check the paths, or --field for .jsonl files")
     header = writer.finish()
     progress_path.unlink()
     return header
@@ -106,7 +116,7 @@ def summarize(corpus: str = "stdlib", tokenizer: str = "bytes", cache_dir=None, 
     base = stdlib_packed(tok, cache_dir) if corpus == "stdlib" else packed_base(corpus)
     data = open_packed(base)
     if data.header["tokenizer_fingerprint"] != tok.fingerprint:
-        raise ValueError(f"{base} was tokenized with {data.header['tokenizer']!r}, not {tokenizer!r}")
+        raise InvalidInput(f"{base} was tokenized with {data.header['tokenizer']!r}, not {tokenizer!r}")
     h, src = data.header, data.header["source"]
     windows = TokenWindows(data.tokens, seq_len, seed=0)
     print(f"corpus {corpus} ({base}): {src['files']:,} files, {src['bytes']:,} bytes, "
@@ -116,7 +126,8 @@ def summarize(corpus: str = "stdlib", tokenizer: str = "bytes", cache_dir=None, 
     print("a window, decoded:\n" + tok.decode(x[0].tolist()))
 
 # %% ../nbs/train/48_tokenize.ipynb #4d41b299
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    "The command line; returns the exit status (2 with one line for an input the user can fix)."
     p = argparse.ArgumentParser(prog="python -m pith_lit.tokenize", description=(
         "Tokenize text into a packed corpus (PATH.bin, PATH.idx, PATH.json) for data.corpus=PATH. "
         "Re-running an interrupted command resumes it."))
@@ -126,15 +137,18 @@ def main(argv=None) -> None:
     p.add_argument("--tokenizer", default="bytes", help="'bytes' or the path of a Hugging Face tokenizer.json")
     p.add_argument("--field", default="text", help="the field of a .jsonl line that holds its text")
     p.add_argument("--summary", action="store_true", help="print a summary of the embedded corpus and exit")
+    p.add_argument("--debug", action="store_true", help="show the whole traceback of an error (also PITH_DEBUG=1)")
     args = p.parse_args(argv)
-    if args.summary:
-        summarize("stdlib", args.tokenizer)
-    elif not args.inputs or not args.out:
+    if not args.summary and (not args.inputs or not args.out):
         p.error("give the INPUT files or folders and --out PATH (or --summary)")
-    else:
+
+    def run():
+        if args.summary:
+            return summarize("stdlib", args.tokenizer)
         h = tokenize_files(args.inputs, args.out, args.tokenizer, args.field)
         print(f"wrote {args.out}: {h['num_tokens']:,} tokens in {h['num_docs']:,} documents ({h['dtype']})")
+    return run_command(run, argv)
 
 # %% ../nbs/train/48_tokenize.ipynb #e26a0185
 if __name__ == "__main__" and __spec__ is not None:
-    main()
+    raise SystemExit(main())

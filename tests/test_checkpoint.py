@@ -1,11 +1,13 @@
-"""pith_lit.train.checkpoint: killed saves, refused checkpoints, bitwise-exact resume, damaged files, and a
-2-rank FSDP2 save that loads back on 2 ranks and reshards into one process. Bitwise resume uses a 2-layer
+"""pith_lit.train.checkpoint: killed saves, refused checkpoints, bitwise-exact resume, damaged files (missing,
+short, or changed at the same size: checksums), and a 2-rank FSDP2 save that loads back on 2 ranks and reshards
+into one process. Bitwise resume uses a 2-layer
 Qwen3-MoE; the other tests a tiny MLP with dropout.
 
 The subprocess parts run this file as a script (`python tests/test_checkpoint.py MODE ...`, or under torchrun),
 so each resume starts from a fresh process state.
 """
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -24,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 from conftest import ROOT, bin_path, subprocess_env
 from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
-from pith_lit.train.checkpoint import latest, load, save
+from pith_lit.train.checkpoint import DamagedCheckpoint, latest, load, save
 
 HERE = str(Path(__file__).resolve())
 
@@ -294,6 +296,116 @@ def test_damaged_checkpoint(saved, damage):
             assert latest(saved) is None
 
 
+# --- (e) damage of the same size: checksums -------------------------------------------------------------
+def flip(f: Path):
+    "Flip one bit in the middle of file `f`; its size stays the same."
+    with open(f, "r+b") as fh:
+        fh.seek(f.stat().st_size // 2)
+        byte = fh.read(1)[0]
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte ^ 1]))
+
+
+@pytest.fixture
+def two_saved(tmp_path):
+    "A run directory with checkpoints of steps 2 and 4."
+    seed_all(0)
+    model, opt, extra, cfg = make()
+    for step in (2, 4):
+        train(model, opt, extra, step - 2, step)
+        save(tmp_path, step, model=model, optimizer=opt, extra=extra, model_config=cfg)
+    return tmp_path
+
+
+def test_same_size_damage_falls_back(two_saved, capsys):
+    ckpt = two_saved / "ckpt"
+    step2, step4 = ckpt / "step_00000002", ckpt / "step_00000004"
+    shard = step4 / "__0_0.distcp"
+    size = shard.stat().st_size
+    assert json.loads((step4 / "meta.json").read_text())["files"]["__0_0.distcp"]["size"] == size
+    flip(shard)
+    damaged = shard.read_bytes()
+    assert len(damaged) == size
+    with pytest.raises(DamagedCheckpoint, match=re.escape(
+            f"checkpoint {step4} is damaged: {shard} does not match its sha256 checksum (saved: {size} bytes, sha256 ")):
+        load_fresh(step4)
+
+    assert latest(two_saved) == step2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(f"checkpoint {step4} is damaged: {shard} does not match its "
+                                                    f"sha256 checksum (saved: {size} bytes")
+    assert out.endswith(f"; kept as {ckpt / 'damaged_step_00000004'} for inspection; falling back to the previous "
+                        f"good one {step2}\n")
+    assert (ckpt / "damaged_step_00000004/__0_0.distcp").read_bytes() == damaged  # kept as it was
+
+    # the run resumes from step 2 and saves step 4 again; the damaged copy stays
+    model, opt, extra, cfg = make(seed=3)
+    assert load(latest(two_saved), model=model, optimizer=opt, extra=extra, model_config=cfg) == 2
+    train(model, opt, extra, 2, 4)
+    save(two_saved, 4, model=model, optimizer=opt, extra=extra, model_config=cfg)
+    assert sorted(os.listdir(ckpt)) == ["damaged_step_00000004", "step_00000002", "step_00000004"]
+    assert latest(two_saved) == step4 and capsys.readouterr().out == ""
+
+
+def test_only_checkpoint_damaged(saved, capsys):
+    path = latest(saved)
+    rng = path / "rng_rank00000.pt"
+    flip(rng)
+    before = sorted(os.listdir(saved / "ckpt")), sorted(os.listdir(path))
+    with pytest.raises(DamagedCheckpoint) as e:
+        latest(saved)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"checkpoint {path} is damaged: {rng} does not match its sha256 checksum")
+    assert msg.endswith(f"there is no earlier good checkpoint to fall back to. Nothing was changed: move it out of "
+                        f"{saved / 'ckpt'} to start this run again from step 0, or set run.dir to a new directory")
+    assert (sorted(os.listdir(saved / "ckpt")), sorted(os.listdir(path))) == before and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("damage", ["cut short", "not utf-8", "field missing", "edited"])
+def test_corrupt_meta_json(two_saved, damage, capsys):
+    ckpt = two_saved / "ckpt"
+    step2, step4 = ckpt / "step_00000002", ckpt / "step_00000004"
+    meta_file = step4 / "meta.json"
+    text = meta_file.read_text()
+    meta = json.loads(text)
+    match damage:
+        case "cut short":
+            meta_file.write_text(text[:len(text) // 2])
+            reason = "its meta.json is not valid JSON ("
+        case "not utf-8":
+            meta_file.write_bytes(b"\xff" + text.encode()[1:])
+            reason = "its meta.json is not valid JSON ("
+        case "field missing":
+            del meta["world_size"]
+            meta_file.write_text(json.dumps(meta))
+            reason = "its meta.json lacks world_size or holds a wrong value there"
+        case "edited":  # valid JSON, plausible, wrong: only meta.json's own checksum sees it
+            meta_file.write_text(json.dumps({**meta, "step": 5}))
+            reason = "its meta.json does not match its own checksum"
+    bad = meta_file.read_bytes()
+    with pytest.raises(DamagedCheckpoint) as e:
+        load_fresh(step4)
+    assert str(e.value).startswith(f"checkpoint {step4} is damaged: {reason}") and "\n" not in str(e.value)
+    assert latest(two_saved) == step2
+    out = capsys.readouterr().out
+    assert out.startswith(f"checkpoint {step4} is damaged: {reason}") and out.count("\n") == 1
+    assert sorted(os.listdir(ckpt)) == ["damaged_step_00000004", "step_00000002"]
+    assert (ckpt / "damaged_step_00000004/meta.json").read_bytes() == bad  # kept as it was
+
+
+def test_saved_before_checksums(saved, capsys):
+    "A meta.json without `files` and `meta_sha256` (the format before checksums) loads, checked by size only."
+    path = latest(saved)
+    meta = json.loads((path / "meta.json").read_text())
+    assert set(meta["files"]) == {".metadata", "__0_0.distcp", "rng_rank00000.pt"} and "meta_sha256" in meta
+    (path / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("files", "meta_sha256")}))
+    assert latest(saved) == path and load_fresh(path) == 3 and capsys.readouterr().out == ""
+    shard = path / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)  # the size check from DCP's index still applies
+    with pytest.raises(DamagedCheckpoint, match=re.escape(f"checkpoint {path} is damaged: {shard} has ")):
+        load_fresh(path)
+
+
 def test_bad_save_arguments(tmp_path):
     model, opt, extra, cfg = make()
     with pytest.raises(ValueError, match="before the optimizer's first step"):
@@ -322,10 +434,20 @@ def dist_target(run_dir):
     path = save(run_dir, 2, model=model, optimizer=opt, extra=extra, model_config=cfg)
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     after = train(model, opt, extra, 2, 4, rank)
+    path4 = save(run_dir, 4, model=model, optimizer=opt, extra=extra, model_config=cfg)
+    if rank == 0:  # both ranks' files are recorded with their checksums; then one bit of rank 1's shard flips
+        files = json.loads((path4 / "meta.json").read_text())["files"]
+        assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "rng_rank00000.pt", "rng_rank00001.pt"]
+        assert all(e["size"] == (path4 / n).stat().st_size and
+                   e["sha256"] == hashlib.sha256((path4 / n).read_bytes()).hexdigest() for n, e in files.items())
+        flip(path4 / "__1_0.distcp")
+    dist.barrier()
 
     seed_all(7)
     model, opt, extra, cfg = make(seed=5, mesh=mesh)
-    assert load(latest(run_dir), model=model, optimizer=opt, extra=extra, model_config=cfg) == 2
+    last = latest(run_dir)  # the ranks share the hashing and agree on the verdict
+    assert last == path, f"rank {rank}: latest() gave {last}"
+    assert load(last, model=model, optimizer=opt, extra=extra, model_config=cfg) == 2
     assert train(model, opt, extra, 2, 4, rank) == after, f"rank {rank}: resumed losses differ"
     if rank == 0:
         assert sorted(p.name for p in path.iterdir()) == [
@@ -338,6 +460,11 @@ def test_fsdp2_two_ranks_and_reshard(tmp_path):
     proc = subprocess.run([bin_path("torchrun"), "--standalone", "--nproc-per-node", "2", HERE, "dist", str(tmp_path)],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    ckpt = tmp_path / "ckpt"
+    assert proc.stdout.count(" is damaged: ") == 1, proc.stdout  # said once, by rank 0
+    assert (f"checkpoint {ckpt / 'step_00000004'} is damaged: {ckpt / 'step_00000004/__1_0.distcp'} does not match "
+            "its sha256 checksum") in proc.stdout
+    assert sorted(os.listdir(ckpt)) == ["damaged_step_00000004", "step_00000002"]
     expected = torch.load(tmp_path / "expected.pt")
     # one plain process reads the 2-rank sharded checkpoint and takes rank 0's RNG states (0 mod 2)
     model, opt, extra, cfg = make(seed=5)

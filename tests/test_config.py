@@ -343,13 +343,18 @@ def test_cli_prints_resolved_config():
 
 
 def test_warmup_longer_than_run():
-    assert error(["train.steps=10", "train.warmup=20"]) == (
-        "train.warmup = 20: longer than train.steps = 10; use at most 10 warmup steps")
+    "A short smoke run with the default warmup: the message gives the --set to copy."
+    assert error(["train.steps=10", "train.warmup=20", "train.schedule=constant"]) == (
+        "train.warmup = 20: longer than the 10 steps before the decay (train.steps = 10); add --set train.warmup=1 "
+        "(or any value up to 10)")
+    assert error(["train.steps=5"]) == (
+        "train.warmup = 30: longer than the 4 steps before the decay (train.steps = 5, the wsd decay the last 1); "
+        "add --set train.warmup=0 (or any value up to 4)")
 
 
 def test_warmup_overlaps_wsd_decay():
     msg = error(["train.steps=100", "train.warmup=90", "train.decay_frac=0.2"])
-    assert msg.startswith("train.warmup = 90: overlaps the wsd decay") and "use warmup <= 80" in msg
+    assert msg.startswith("train.warmup = 90: longer than the 80 steps before the decay") and "up to 80" in msg
     assert load_config(overrides=["train.steps=100", "train.warmup=90", "train.schedule=cosine"]).train.warmup == 90
 
 

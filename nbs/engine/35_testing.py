@@ -48,6 +48,18 @@ import tempfile
 import matplotlib.pyplot as plt
 
 # %% [markdown]
+# Notebooks and checks find the repository's files (configs, the package's source for spawned processes) through
+# `repo_path`, whatever the current directory: Jupyter runs a notebook in its folder, papermill wherever `--cwd`
+# says, pytest at the root.
+
+# %%
+#| export
+def repo_path(*parts: str) -> Path:
+    "A path in the repository this package is installed from (`pip install -e .`), whatever the current directory."
+    import pith_lit
+    return Path(pith_lit.__file__).resolve().parents[1].joinpath(*parts)
+
+# %% [markdown]
 # ## The tiny models and the reference step
 #
 # `tiny_model` is the model of the checks, 4 routed experts top-2 (8 for the EP checks): a Qwen3-MoE with one
@@ -389,7 +401,7 @@ if __name__ == "__main__" and __spec__ is not None:
 # worker; the worker raises (and the job exits non-zero) on any mismatch.
 
 # %%
-root = Path.cwd().parents[1]   # nbdev_test runs a notebook in its folder
+root = repo_path()
 env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
 
 def torchrun(nproc: int, *args: str, timeout: int = 300) -> str:

@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import sys
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -46,6 +47,8 @@ import contextlib
 import io
 import math
 import tempfile
+
+from pith_lit.testing import repo_path
 
 # %% [markdown]
 # ## The sections
@@ -137,6 +140,9 @@ class CkptConfig:
 class LogConfig:
     "What the run reports."
     every: int = cfg(10, "steps between log lines", gt=0)
+    eval_every: int = cfg(100, "steps between validation losses on the held-out windows (data.val_frac); the last "
+                               "step is always evaluated; 0: only the last", ge=0)
+    eval_windows: int = cfg(64, "held-out windows per validation loss, all data ranks together", gt=0)
     tensorboard: bool = cfg(True, "write TensorBoard event files to run.dir")
     sample_tokens: int = cfg(64, "length of the greedy sample printed at the end (0 disables)", ge=0)
     profile_step: int = cfg(0, "step (counted from 1) to record with torch.profiler into run.dir/trace-rank<R>.json, "
@@ -154,8 +160,26 @@ class LogConfig:
 
 # %%
 #| export
-class ConfigError(ValueError):
+class UserError(Exception):
+    """An error the user can fix: its message alone says what to change. The command lines print it as one line
+    and exit with status 2 (the traceback with `--debug` or PITH_DEBUG=1); any other exception is a bug and keeps
+    its traceback."""
+
+
+class ConfigError(UserError, ValueError):
     "An invalid run config. The message names the field, the value, and what would be valid."
+
+
+class InvalidInput(UserError, ValueError):
+    "Input that cannot be used as it is (a corpus, a tokenizer, a checkpoint); the message says what to change."
+
+
+class MissingFile(UserError, FileNotFoundError):
+    "A file the run needs that does not exist; the message says how to make it or where to point instead."
+
+
+class ExistingFile(UserError, FileExistsError):
+    "A file that would be overwritten; the message says where to write instead."
 
 
 MODEL_TYPES = ("qwen3_moe", "deepseek_v2", "gpt_oss")  # the cases of `model_class`, for its error message
@@ -506,13 +530,12 @@ def _check_schedule(cfg: Config) -> None:
     _need(cfg.log.profile_step <= t.steps,
           f"log.profile_step = {cfg.log.profile_step}: not a step of this run; use 1..{t.steps} (train.steps), or 0 "
           "for no trace")
-    _need(t.warmup <= t.steps, f"train.warmup = {t.warmup}: longer than train.steps = {t.steps}; use at most "
-          f"{t.steps} warmup steps")
-    decay = round(t.decay_frac * t.steps)
-    if t.schedule == "wsd":
-        _need(t.warmup + decay <= t.steps,
-              f"train.warmup = {t.warmup}: overlaps the wsd decay (decay_frac {t.decay_frac} × {t.steps} steps = "
-              f"{decay} steps); use warmup <= {t.steps - decay} or a smaller train.decay_frac")
+    decay = round(t.decay_frac * t.steps) if t.schedule == "wsd" else 0
+    most = t.steps - decay
+    _need(t.warmup <= most,
+          f"train.warmup = {t.warmup}: longer than the {most} steps before the decay (train.steps = {t.steps}"
+          + (f", the wsd decay the last {decay})" if decay else ")")
+          + f"; add --set train.warmup={max(0, min(most, t.steps // 10))} (or any value up to {most})")
 
 
 def _check_model(cfg: Config) -> None:
@@ -657,7 +680,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = (), world_si
     return validate(from_dict(read_toml(path), overrides), world_size)
 
 # %%
-CONFIGS = Path("../../configs")
+CONFIGS = repo_path("configs")
 tiny = load_config(CONFIGS / "tiny.toml", world_size=1)
 assert tiny == Config(), "configs/tiny.toml must spell out exactly the defaults"
 c = load_config(CONFIGS / "tiny.toml", ["train.lr=1e-3", "parallel.dp=2", "train.global_batch=32"], world_size=2)
@@ -709,6 +732,8 @@ def arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one field; the value is a TOML literal or plain text; repeatable")
     parser.add_argument("-h", "--help", action="store_true", help="show this help, with every field, and exit")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the whole traceback of an error the message already explains (also PITH_DEBUG=1)")
     return parser
 
 
@@ -726,6 +751,24 @@ def parse_args(argv: list[str] | None = None) -> Config:
         return load_config(args.config, args.set, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:  # argparse's way out: usage line, the message, exit status 2
         parser.error(str(e))
+
+
+def debugging(argv: list[str] | None = None) -> bool:
+    "Whether the user asked for whole tracebacks: `--debug` among the arguments, or PITH_DEBUG set (not 0)."
+    return "--debug" in (sys.argv[1:] if argv is None else argv) or os.environ.get("PITH_DEBUG", "0") not in ("", "0")
+
+
+def run_command(fn, argv: list[str] | None = None) -> int:
+    """Call `fn()` as a command line does: exit status 0 when it returns; an error the user can fix (`UserError`)
+    printed as one line, `error: ...`, with status 2, its traceback only when `debugging(argv)`."""
+    try:
+        fn()
+    except UserError as e:
+        if debugging(argv):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main():

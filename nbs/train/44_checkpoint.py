@@ -43,6 +43,7 @@ import os
 import random
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -58,9 +59,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pith_lit import __version__
 from pith_lit.engine.ep import is_expert_param
+from pith_lit.train.config import ExistingFile, InvalidInput, MissingFile
 
 # %%
 import tempfile
+import time
 
 # %% [markdown]
 # ## Ranks without a process group
@@ -85,6 +88,15 @@ def _world_size() -> int:
 def _barrier():
     if _distributed():
         dist.barrier()
+
+
+def _gathered(obj) -> list:
+    "`obj` from every rank, in rank order; `[obj]` without a process group."
+    if not _distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _dcp(fn, state: dict, path: Path):
@@ -158,11 +170,7 @@ first[0]
 def _param_shapes(model_sd: dict) -> dict[str, list[int]]:
     "Name → global shape of every tensor in the model state dict, gathered from all ranks."
     shapes = {name: list(t.shape) for name, t in model_sd.items()}
-    if _distributed():
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, shapes)
-        shapes = {name: shape for part in parts for name, shape in part.items()}
-    return shapes
+    return {name: shape for part in _gathered(shapes) for name, shape in part.items()}
 
 
 def params_hash(shapes: dict[str, list[int]]) -> str:
@@ -184,14 +192,15 @@ assert h != params_hash({"a.weight": [4, 3], "b": [3]}) and h != params_hash({"a
 # that a directory named `step_NNNNNNNN` is always complete:
 #
 # 1. everything is written under `ckpt/.tmp_step_NNNNNNNN`: DCP's shard files and `.metadata` (DCP fsyncs
-#    each), one RNG file per rank (fsynced), then `meta.json`, written **last** by rank 0 after a barrier;
+#    each), one RNG file per rank (fsynced); each rank hashes the files it wrote (see *Checksums* below), and
+#    rank 0 gathers the checksums and writes them into `meta.json`, **last**, once every rank is done;
 # 2. rank 0 fsyncs the directory and **renames** it to `step_NNNNNNNN`. A rename within one file system is
 #    atomic, and fsyncing the parent makes it durable;
 # 3. older checkpoints beyond `keep` are deleted: each is first renamed to `.tmp_*` and then removed, so a
 #    kill mid-delete leaves a `.tmp_*` directory, never a half-deleted `step_*` one.
 #
-# `latest()` looks only at `step_*` directories holding `meta.json`, so a killed save is invisible, and
-# the next save removes every leftover `.tmp_*`. On several nodes `run_dir` must be on a shared file
+# `latest()` (below) looks only at `step_*` directories holding `meta.json`, so a killed save is invisible,
+# and the next save removes every leftover `.tmp_*`. On several nodes `run_dir` must be on a shared file
 # system, as DCP requires anyway.
 #
 # Two choices are refused rather than guessed at: overwriting an existing `step_*` directory (it might be
@@ -216,14 +225,73 @@ def _complete(ckpt: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def latest(run_dir) -> Path | None:
-    "The newest complete checkpoint of the run, or None. Leftovers of killed saves (`.tmp_*`) are ignored."
-    found = _complete(Path(run_dir) / "ckpt")
-    return found[-1] if found else None
-
-
 def _rng_file(ckpt_dir: Path, rank: int) -> Path:
     return ckpt_dir / f"rng_rank{rank:05d}.pt"
+
+# %% [markdown]
+# ## Checksums
+#
+# Sizes catch a truncated file, but not damage of the same size: a flipped bit on a failing disk, a bad copy
+# between file systems, a storage bug. DCP reads such bytes back as tensors without complaint, the run goes on
+# from wrong weights or moments, and when it hits NaN the trainer's advice (resume from the latest checkpoint,
+# "the last good one") sends it straight back to the damaged file. So every saved file gets a checksum.
+#
+# At save, each rank hashes the files it has just written (its DCP shard `__R_*.distcp` and its RNG file, most
+# likely still in its page cache), the checksums are gathered to rank 0, and rank 0 adds `.metadata` and
+# records them all in `meta.json` under `"files"`: `{name: {"size": bytes, "sha256": hex}}`. `meta.json`
+# cannot hold its own checksum in a file list, so it carries `"meta_sha256"`, the SHA-256 of its other fields:
+# a flipped digit in `"step"` or in the model config must not load either.
+#
+# Hashing reads every byte, so it is streamed in 4 MiB chunks through one buffer, and it costs time: the cell
+# below measures it. On the CPU this was written on (an AMD EPYC with the SHA extensions) `hashlib.sha256` runs
+# at about 1.1–1.2 GB/s per core and `blake2b` at about 0.55–0.6 GB/s, so the checksum is SHA-256. A save hashes
+# each rank's files on that rank, all ranks at once: about 0.9 s per GB a rank wrote, added to every save. A
+# verification shares the files among the ranks (the largest first, each to the least loaded rank) and hashes
+# up to 8 files at once per rank (hashlib releases the GIL), so a 100 GB checkpoint read back by 8 ranks costs
+# about 100 / (8 × 1.1) ≈ 11 s at resume if the file system keeps up; one process checking a checkpoint of many
+# ranks pays for the whole read.
+
+# %%
+buf = os.urandom(64 << 20)
+for name in ("sha256", "blake2b"):
+    t = time.perf_counter()
+    hashlib.new(name, buf).digest()
+    print(f"{name}: {len(buf) / (time.perf_counter() - t) / 1e6:.0f} MB/s")
+
+# %%
+#| export
+CHECKSUM = "sha256"  # the faster of sha256 and blake2b on the CPUs measured above
+_CHUNK = 4 << 20     # bytes read per hashing step
+
+
+def _digest(path: Path, algo: str = CHECKSUM) -> str:
+    "The hex checksum of the file `path`, read in chunks into one buffer."
+    h, buf = hashlib.new(algo), bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _hash_all(jobs: list[tuple[Path, str]]) -> list[str]:
+    "`_digest` of each (path, algorithm), up to 8 files at once."
+    if not jobs:
+        return []
+    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(lambda job: _digest(*job), jobs))
+
+
+def _digests(paths: list[Path]) -> dict[str, dict]:
+    "File name → {'size': bytes, CHECKSUM: hex} for each path, as `meta.json` records them."
+    hexes = _hash_all([(p, CHECKSUM) for p in paths])
+    return {p.name: {"size": p.stat().st_size, CHECKSUM: h} for p, h in zip(paths, hexes)}
+
+
+def _meta_hash(meta: dict) -> str:
+    "The SHA-256 of meta.json's fields other than `meta_sha256`, which holds it."
+    rest = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 # %% [markdown]
 # ## What is saved, and expert-parallel slices
@@ -285,7 +353,7 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
     ckpt = Path(run_dir) / "ckpt"
     final, tmp = ckpt / f"step_{step:08d}", ckpt / f".tmp_step_{step:08d}"
     if final.exists():
-        raise FileExistsError(f"{final} already exists and is never overwritten; resume from the latest "
+        raise ExistingFile(f"{final} already exists and is never overwritten; resume from the latest "
                               "checkpoint, or use another run.dir")
     rank = _rank()
     if rank == 0:
@@ -295,17 +363,24 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
         tmp.mkdir()
     _barrier()
     _dcp(dcp.save, state, tmp)
+    mine = sorted(tmp.glob(f"__{rank}_*.distcp"))  # the shard files DCP wrote for this rank
     if rng is not None:
-        with open(_rng_file(tmp, rank), "wb") as f:
+        mine.append(_rng_file(tmp, rank))
+        with open(mine[-1], "wb") as f:
             torch.save(rng, f)
             f.flush()
             os.fsync(f.fileno())
-    _barrier()  # every rank's files are on disk
+    # each rank hashes its own files; gathering the results also waits until every rank's files are on disk
+    files = {name: entry for part in _gathered(_digests(mine)) for name, entry in part.items()}
     if rank == 0:
+        files.update(_digests(sorted(p for p in tmp.iterdir() if p.name not in files)))  # .metadata, any other
         meta = {"step": step, "pith_lit_version": __version__, "world_size": _world_size(),
                 "model_config": model_config, "params_sha256": params_hash(shapes)}
         if rng is None:
             meta["weights_only"] = True
+        meta["files"] = dict(sorted(files.items()))
+        meta = json.loads(json.dumps(meta))  # as it reads back (tuples become lists), so that its hash matches
+        meta["meta_sha256"] = _meta_hash(meta)
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -347,6 +422,195 @@ def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.O
     owner = model if optim_module is None else optim_module
     state = _state(model, owner, optimizer, extra, ep_mesh)
     return _write(run_dir, step, state, _param_shapes(state["model"]), model_config, keep, rng)
+
+# %% [markdown]
+# ## Verifying a checkpoint, and the latest good one
+#
+# `_check_files` runs before anything is read, by `latest` and by `load`. It reads `meta.json` (a file that is
+# not JSON, lacks a field or fails its own checksum names the checkpoint, instead of a raw `JSONDecodeError`),
+# then checks every file `meta.json` lists: there, of the recorded size, then of the recorded checksum. The
+# hashing is shared among the ranks and the mismatches gathered, so every rank reaches the same verdict and none
+# goes on to load alone. Then DCP's index is read and the byte ranges it points to are checked against the
+# file sizes, which is all a checkpoint saved before checksums existed gets: it still loads, silently.
+#
+# A damaged checkpoint raises `DamagedCheckpoint` (a `ValueError`), a missing file `MissingFile` (a
+# `FileNotFoundError`); both are the config's `UserError`, and both name the checkpoint and the file.
+#
+# `latest(run_dir)` returns the newest checkpoint that passes. A damaged newer one is renamed to
+# `damaged_step_NNNNNNNN` beside it, never deleted: the user can inspect it, the rotation of `keep` never
+# counts or removes it, and the resumed run can save that step again. One line per damaged checkpoint says
+# what failed and where it went. When no good checkpoint is left, `latest` raises, leaving everything where
+# it is: starting from scratch is the user's call. The trainer's resume is `load(latest(run_dir))`, so it
+# falls back without a change; to hash only once, `latest` remembers the files it has just verified (their
+# names, sizes and modification times) and the next `load` of that checkpoint skips the hashing.
+
+# %%
+#| export
+class DamagedCheckpoint(InvalidInput):
+    "A checkpoint whose files differ from what its save recorded, or whose meta.json or index cannot be read."
+
+
+def _damaged(path: Path, reason: str, kind: type = DamagedCheckpoint) -> Exception:
+    "The error for damaged checkpoint `path`, with `.path` and `.reason` set for `latest`'s one-line report."
+    e = kind(f"checkpoint {path} is damaged: {reason}. Nothing was loaded and the checkpoint is left as it is; "
+             f"load an earlier one from {path.parent} (checkpoint.latest(run_dir) falls back by itself)")
+    e.path, e.reason = path, reason
+    return e
+
+
+_META_FIELDS = {"step": int, "world_size": int, "model_config": dict, "params_sha256": str}
+
+
+def _algo(entry) -> str | None:
+    "The checksum algorithm of a `files` entry of meta.json."
+    return next((k for k in entry if k in hashlib.algorithms_guaranteed), None) if isinstance(entry, dict) else None
+
+
+def _read_meta(path: Path) -> dict:
+    "meta.json of checkpoint `path`, refused by name if it is not JSON, lacks a field or fails its checksum."
+    try:
+        meta = json.loads((path / "meta.json").read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise _damaged(path, f"its meta.json is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise _damaged(path, "its meta.json is not a JSON object")
+    bad = [k for k, kind in _META_FIELDS.items() if type(meta.get(k)) is not kind]
+    files = meta.get("files", {})  # absent in checkpoints saved before checksums
+    if not (isinstance(files, dict) and all(_algo(e) and type(e.get("size")) is int for e in files.values())):
+        bad.append("files")
+    if bad:
+        raise _damaged(path, f"its meta.json lacks {', '.join(bad)} or holds a wrong value there")
+    if "meta_sha256" in meta and meta["meta_sha256"] != _meta_hash(meta):
+        raise _damaged(path, "its meta.json does not match its own checksum: it was changed after the save "
+                             "(if you edited it on purpose, delete its meta_sha256 field)")
+    return meta
+
+
+_VERIFIED: set = set()  # (checkpoint, fingerprint) that latest() has just verified, for the load that follows
+
+
+def _fingerprint(path: Path) -> tuple:
+    "The checkpoint and the name, size and modification time of each of its files."
+    return str(path.absolute()), tuple(sorted((f.name, s.st_size, s.st_mtime_ns) for f in path.iterdir()
+                                              for s in [f.stat()]))
+
+
+def _check_sums(path: Path, files: dict, remember: bool):
+    "Compare the files meta.json lists with their sizes, then their checksums (shared among the ranks)."
+    for name, entry in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            raise _damaged(path, f"{f} is missing", MissingFile)
+        if f.stat().st_size != entry["size"]:
+            raise _damaged(path, f"{f} has {f.stat().st_size} bytes, {entry['size']} when it was saved")
+    if not files:  # saved before checksums existed
+        return
+    key = _fingerprint(path)
+    hit = key in _VERIFIED
+    _VERIFIED.discard(key)
+    if all(_gathered(hit)):  # latest() has just hashed these very files, on every rank
+        return
+    load, mine = [0] * _world_size(), []  # the largest file first, each to the least loaded rank
+    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
+        r = load.index(min(load))
+        load[r] += files[name]["size"] + 1
+        if r == _rank():
+            mine.append(name)
+    hexes = _hash_all([(path / n, _algo(files[n])) for n in mine])
+    wrong = [(n, h) for n, h in zip(mine, hexes) if h != files[n][_algo(files[n])]]
+    wrong = sorted(w for part in _gathered(wrong) for w in part)
+    if wrong:
+        (name, now), entry = wrong[0], files[wrong[0][0]]
+        algo = _algo(entry)
+        more = f" (nor do {', '.join(n for n, _ in wrong[1:])})" if len(wrong) > 1 else ""
+        raise _damaged(path, f"{path / name} does not match its {algo} checksum (saved: {entry['size']} bytes, "
+                             f"{algo} {entry[algo][:16]}…; now {now[:16]}…){more}")
+    if remember:
+        _VERIFIED.add(key)
+
+
+def _check_files(path: Path, remember: bool = False):
+    """Refuse an incomplete or damaged checkpoint, naming it and the file. Returns (meta, DCP index).
+
+    `remember`: let the next call for this checkpoint skip the hashing if its files stay the same."""
+    if not (path / "meta.json").is_file():
+        raise MissingFile(f"{path} is not a complete checkpoint: it has no meta.json (a killed save "
+                                "leaves a .tmp_* directory; checkpoint.latest(run_dir) finds the newest complete one)")
+    meta = _read_meta(path)
+    _check_sums(path, meta.get("files", {}), remember)  # saved before checksums: only the sizes below
+    if not (path / ".metadata").is_file():
+        raise _damaged(path, f"{path / '.metadata'} is missing", MissingFile)
+    try:
+        index = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise _damaged(path, f"its DCP index {path / '.metadata'} cannot be read ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]})") from e
+    needed = {}  # file → bytes the index reads from it
+    for info in index.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    if not meta.get("weights_only"):
+        needed.update({_rng_file(path, r).name: 1 for r in range(meta["world_size"])})
+    for name, size in sorted(needed.items()):
+        f = path / name
+        if not f.is_file():
+            raise _damaged(path, f"{f} is missing", MissingFile)
+        if f.stat().st_size < size:
+            raise _damaged(path, f"{f} has {f.stat().st_size} bytes, its index reads up to byte {size}")
+    return meta, index
+
+
+def _set_aside(path: Path) -> str:
+    """Rename damaged checkpoint `path` to `damaged_step_NNNNNNNN` (`.1`, `.2`… if taken) beside it, on rank 0.
+    Returns what became of it, for `latest`'s report."""
+    done = None
+    if _rank() == 0:
+        aside, i = path.with_name("damaged_" + path.name), 0
+        while aside.exists():
+            i += 1
+            aside = path.with_name(f"damaged_{path.name}.{i}")
+        try:
+            path.rename(aside)
+            _fsync(path.parent)
+            done = f"kept as {aside} for inspection"
+        except OSError as e:  # a read-only run directory, say: leave it where it is
+            done = f"left where it is (renaming it failed: {e})"
+    return _gathered(done)[0]  # also keeps the ranks together
+
+
+def latest(run_dir, *, say=print, verify: bool = True) -> Path | None:
+    """The newest checkpoint of the run whose files match what its save recorded, or None if it has none.
+
+    Leftovers of killed saves (`.tmp_*`) are ignored. A damaged newer checkpoint is renamed `damaged_step_N`
+    (kept, never deleted) and reported in one line through `say` (on rank 0); with no good one left,
+    `DamagedCheckpoint` is raised and nothing is renamed. Under a process group every rank calls this.
+    `verify=False`: the newest complete one, unchecked (no hashing, no collective), to name it, not to load it."""
+    ckpt = Path(run_dir) / "ckpt"
+    found = _complete(ckpt)
+    if not verify:
+        return found[-1] if found else None
+    damaged, good = [], None
+    for path in reversed(found):
+        try:
+            _check_files(path, remember=True)
+        except (DamagedCheckpoint, FileNotFoundError) as e:
+            damaged.append((path, getattr(e, "reason", str(e))))
+            continue
+        good = path
+        break
+    if damaged and good is None:
+        (path, reason), rest = damaged[0], [p.name for p, _ in damaged[1:]]
+        also = f" (so are {', '.join(rest)})" if rest else ""
+        e = DamagedCheckpoint(
+            f"checkpoint {path} is damaged: {reason}{also}; there is no earlier good checkpoint to fall back to. "
+            f"Nothing was changed: move {'them' if rest else 'it'} out of {ckpt} to start this run again from "
+            "step 0, or set run.dir to a new directory")
+        e.path, e.reason = path, reason
+        raise e
+    for path, reason in damaged:
+        done = _set_aside(path)
+        if _rank() == 0:
+            say(f"checkpoint {path} is damaged: {reason}; {done}; falling back to the previous good one {good}")
+    return good
 
 # %% [markdown]
 # A stand-in for training: a tiny MLP with dropout (the global torch generator), AdamW and a warm-up
@@ -401,9 +665,9 @@ shutil.rmtree(run_dir)
 # %% [markdown]
 # ## Loading
 #
-# `load` checks before it reads: the checkpoint must be complete (`meta.json`), every file DCP's index
-# points to must exist and be long enough, and every rank's RNG file must be there, so a damaged
-# checkpoint fails with the path of what is missing instead of deep inside DCP. Then the signature is
+# `load` checks before it reads: `_check_files` above (complete, readable `meta.json`, every file there, of
+# its size and checksum, every byte range DCP's index points to inside its file), so a damaged checkpoint fails
+# with the path of what is wrong instead of deep inside DCP, or, worse, not at all. Then the signature is
 # compared, and every difference is listed. Only then are the states loaded: `dcp.load` fills the state
 # dicts in place, `set_model_state_dict` and `set_optimizer_state_dict` hand them to the model and the
 # optimizer, the extras that have `load_state_dict` get theirs, and plain values are written back into `extra`.
@@ -415,32 +679,6 @@ shutil.rmtree(run_dir)
 
 # %%
 #| export
-def _check_files(path: Path):
-    "Refuse an incomplete or damaged checkpoint, naming the missing or short file. Returns (meta, DCP index)."
-    advice = (f"Delete {path} so that latest() falls back to the previous checkpoint, or load another one "
-              f"from {path.parent}.")
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint: it has no meta.json (a killed save "
-                                "leaves a .tmp_* directory; checkpoint.latest(run_dir) finds the newest complete one)")
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"checkpoint {path} is damaged: {path / '.metadata'} is missing. {advice}")
-    meta = json.loads((path / "meta.json").read_text())
-    index = dcp.FileSystemReader(path).read_metadata()
-    needed = {}  # file → bytes the index reads from it
-    for info in index.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    if not meta.get("weights_only"):
-        needed.update({_rng_file(path, r).name: 1 for r in range(meta["world_size"])})
-    for name, size in sorted(needed.items()):
-        f = path / name
-        if not f.is_file():
-            raise FileNotFoundError(f"checkpoint {path} is damaged: {f} is missing. {advice}")
-        if f.stat().st_size < size:
-            raise ValueError(f"checkpoint {path} is damaged: {f} has {f.stat().st_size} bytes, its index "
-                             f"reads up to byte {size}. {advice}")
-    return meta, index
-
-
 def _differences(meta: dict, index, model_config: dict, shapes: dict, extra: dict | None) -> list[str]:
     "What differs between the checkpoint and this run, one line each; `extra` None: the model only."
     saved, now = meta["model_config"], json.loads(json.dumps(model_config))  # as JSON: tuples become lists
@@ -464,7 +702,7 @@ def _differences(meta: dict, index, model_config: dict, shapes: dict, extra: dic
 
 def _refuse(path: Path, problems: list[str]):
     if problems:
-        raise ValueError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(problems) +
+        raise InvalidInput(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(problems) +
                          "\nResume with the config the checkpoint was written with, or set another run.dir "
                          "to start a new run.")
 
@@ -475,7 +713,11 @@ def load_weights(path, *, model: torch.nn.Module, model_config: dict, ep_mesh=No
 
     The same checks as `load` for the model; no optimizer, extras or RNG are read or changed."""
     path = Path(path)
-    meta, index = _check_files(path)
+    return _load_model(path, *_check_files(path), model, model_config, ep_mesh)
+
+
+def _load_model(path: Path, meta: dict, index, model, model_config: dict, ep_mesh) -> int:
+    "`load_weights` after the files are checked."
     model_sd = _ep_view(get_model_state_dict(model), ep_mesh)
     _refuse(path, _differences(meta, index, model_config, _param_shapes(model_sd), None))
     _dcp(dcp.load, {"model": model_sd}, path)
@@ -487,13 +729,14 @@ def load(path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extr
          model_config: dict, optim_module: torch.nn.Module | None = None, ep_mesh=None) -> int:
     """Restore model, optimizer, `extra` and every RNG from checkpoint `path`; return its step.
 
-    Refuses a damaged checkpoint or one of another model, before anything is changed. Plain values in
-    `extra` are replaced in the dict; the others get `load_state_dict`. A weights-only checkpoint (see
-    `save_weights`) restores the model alone and returns step 0. Every rank calls this."""
+    Refuses a damaged checkpoint (`DamagedCheckpoint`, or `FileNotFoundError` for a missing file) or one of
+    another model (`ValueError`), before anything is changed. Plain values in `extra` are replaced in the dict;
+    the others get `load_state_dict`. A weights-only checkpoint (see `save_weights`) restores the model alone
+    and returns step 0. Every rank calls this."""
     path, extra = Path(path), extra if extra is not None else {}
     meta, index = _check_files(path)
     if meta.get("weights_only"):
-        return load_weights(path, model=model, model_config=model_config, ep_mesh=ep_mesh)
+        return _load_model(path, meta, index, model, model_config, ep_mesh)
     owner = model if optim_module is None else optim_module
     state = _state(model, owner, optimizer, extra, ep_mesh)
     _refuse(path, _differences(meta, index, model_config, _param_shapes(state["model"]), extra))
@@ -589,7 +832,7 @@ def save_weights(run_dir, *, model: torch.nn.Module, model_config: dict) -> Path
     _need_model_type(model_config)
     done = _complete(Path(run_dir) / "ckpt")
     if done:
-        raise FileExistsError(f"{run_dir} already holds checkpoints ({', '.join(p.name for p in done)}); "
+        raise ExistingFile(f"{run_dir} already holds checkpoints ({', '.join(p.name for p in done)}); "
                               "weights to start a run from go into a new run directory")
     model_sd = get_model_state_dict(model)
     return _write(run_dir, 0, {"model": model_sd}, _param_shapes(model_sd), model_config, 1, None)
@@ -654,6 +897,102 @@ assert str(bad / "__0_0.distcp") in msg
 msg
 
 # %%
+shutil.rmtree(run_dir)
+
+# %% [markdown]
+# ## Check: damage of the same size is caught, and `latest` falls back
+#
+# Two checkpoints, steps 2 and 4; then one bit flips in the middle of step 4's shard file. The sizes still
+# match, so only the checksum sees it. `load` refuses, naming the checkpoint and the file.
+
+# %%
+def flip(f: Path):
+    "Flip one bit in the middle of file `f`; its size stays the same."
+    with open(f, "r+b") as fh:
+        fh.seek(f.stat().st_size // 2)
+        byte = fh.read(1)[0]
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte ^ 1]))
+
+run_dir = Path(tempfile.mkdtemp())
+model, opt, sched, mcfg = make()
+for step in (2, 4):
+    train(model, opt, sched, step - 2, step)
+    save(run_dir, step, model=model, optimizer=opt, extra={"sched": sched, "tokens": step * 16}, model_config=mcfg)
+ckpt = run_dir / "ckpt"
+step2, step4 = ckpt / "step_00000002", ckpt / "step_00000004"
+shard = step4 / "__0_0.distcp"
+size = shard.stat().st_size
+flip(shard)
+assert shard.stat().st_size == size
+try:
+    load(step4, model=model, optimizer=opt, extra={"sched": sched, "tokens": 0}, model_config=mcfg)
+    raise AssertionError("a damaged checkpoint was loaded")
+except DamagedCheckpoint as e:
+    msg = str(e)
+assert msg.startswith(f"checkpoint {step4} is damaged: {shard} does not match its sha256 checksum (saved: {size} bytes")
+msg
+
+# %% [markdown]
+# `latest` falls back to step 2 with one line, and keeps step 4, bit flip and all, as `damaged_step_00000004`. The
+# run resumes from step 2 and saves step 4 again.
+
+# %%
+damaged_bytes = shard.read_bytes()
+assert latest(run_dir) == step2
+assert (ckpt / "damaged_step_00000004/__0_0.distcp").read_bytes() == damaged_bytes
+model, opt, sched, mcfg = make(seed=3)
+assert load(latest(run_dir), model=model, optimizer=opt, extra={"sched": sched, "tokens": 0}, model_config=mcfg) == 2
+train(model, opt, sched, 2, 4)
+save(run_dir, 4, model=model, optimizer=opt, extra={"sched": sched, "tokens": 64}, model_config=mcfg)
+sorted(os.listdir(ckpt))
+
+# %% [markdown]
+# A `meta.json` cut short (or otherwise not JSON) names its checkpoint rather than raising a bare
+# `JSONDecodeError`, and `latest` treats it as any damage. One edited into other valid JSON fails its own checksum.
+
+# %%
+meta_file = step4 / "meta.json"
+meta_file.write_bytes(meta_file.read_bytes()[:100])
+try:
+    load(step4, model=model, optimizer=opt, extra={"sched": sched, "tokens": 0}, model_config=mcfg)
+    raise AssertionError("a checkpoint with a broken meta.json was loaded")
+except DamagedCheckpoint as e:
+    msg = str(e)
+print(msg)
+assert msg.startswith(f"checkpoint {step4} is damaged: its meta.json is not valid JSON (")
+assert latest(run_dir) == step2 and (ckpt / "damaged_step_00000004.1/meta.json").is_file()
+
+meta = json.loads((step2 / "meta.json").read_text())
+(step2 / "meta.json").write_text(json.dumps({**meta, "step": 3}))
+try:
+    load(step2, model=model, optimizer=opt, extra={"sched": sched, "tokens": 0}, model_config=mcfg)
+    raise AssertionError("an edited meta.json was loaded")
+except DamagedCheckpoint as e:
+    assert "its meta.json does not match its own checksum" in str(e)
+
+# %% [markdown]
+# Now no good checkpoint is left: `latest` raises one line that names the newest and what to do, and renames nothing.
+
+# %%
+before = sorted(os.listdir(ckpt))
+try:
+    latest(run_dir)
+    raise AssertionError("latest() returned a damaged checkpoint")
+except DamagedCheckpoint as e:
+    msg = str(e)
+print(msg)
+assert msg.startswith(f"checkpoint {step2} is damaged: its meta.json does not match its own checksum") and \
+    "no earlier good checkpoint" in msg and "\n" not in msg and sorted(os.listdir(ckpt)) == before
+
+# %% [markdown]
+# A checkpoint saved before checksums existed has neither `files` nor `meta_sha256` in its meta.json: it loads
+# as before, checked by size only, without a word.
+
+# %%
+(step2 / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("files", "meta_sha256")}))
+assert latest(run_dir) == step2
+assert load(step2, model=model, optimizer=opt, extra={"sched": sched, "tokens": 0}, model_config=mcfg) == 2
 shutil.rmtree(run_dir)
 
 # %% [markdown]

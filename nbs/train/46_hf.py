@@ -50,13 +50,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from pith_lit.train.config import from_dict, model_class
+from pith_lit.train.config import ExistingFile, InvalidInput, MissingFile, from_dict, model_class
 from pith_lit.train.trainer import build_model
 
 # %%
 import dataclasses
 import tempfile
 
+from pith_lit.testing import repo_path
 from pith_lit.train.config import load_config
 
 # %% [markdown]
@@ -100,16 +101,16 @@ def _to_config(hf: dict, model_type: str, computed: dict, fixed: dict, read: set
     for key, value in hf.items():
         if key in fixed:
             if value != fixed[key]:
-                raise ValueError(f"config.json: {key} = {value!r}, but pith_lit's {model_type} computes with "
+                raise InvalidInput(f"config.json: {key} = {value!r}, but pith_lit's {model_type} computes with "
                                  f"{key} = {fixed[key]!r}; this checkpoint is another model")
         elif key in names:
             values.setdefault(key, value)
         elif key not in HARMLESS | read:
-            raise ValueError(f"config.json: {key} = {value!r} is not part of pith_lit's {model_type}, and it may "
+            raise InvalidInput(f"config.json: {key} = {value!r} is not part of pith_lit's {model_type}, and it may "
                              f"change what the model computes; if it does not, delete it from config.json")
     missing = [n for n in names if values.get(n) is None]
     if missing:
-        raise ValueError(f"config.json lacks {', '.join(missing)}; add them (transformers' defaults for absent keys "
+        raise InvalidInput(f"config.json lacks {', '.join(missing)}; add them (transformers' defaults for absent keys "
                          "are not pith_lit's)")
     return from_dict({"model": {"model_type": model_type, **values}}).model
 
@@ -128,7 +129,7 @@ def _to_config(hf: dict, model_type: str, computed: dict, fixed: dict, read: set
 def _qwen3_moe(hf: dict):
     theta, kind, rest = _rope(hf)
     if kind != "default" or rest:
-        raise ValueError(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's qwen3_moe has plain RoPE only")
+        raise InvalidInput(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's qwen3_moe has plain RoPE only")
     computed = {"rope_theta": theta, "num_experts": hf.get("num_experts", hf.get("num_local_experts")),
                 "mlp_only_layers": _or(hf, "mlp_only_layers", [])}
     fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False}
@@ -139,7 +140,7 @@ def _qwen3_moe(hf: dict):
 def _deepseek_v2(hf: dict):
     theta, kind, rest = _rope(hf)
     if kind not in ("default", "yarn") or (kind == "default" and rest):
-        raise ValueError(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's deepseek_v2 has plain RoPE "
+        raise InvalidInput(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's deepseek_v2 has plain RoPE "
                          "and YaRN")
     computed = {"rope_theta": theta, "rope_scaling": {"type": "yarn", **rest} if kind == "yarn" else {},
                 "q_lora_rank": _or(hf, "q_lora_rank", 0), "n_group": _or(hf, "n_group", 1),
@@ -165,7 +166,7 @@ def _gpt_oss(hf: dict):
 def config_from_hf(hf: dict):
     "Our model `Config` for the Hugging Face config.json `hf` (a dict); a clear error for what we do not model."
     if "quantization_config" in hf:
-        raise ValueError(f"config.json has quantization_config {hf['quantization_config']}: pith_lit reads "
+        raise InvalidInput(f"config.json has quantization_config {hf['quantization_config']}: pith_lit reads "
                          "unquantized weights only; dequantize the checkpoint first (transformers: load it with "
                          "quantization_config=Mxfp4Config(dequantize=True) and save_pretrained)")
     match hf.get("model_type"):
@@ -176,7 +177,7 @@ def config_from_hf(hf: dict):
         case "gpt_oss":
             return _gpt_oss(hf)
         case other:
-            raise ValueError(f"config.json: model_type {other!r} is not supported; pith_lit reads "
+            raise InvalidInput(f"config.json: model_type {other!r} is not supported; pith_lit reads "
                              f"{', '.join(SUPPORTED)}")
 
 # %% [markdown]
@@ -200,7 +201,7 @@ def config_to_hf(cfg) -> dict:
             rope = dict(hf.pop("rope_parameters"))
             return hf | {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "attention_dropout": 0.0}
         case other:
-            raise ValueError(f"model_type {other!r}: pith_lit writes Hugging Face checkpoints of "
+            raise InvalidInput(f"model_type {other!r}: pith_lit writes Hugging Face checkpoints of "
                              f"{', '.join(SUPPORTED)}")
 
 # %% [markdown]
@@ -226,7 +227,7 @@ lite_json = {
 lite = config_from_hf(lite_json)
 assert lite.q_lora_rank == 0 and lite.rope_theta == 10000.0 and lite.rope_scaling["factor"] == 40
 assert lite.rope_scaling["type"] == "yarn" and lite.n_routed_experts == 64 and lite.first_k_dense_replace == 1
-assert lite == load_config("../../configs/deepseek-v2-lite.toml").model
+assert lite == load_config(repo_path("configs/deepseek-v2-lite.toml")).model
 assert config_from_hf(config_to_hf(lite)) == lite
 lite
 
@@ -276,7 +277,7 @@ except ValueError as e:
     assert "quantization_config" in str(e) and "dequantize" in str(e)
 gpt20b = config_from_hf({k: v for k, v in gpt_json.items() if k != "quantization_config"})
 assert gpt20b.swiglu_alpha == 1.702 and gpt20b.rope_parameters["rope_theta"] == 150000.0
-assert dataclasses.replace(gpt20b, router_aux_loss_coef=0.001) == load_config("../../configs/gpt-oss-20b.toml").model
+assert dataclasses.replace(gpt20b, router_aux_loss_coef=0.001) == load_config(repo_path("configs/gpt-oss-20b.toml")).model
 
 # %% [markdown]
 # What is refused, and how it is said:
@@ -318,7 +319,7 @@ def _experts_one_by_one(model_type: str) -> bool:
         case "gpt_oss":
             return False
         case other:
-            raise ValueError(f"model_type {other!r}: pith_lit converts {', '.join(SUPPORTED)}")
+            raise InvalidInput(f"model_type {other!r}: pith_lit converts {', '.join(SUPPORTED)}")
 
 
 def _pieces(name: str, param: torch.Tensor) -> dict[str, tuple]:
@@ -375,7 +376,7 @@ def read_hf_config(path) -> dict:
     "The config.json of the Hugging Face checkpoint directory `path`."
     f = Path(path) / "config.json"
     if not f.is_file():
-        raise FileNotFoundError(f"{f} not found: a Hugging Face checkpoint directory holds config.json and the "
+        raise MissingFile(f"{f} not found: a Hugging Face checkpoint directory holds config.json and the "
                                 "weights in *.safetensors")
     return json.loads(f.read_text())
 
@@ -387,18 +388,18 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         where = {name: path / f for name, f in json.loads(index.read_text())["weight_map"].items()}
         for f in sorted(set(where.values())):
             if not f.is_file():
-                raise FileNotFoundError(f"{index} lists {f.name}, which is missing from {path}")
+                raise MissingFile(f"{index} lists {f.name}, which is missing from {path}")
         return where
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} holds no *.safetensors file: a Hugging Face checkpoint directory holds "
+        raise MissingFile(f"{path} holds no *.safetensors file: a Hugging Face checkpoint directory holds "
                                 "config.json and the weights")
     where = {}
     for f in files:
         with safe_open(f, "pt") as h:
             for name in h.keys():
                 if name in where:
-                    raise ValueError(f"tensor {name} is in both {where[name]} and {f}; keep one of them")
+                    raise InvalidInput(f"tensor {name} is in both {where[name]} and {f}; keep one of them")
                 where[name] = f
     return where
 
@@ -426,7 +427,7 @@ def _fill(model: nn.Module, path: Path):
             for n, index in sources.items():
                 t = read(n)
                 if t.shape != p[index].shape:
-                    raise ValueError(f"{where[n]}: tensor {n} has shape {list(t.shape)}, but the model that "
+                    raise InvalidInput(f"{where[n]}: tensor {n} has shape {list(t.shape)}, but the model that "
                                      f"config.json describes needs {list(p[index].shape)}")
                 p[index].copy_(t)
                 used.add(n)
@@ -435,7 +436,7 @@ def _fill(model: nn.Module, path: Path):
     unexpected = sorted(where.keys() - used)
     if missing or unexpected:
         show = lambda names: f"{len(names)}: " + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-        raise ValueError(f"{path} does not hold the tensors of the model its config.json describes:"
+        raise InvalidInput(f"{path} does not hold the tensors of the model its config.json describes:"
                          + (f"\n  missing {show(missing)}" if missing else "")
                          + (f"\n  unexpected {show(unexpected)}" if unexpected else ""))
 
@@ -472,7 +473,7 @@ def save_hf(model: nn.Module, path, max_shard_bytes: int = 5_000_000_000) -> Pat
     "Write `model` as a Hugging Face checkpoint directory `path` (created; it must not hold files). Returns `path`."
     path = Path(path)
     if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"{path} already holds files; write the checkpoint to a new directory")
+        raise ExistingFile(f"{path} already holds files; write the checkpoint to a new directory")
     tensors = hub_tensors(model)
     shards, size = [[]], 0
     for name, (p, index) in tensors.items():

@@ -45,7 +45,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pith_lit.train import checkpoint
-from pith_lit.train.config import Config, RunConfig, dump_toml, from_dict, to_dict
+from pith_lit.train.config import (Config, ExistingFile, InvalidInput, MissingFile, RunConfig, dump_toml, from_dict,
+                                   run_command, to_dict)
 from pith_lit.train.hf import empty_model, load_hf, read_hf_config, save_hf
 
 # %%
@@ -68,7 +69,7 @@ def _hf_dtype(hf: dict) -> torch.dtype:
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"config.json: dtype {name!r} is not a torch dtype; use e.g. bfloat16 or float32")
+        raise InvalidInput(f"config.json: dtype {name!r} is not a torch dtype; use e.g. bfloat16 or float32")
     return dtype
 
 
@@ -76,7 +77,7 @@ def hf2pith(src, dst) -> Path:
     "Make `dst` a new run directory that starts from the Hugging Face checkpoint `src`; returns `dst`."
     src, dst = Path(src), Path(dst)
     if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} already holds files; hf2pith makes a new run directory")
+        raise ExistingFile(f"{dst} already holds files; hf2pith makes a new run directory")
     model = load_hf(src, _hf_dtype(read_hf_config(src)))
     cfg = Config(run=RunConfig(dir=str(dst)), model=model.config)
     checkpoint.save_weights(dst, model=model, model_config=to_dict(cfg)["model"])
@@ -151,7 +152,7 @@ def pith2hf(src, dst) -> Path:
     src = Path(src)
     path = src if (src / "meta.json").is_file() else checkpoint.latest(src)
     if path is None:
-        raise FileNotFoundError(f"{src} is neither a checkpoint directory (it has no meta.json) nor a run "
+        raise MissingFile(f"{src} is neither a checkpoint directory (it has no meta.json) nor a run "
                                 f"directory with a complete checkpoint under {src / 'ckpt'}")
     model_config = json.loads((path / "meta.json").read_text())["model_config"]
     model = empty_model(from_dict({"model": model_config}).model, _saved_dtype(path))
@@ -189,8 +190,9 @@ for call in (lambda: hf2pith(root / "hf", root / "run"), lambda: pith2hf(root / 
 
 # %%
 #| export
-def main(argv: list[str] | None = None):
-    "Run `hf2pith` or `pith2hf` from command-line arguments (default sys.argv[1:])."
+def main(argv: list[str] | None = None) -> int:
+    """Run `hf2pith` or `pith2hf` from command-line arguments (default sys.argv[1:]); returns the exit status (2 with
+    one line for an input the user can fix)."""
     parser = argparse.ArgumentParser(prog="python -m pith_lit.convert",
                                      description="Convert between Hugging Face checkpoints and pith_lit runs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -200,17 +202,32 @@ def main(argv: list[str] | None = None):
     b = commands.add_parser("pith2hf", help="write a pith_lit checkpoint as a Hugging Face checkpoint")
     b.add_argument("src", help="a run directory (its latest checkpoint) or a checkpoint directory")
     b.add_argument("dst", help="the new Hugging Face checkpoint directory")
+    parser.add_argument("--debug", action="store_true", help="show the whole traceback of an error (also PITH_DEBUG=1)")
     args = parser.parse_args(argv)
-    match args.command:
-        case "hf2pith":
-            dst = hf2pith(args.src, args.dst)
-            print(f"wrote {dst}; train it with: python -m pith_lit.train {dst / 'config.toml'}")
-        case "pith2hf":
-            print(f"wrote {pith2hf(args.src, args.dst)}")
+
+    def run():
+        match args.command:
+            case "hf2pith":
+                dst = hf2pith(args.src, args.dst)
+                print(f"wrote {dst}; train it with: python -m pith_lit.train {dst / 'config.toml'} "
+                      f"--set run.dir={dst} {_tokenizer_advice(Path(args.src))}")
+            case "pith2hf":
+                print(f"wrote {pith2hf(args.src, args.dst)}")
+    return run_command(run, argv)
+
+
+def _tokenizer_advice(src: Path) -> str:
+    "The data settings to train an imported checkpoint with: its own tokenizer.json, when it ships one."
+    tok = src / "tokenizer.json"
+    if tok.exists():
+        return f"--set data.tokenizer={tok} --set data.corpus=DATA (tokenized with it by python -m pith_lit.tokenize)"
+    return ("--set data.corpus=DATA --set data.tokenizer=TOKENIZER_JSON: this checkpoint ships no tokenizer.json, so "
+            "take the model's tokenizer.json from where the model is published and tokenize DATA with it "
+            "(python -m pith_lit.tokenize FILES --out DATA --tokenizer TOKENIZER_JSON)")
 
 
 if __name__ == "__main__" and __spec__ is not None:
-    main()
+    raise SystemExit(main())
 
 # %%
 main(["pith2hf", str(root / "run/ckpt/step_00000002"), str(root / "out2")])

@@ -37,10 +37,10 @@ import matplotlib
 import matplotlib.pyplot as plt
 import torch
 
-from pith_lit.testing import qwen3_routing, tolerance
+from pith_lit.testing import qwen3_routing, repo_path, tolerance
 
 matplotlib.use("Agg")
-root = Path.cwd().parents[1]          # papermill runs this notebook in nbs/validate
+root = repo_path()
 
 # %%
 env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))

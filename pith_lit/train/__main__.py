@@ -8,23 +8,21 @@ import sys
 
 import torch.distributed as dist
 
-from .config import ConfigError, parse_args
-from .trainer import NonFiniteLoss, train
+from .config import parse_args, run_command
+from .trainer import train
 
 # %% ../../nbs/train/49_main.ipynb #f74f2415
 def main(argv: list[str] | None = None) -> int:
-    """Run the trainer from command-line arguments; returns the process exit code. Under torchrun the process
-    group is taken down before returning: left to the interpreter's exit, gloo's threads can abort the process."""
+    """Run the trainer from command-line arguments; returns the process exit code (130 when a signal stopped the
+    run). Under torchrun the process group is taken down before returning: left to the interpreter's exit, gloo's
+    threads can abort the process."""
+    out = {}
     try:
-        cfg = parse_args(argv)
-        out = train(cfg)
-    except (ConfigError, NonFiniteLoss) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = run_command(lambda: out.update(train(parse_args(argv))), argv)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0 if not out["stopped"] else 130
+    return 130 if code == 0 and out.get("stopped") else code
 
 
 if __name__ == "__main__" and __spec__ is not None:

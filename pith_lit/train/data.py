@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import tokenizers
 
+from .config import InvalidInput, MissingFile
+
 # %% ../../nbs/train/41_data.ipynb #9e42e148
 class ByteTokenizer:
     "UTF-8 bytes as ids 0..255, then `<bos>`=256, `<eos>`=257, `<pad>`=258."
@@ -55,7 +57,7 @@ class HFTokenizer:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         found = [self.tok.token_to_id(name) for name in EOS_NAMES if self.tok.token_to_id(name) is not None]
         if not found:
-            raise ValueError(f"tokenizer {path} has none of the end-of-document tokens {list(EOS_NAMES)}; "
+            raise InvalidInput(f"tokenizer {path} has none of the end-of-document tokens {list(EOS_NAMES)}; "
                              "add one of them as a special token")
         self.eos_id = found[0]
 
@@ -71,7 +73,7 @@ def load_tokenizer(spec: str):
     if spec == "bytes":
         return ByteTokenizer()
     if not Path(spec).is_file():
-        raise FileNotFoundError(f"tokenizer {spec!r}: no such file; pass 'bytes' for the built-in byte "
+        raise MissingFile(f"tokenizer {spec!r}: no such file; pass 'bytes' for the built-in byte "
                                 "tokenizer or the path of a Hugging Face tokenizer.json")
     return HFTokenizer(spec)
 
@@ -98,7 +100,7 @@ def stdlib_corpus(max_bytes: int = STDLIB_BYTES) -> tuple[list[Path], list[str]]
         texts.append(raw.decode("utf-8"))
         total += len(raw)
     if not paths:
-        raise FileNotFoundError(f"no standard library sources under {root} (max_bytes={max_bytes}); this Python "
+        raise MissingFile(f"no standard library sources under {root} (max_bytes={max_bytes}); this Python "
                                 "ships without them: tokenize your own text with python -m pith_lit.tokenize")
     return paths, texts
 
@@ -120,7 +122,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     for dt in (np.uint8, np.uint16, np.uint32):
         if vocab_size - 1 <= np.iinfo(dt).max:
             return np.dtype(dt)
-    raise ValueError(f"a vocabulary of {vocab_size} tokens does not fit uint32 (at most {2**32} ids); "
+    raise InvalidInput(f"a vocabulary of {vocab_size} tokens does not fit uint32 (at most {2**32} ids); "
                      "use a smaller tokenizer")
 
 # %% ../../nbs/train/41_data.ipynb #ef00bb25
@@ -145,7 +147,7 @@ class PackedWriter:
         "Append one document's ids and the end-of-document id."
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.tokenizer.vocab_size):
-            raise ValueError(f"token ids outside 0..{self.tokenizer.vocab_size - 1} from tokenizer "
+            raise InvalidInput(f"token ids outside 0..{self.tokenizer.vocab_size - 1} from tokenizer "
                              f"{self.tokenizer.spec!r}; its vocab_size is wrong")
         doc = np.append(ids, self.tokenizer.eos_id).astype(self.dtype)
         self.bin.write(doc.tobytes())
@@ -162,7 +164,7 @@ class PackedWriter:
     def finish(self) -> dict:
         "Close the data files and write the header; the corpus is complete once this returns."
         if self.num_docs == 0:
-            raise ValueError(f"no documents were added to {self.base}; check the inputs")
+            raise InvalidInput(f"no documents were added to {self.base}; check the inputs")
         self.flush()
         self.bin.close()
         self.idx.close()
@@ -179,7 +181,7 @@ def _open_at(path: Path, size: int):
     if size == 0:
         return open(path, "wb")
     if not path.exists() or path.stat().st_size < size:
-        raise ValueError(f"{path} is shorter than the {size} bytes recorded as written; it was changed "
+        raise InvalidInput(f"{path} is shorter than the {size} bytes recorded as written; it was changed "
                          "after the interrupted run: delete the output's files and start again")
     f = open(path, "r+b")
     f.truncate(size)
@@ -216,35 +218,35 @@ def open_packed(path) -> Packed:
     remake = f"re-create it with: python -m pith_lit.tokenize INPUT... --out {base}"
     if not hpath.exists():
         if base.with_suffix(".progress.json").exists():
-            raise FileNotFoundError(f"packed corpus {base} is incomplete: its tokenizing was interrupted "
+            raise MissingFile(f"packed corpus {base} is incomplete: its tokenizing was interrupted "
                                     f"({base}.progress.json exists); re-run the same python -m pith_lit.tokenize "
                                     "command to finish it")
-        raise FileNotFoundError(f"no packed corpus at {base}: {hpath} does not exist; {remake}")
+        raise MissingFile(f"no packed corpus at {base}: {hpath} does not exist; {remake}")
     try:
         header = json.loads(hpath.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{hpath} is not valid JSON ({e}): the header is corrupt; {remake}") from e
+        raise InvalidInput(f"{hpath} is not valid JSON ({e}): the header is corrupt; {remake}") from e
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise ValueError(f"{hpath} is not a pith_lit packed-token header; {remake}")
+        raise InvalidInput(f"{hpath} is not a pith_lit packed-token header; {remake}")
     missing = [k for k in HEADER_KEYS if k not in header]
     if missing:
-        raise ValueError(f"{hpath} lacks the fields {missing}; {remake}")
+        raise InvalidInput(f"{hpath} lacks the fields {missing}; {remake}")
     if header["version"] != FORMAT_VERSION:
-        raise ValueError(f"{hpath} has format version {header['version']}, this code reads version "
+        raise InvalidInput(f"{hpath} has format version {header['version']}, this code reads version "
                          f"{FORMAT_VERSION}; {remake}")
     vocab, need = header["vocab_size"], token_dtype(header["vocab_size"])
     if header["dtype"] != need.name:
-        raise ValueError(f"{hpath}: a vocabulary of {vocab} tokens needs dtype {need.name} (ids up to {vocab - 1}), "
+        raise InvalidInput(f"{hpath}: a vocabulary of {vocab} tokens needs dtype {need.name} (ids up to {vocab - 1}), "
                          f"but the header says {header['dtype']}: the header is corrupt; {remake}")
     n, d = header["num_tokens"], header["num_docs"]
     if n < 1 or d < 1:
-        raise ValueError(f"{hpath} records {n} tokens in {d} documents: the corpus is empty; {remake}")
+        raise InvalidInput(f"{hpath} records {n} tokens in {d} documents: the corpus is empty; {remake}")
     for suffix, size in ((".bin", n * need.itemsize), (".idx", d * 8)):
         f = base.with_suffix(suffix)
         if not f.exists():
-            raise FileNotFoundError(f"{f} is missing (its header {hpath} exists); {remake}")
+            raise MissingFile(f"{f} is missing (its header {hpath} exists); {remake}")
         if f.stat().st_size != size:
-            raise ValueError(f"{f} has {f.stat().st_size} bytes but its header records {size}: the file is "
+            raise InvalidInput(f"{f} has {f.stat().st_size} bytes but its header records {size}: the file is "
                              f"truncated or corrupt; {remake}")
     return Packed(header, np.memmap(base.with_suffix(".bin"), dtype=need, mode="r", shape=(n,)),
                   np.memmap(base.with_suffix(".idx"), dtype=np.uint64, mode="r", shape=(d,)))
@@ -253,7 +255,7 @@ def open_packed(path) -> Packed:
 def check_vocab(data_vocab: int, model_vocab: int, where) -> None:
     "Data vocab_size must be ≤ the model's vocab_size (a token id indexes the embedding)."
     if data_vocab > model_vocab:
-        raise ValueError(f"the data at {where} uses a vocabulary of {data_vocab} tokens but the model's vocab_size "
+        raise InvalidInput(f"the data at {where} uses a vocabulary of {data_vocab} tokens but the model's vocab_size "
                          f"is {model_vocab}: every token id must index the embedding, so set the model's "
                          f"vocab_size to at least {data_vocab} (or use data from a smaller tokenizer)")
 
@@ -268,7 +270,7 @@ class TokenWindows:
             raise ValueError(f"rank {rank} is outside 0..world-1 for world {world}")
         total = (len(tokens) - 1) // seq_len
         if total < 1:
-            raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
+            raise InvalidInput(f"the corpus has {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
                              f"{seq_len + 1}: use a shorter seq_len or more data")
         windows = range(total) if windows is None else windows
         if not (len(windows) and windows.step == 1 and 0 <= windows.start and windows.stop <= total):
@@ -342,15 +344,15 @@ def build_dataset(corpus: str, tokenizer_spec: str, cache_dir, seq_len: int, see
     base = stdlib_packed(tokenizer, cache_dir) if corpus == "stdlib" else packed_base(corpus)
     data = open_packed(base)
     if data.header["tokenizer_fingerprint"] != tokenizer.fingerprint:
-        raise ValueError(f"the data at {base} was tokenized with {data.header['tokenizer']!r}, not with "
+        raise InvalidInput(f"the data at {base} was tokenized with {data.header['tokenizer']!r}, not with "
                          f"{tokenizer_spec!r}: set the tokenizer to the one that made the data")
     check_vocab(data.header["vocab_size"], model_vocab_size, base)
     if not 0 <= val_frac < 1:
-        raise ValueError(f"val_frac must be in [0, 1), got {val_frac}")
+        raise InvalidInput(f"val_frac must be in [0, 1), got {val_frac}")
     n = len(TokenWindows(data.tokens, seq_len, seed))
     n_val = 0 if val_frac == 0 else max(1, round(n * val_frac))
     if n - n_val < 1:
-        raise ValueError(f"{base} has only {n} windows of seq_len {seq_len}: nothing is left for training after "
+        raise InvalidInput(f"{base} has only {n} windows of seq_len {seq_len}: nothing is left for training after "
                          f"val_frac={val_frac}; use more data, a shorter seq_len or val_frac=0")
     train = TokenWindows(data.tokens, seq_len, seed, rank, world, windows=range(n - n_val))
     val = TokenWindows(data.tokens, seq_len, seed, rank, world, windows=range(n - n_val, n)) if n_val else None

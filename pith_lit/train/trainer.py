@@ -2,7 +2,8 @@
 
 # %% auto #0
 __all__ = ['PEAK_FLOPS', 'build_model', 'peak_flops', 'start_distributed', 'StopFlag', 'NonFiniteLoss', 'Run', 'build_run',
-           'aux_div', 'micro_step', 'build_pipeline', 'clip_grads', 'train_step', 'Reporter', 'train', 'greedy_sample']
+           'aux_div', 'micro_step', 'build_pipeline', 'clip_grads', 'train_step', 'evaluate', 'json_record',
+           'keep_metrics_until', 'Reporter', 'train', 'greedy_sample']
 
 # %% ../../nbs/train/45_trainer.ipynb #240b8621
 import json
@@ -22,7 +23,7 @@ from ..engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_grads, is
 from ..engine.mesh import Mesh, build_mesh, init_distributed, launch_env
 from ..models.protocol import LocalDispatcher, head_loss, run_layers
 from . import checkpoint
-from .config import Config, ConfigError, dump_toml, to_dict
+from .config import Config, ConfigError, UserError, dump_toml, read_toml, to_dict
 from .data import build_dataset, load_tokenizer
 from .load_balance import LoadBalance
 from .optim import MasterWeights, build_optimizer, clip_grad_norm, count_tokens, lr_at
@@ -93,7 +94,7 @@ class StopFlag:
             signal.signal(s, h)
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(UserError, RuntimeError):
     "The loss became NaN or infinite; nothing was saved at or after that step."
 
 # %% ../../nbs/train/45_trainer.ipynb #5a99a681
@@ -114,7 +115,9 @@ class Run:
     dispatcher: object
     pipe: DualPipeV | None         # the DualPipeV schedule at pp > 1 or with parallel.overlap
     sizes: dict                    # the whole model's parameters, active matmul parameters, FLOPs/token, MoE layers
+    val: object = None             # the held-out windows (data.val_frac), or None
     start: int = 0                 # the step this run resumed from
+    resumed_from: Path | None = None   # the checkpoint it resumed from
 
     @property
     def rank(self) -> int:
@@ -187,7 +190,7 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     optimizer = build_optimizer(stepped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps)
     sharded = mesh.ep.size() > 1
     named = list(stepped.named_parameters())
-    data, _ = build_dataset(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.run.dir).parent / "cache", t.seq_len,
+    data, val = build_dataset(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.run.dir) / "cache", t.seq_len,
                             cfg.run.seed, mesh.batch.rank(), mesh.batch.size(), cfg.model.vocab_size,
                             cfg.data.val_frac)
     # deferred: the forward does not wait for the global counts (train/42); their values are settled per step
@@ -195,12 +198,12 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     run = Run(cfg, device, mesh, started, model, master, optimizer,
               [p for n, p in named if not (sharded and is_expert_param(n))],
               [p for n, p in named if sharded and is_expert_param(n)], data, lb, _dispatcher(cfg, mesh, device),
-              None, sizes)
+              None, sizes, val)
     if parts is not None:
         run.pipe = build_pipeline(run, parts)
     last = checkpoint.latest(run.run_dir) if cfg.ckpt.resume else None
     if last is not None:
-        run.start = checkpoint.load(last, **run.ckpt_args())
+        run.start, run.resumed_from = checkpoint.load(last, **run.ckpt_args()), last
         if run.start == 0 and master is not None:  # imported weights (weights-only checkpoint): masters follow
             master.model_to_master()
     return run
@@ -290,6 +293,49 @@ def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
             "stop": stats[4].item() > 0}
 
 # %% ../../nbs/train/45_trainer.ipynb #6264e30d
+def evaluate(run: Run) -> float | None:
+    "Mean token loss on the held-out windows; None without any, or when the layers are split among pipeline ranks."
+    if run.val is None or run.mesh.pp.size() > 1:
+        return None
+    t, model = run.cfg.train, run.model
+    windows = max(1, min(run.cfg.log.eval_windows // run.mesh.batch.size(), len(run.val)))
+    n_micro = math.ceil(windows / t.micro_batch)
+    sums = torch.zeros(2, dtype=torch.float64, device=run.device)
+    for m in range(n_micro):
+        x, y = (b.to(run.device) for b in run.val.batch(0, m, t.micro_batch, n_micro))
+        h, _ = run_layers(model.model.layers.values(), model.prolog(x), torch.arange(x.shape[1], device=x.device),
+                          run.dispatcher)
+        sums += torch.stack([head_loss(model, h, y).detach().double(), count_tokens(y).double()])
+    _sum(sums, run.mesh.dense)
+    return (sums[0] / sums[1]).item()
+
+# %% ../../nbs/train/45_trainer.ipynb #e8f857a9
+def json_record(rec: dict) -> str:
+    "One line of metrics.jsonl: non-finite numbers become null and are listed under `nonfinite`."
+    bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
+    out = {k: None if k in bad else v for k, v in rec.items()}
+    return json.dumps(out | ({"nonfinite": bad} if bad else {}))
+
+
+def keep_metrics_until(path: Path, step: int) -> int:
+    "Drop the lines of `path` for steps after `step` (and any that do not parse); returns how many went."
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):   # a line cut short by a hard kill
+            pass
+    if len(keep) < len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+    return len(lines) - len(keep)
+
+# %% ../../nbs/train/45_trainer.ipynb #d896493f
 class Reporter:
     "What a run tells: log lines, metrics.jsonl, TensorBoard, the profiled step, allocator statistics (rank 0)."
 
@@ -301,10 +347,13 @@ class Reporter:
         self.writer = self.metrics = None
         if self.main:
             run.run_dir.mkdir(parents=True, exist_ok=True)
+            dropped = keep_metrics_until(run.run_dir / "metrics.jsonl", run.start)
+            if dropped:
+                self.say(f"metrics.jsonl: dropped {dropped} line(s) after step {run.start}, where this run starts")
             self.metrics = open(run.run_dir / "metrics.jsonl", "a")
             if self.cfg.log.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
-                self.writer = SummaryWriter(run.run_dir / "tb")
+                self.writer = SummaryWriter(run.run_dir / "tb", purge_step=run.start + 1)
         self.bar = tqdm(range(run.start, end), initial=run.start, total=end, disable=quiet or not self.main,
                         desc="train", dynamic_ncols=True)
         self.prof, self.warned = None, False
@@ -322,7 +371,7 @@ class Reporter:
         self.t0, self.retried = time.perf_counter(), self._retries()
 
     def end(self, rec: dict) -> None:
-        "After a step: time and memory into its record, the trace, then the record to every output."
+        "After a step: its time and memory into its record, and the trace of the profiled step."
         retries = _sum(torch.tensor([self._retries() - self.retried], device=self.dev), dist.group.WORLD)
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
@@ -335,9 +384,12 @@ class Reporter:
             self.prof.stop()
             self.prof.export_chrome_trace(str(self.run.run_dir / f"trace-rank{self.run.rank}.json"))
             self.prof = None
-        self._warn(rec)
-        if self.main:
-            self._write(rec)
+        if rec["alloc_retries"] and not self.warned:
+            self.warned = True
+            self.say(f"step {rec['step']}: the CUDA caching allocator ran out of cached blocks {rec['alloc_retries']} "
+                     "time(s) on some rank (each time it frees its cache and synchronises, stalling every rank); "
+                     f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch "
+                     "(benchmarks/RESULTS.md, 'The allocator')")
 
     def _memory(self) -> dict:
         if self.dev.type != "cuda":
@@ -352,26 +404,22 @@ class Reporter:
             out["reserved_gb_by_stream"] = pools
         return out
 
-    def _warn(self, rec: dict) -> None:
-        if rec["alloc_retries"] and not self.warned:
-            self.warned = True
-            self.say(f"step {rec['step']}: the CUDA caching allocator ran out of cached blocks {rec['alloc_retries']} "
-                     "time(s) on some rank (each time it frees its cache and synchronises, stalling every rank); "
-                     f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch "
-                     "(benchmarks/RESULTS.md, 'The allocator')")
-
-    def _write(self, rec: dict) -> None:
-        self.metrics.write(json.dumps(rec) + "\n")
+    def write(self, rec: dict) -> None:
+        "The record to metrics.jsonl, TensorBoard, the bar and (every log.every steps) the log line."
+        if not self.main:
+            return
+        self.metrics.write(json_record(rec) + "\n")
         self.metrics.flush()
         if self.writer is not None:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)):   # not the profiled step's pool sizes
-                    self.writer.add_scalar(f"train/{k}", v, rec["step"])
+                    self.writer.add_scalar("val/loss" if k == "val_loss" else f"train/{k}", v, rec["step"])
         self.bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.1e}")
-        if rec["step"] % self.cfg.log.every == 0 or rec["step"] == self.run.start + 1:
+        if rec["step"] % self.cfg.log.every == 0 or rec["step"] == self.run.start + 1 or "val_loss" in rec:
             mfu = f" mfu {rec['mfu']:.1%}" if "mfu" in rec else ""
-            self.say(f"step {rec['step']:>6} loss {rec['loss']:.4f} balance {rec['balance']:.3f} lr {rec['lr']:.2e} "
-                     f"grad {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s{mfu} "
+            val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+            self.say(f"step {rec['step']:>6} loss {rec['loss']:.4f}{val} balance {rec['balance']:.3f} lr "
+                     f"{rec['lr']:.2e} grad {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s{mfu} "
                      f"peak {rec['peak_mem_gb']:.2f} GiB")
 
     def close(self) -> None:
@@ -382,51 +430,97 @@ class Reporter:
                 f.close()
         self.writer = self.metrics = None
 
-# %% ../../nbs/train/45_trainer.ipynb #e8f857a9
+# %% ../../nbs/train/45_trainer.ipynb #d451d050
+def _planned(run: Run, end: int, say) -> bool:
+    "Check where the run starts against `train.steps` and say it; False when there is nothing to do."
+    cfg, start = run.cfg, run.start
+    if start > cfg.train.steps:
+        raise ConfigError(f"train.steps = {cfg.train.steps}: below step {start} of the checkpoint {run.resumed_from}; "
+                          f"set train.steps >= {start} to continue it, or another run.dir (or ckpt.resume = false) "
+                          "to start anew")
+    if start and start >= end:
+        say(f"pith_lit: {run.run_dir} is already at step {start} of {cfg.train.steps}: nothing to do (raise "
+            "train.steps to train further)")
+        return False
+    old = run.run_dir / "config.toml"
+    if start and old.exists():
+        steps = read_toml(old).get("train", {}).get("steps", cfg.train.steps)
+        if steps != cfg.train.steps:
+            say(f"pith_lit: train.steps is {cfg.train.steps}, the run was planned for {steps}: the learning-rate "
+                f"schedule is planned anew over {cfg.train.steps} steps from step {start} (set train.steps = {steps} "
+                "to keep the old one)")
+    return True
+
+
 def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     """Train as `cfg` says; returns a summary dict. Resumes from the latest checkpoint in `run.dir`.
 
     `until` stops (with a checkpoint) after that many steps in total, as if the run were interrupted there; the
     schedule still follows `train.steps`. Tests and the validation notebook use it to split a run in two."""
     run = build_run(cfg)
-    end = cfg.train.steps if until is None else min(until, cfg.train.steps)
-    if run.rank == 0:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        (run.run_dir / "config.toml").write_text(dump_toml(cfg))
-    report = Reporter(run, end, quiet)
-    report.say(f"pith_lit: {cfg.model.model_type} {run.sizes['params']/1e6:.2f}M params "
-               f"({run.sizes['active']/1e6:.2f}M active matmul), {run.device.type} "
-               f"{str(cfg.torch_dtype).removeprefix('torch.')}, {dist.get_world_size()} rank(s)"
-               f"{f', DualPipeV over {run.mesh.pp.size()} pipeline rank(s)' if run.pipe else ''}, steps "
-               f"{run.start}->{end}, {cfg.tokens_per_step} tokens/step, run dir {run.run_dir}")
+    end, history, stopped, sample = cfg.train.steps if until is None else min(until, cfg.train.steps), [], False, ""
     try:
-        history, stopped = _loop(run, report, end)
-        report.close()
-        sample = _sample(run, report) if history and not stopped else ""
+        if not _planned(run, end, tqdm.write if run.rank == 0 and not quiet else lambda s: None):
+            return {"history": [], "start": run.start, "end": run.start, "stopped": False, "sample": "",
+                    "model": run.model}
+        report = Reporter(run, end, quiet)
+        try:
+            report.say(_opening(run, end))
+            history, stopped = _loop(run, report, end)
+            report.close()
+            sample = _sample(run, report) if history and not stopped else ""
+            report.say(_closing(run))
+        finally:
+            report.close()
     finally:
-        report.close()
         if run.started_group:
             dist.destroy_process_group()
     return {"history": history, "start": run.start, "end": history[-1]["step"] if history else run.start,
             "stopped": stopped, "sample": sample, "model": run.model}
 
 
+def _opening(run: Run, end: int) -> str:
+    cfg, sz = run.cfg, run.sizes
+    where = f"resumed from step {run.start} ({run.resumed_from})" if run.start else "from scratch"
+    pipe = f", DualPipeV over {run.mesh.pp.size()} pipeline rank(s)" if run.pipe else ""
+    val = "" if run.val is not None and run.mesh.pp.size() == 1 else (
+        ", no validation loss (pp > 1 splits the layers)" if run.val is not None else ", no held-out data")
+    return (f"pith_lit: {cfg.model.model_type} {sz['params']/1e6:.2f}M params ({sz['active']/1e6:.2f}M active "
+            f"matmul), {run.device.type} {str(cfg.torch_dtype).removeprefix('torch.')}, {dist.get_world_size()} "
+            f"rank(s){pipe}, {where}, steps {run.start}->{end}, {cfg.tokens_per_step} tokens/step{val}")
+
+
+def _closing(run: Run) -> str:
+    "Where the run's checkpoint, metrics and logs are."
+    ckpt = checkpoint.latest(run.run_dir, verify=False)
+    tb = f", TensorBoard {run.run_dir / 'tb'}" if run.cfg.log.tensorboard else ""
+    return (f"pith_lit: checkpoint {ckpt if ckpt is not None else 'none (ckpt.every = -1)'}, metrics "
+            f"{run.run_dir / 'metrics.jsonl'}{tb}, config {run.run_dir / 'config.toml'}")
+
+
 def _loop(run: Run, report: Reporter, end: int) -> tuple[list[dict], bool]:
     "Steps until `end`, a signal or a non-finite loss: report each, checkpoint as `ckpt` says; (records, stopped)."
-    cfg, history = run.cfg, []
+    cfg, history, every = run.cfg, [], run.cfg.log.eval_every
     with StopFlag() as stop:
         for step in report.bar:
             report.begin(step)
             rec = train_step(run, step, stop)
             stopped = rec.pop("stop")
             report.end(rec)
+            if step == run.start and run.rank == 0:   # a step ran: this config is the run's now
+                (run.run_dir / "config.toml").write_text(dump_toml(cfg))
+            last = stopped or step + 1 == end
+            if math.isfinite(rec["loss"]) and (last or (every and (step + 1) % every == 0)):
+                val = evaluate(run)
+                if val is not None:
+                    rec["val_loss"] = val
+            report.write(rec)
             history.append(rec)
             if not math.isfinite(rec["loss"]):
                 raise NonFiniteLoss(f"loss is {rec['loss']} at step {step + 1}; nothing was saved for this step, so "
                                     f"the latest checkpoint in {run.run_dir / 'ckpt'} is the last good one. Lower "
                                     "train.lr, raise train.warmup or check the data, then rerun to resume from it.")
-            every = cfg.ckpt.every
-            if every >= 0 and (stopped or step + 1 == end or (every and (step + 1) % every == 0)):
+            if cfg.ckpt.every >= 0 and (last or (cfg.ckpt.every and (step + 1) % cfg.ckpt.every == 0)):
                 checkpoint.save(run.run_dir, step + 1, keep=cfg.ckpt.keep, **run.ckpt_args())
             if stopped:
                 report.say(f"stopped by signal after step {step + 1}; checkpoint saved, rerun to resume")
