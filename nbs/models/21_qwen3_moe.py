@@ -527,8 +527,8 @@ assert model.num_params() == total and model.active_matmul_params() == active
 print(f"{total:,} parameters, {active:,} active matmul parameters per token")
 
 # %% [markdown]
-# On CUDA in bf16 the experts run through `F.grouped_mm`, and dispatch, SwiGLU and stage 5 through Triton
-# kernels. bf16 keeps 8 bits of mantissa, and a few tokens' top-k flips, so at a moderate size logits and
+# On CUDA in bf16 the experts run through `F.grouped_mm`, and the permutations, SwiGLU and the weighted sum through
+# Triton kernels. bf16 keeps 8 bits of mantissa, and a few tokens' top-k flips, so at a moderate size logits and
 # gradients differ from float32 by a few percent whichever way bf16 is computed. The check: the five-stage bf16
 # path is as close to the float32 reference as the plain sequential forward run in bf16 (measured on the H200:
 # logits 2.9e-2 vs 2.8e-2, worst gradient, the first router's, 9.1e-2 vs 9.1e-2).

@@ -1331,10 +1331,11 @@ def causal_attention(q, k, v, sinks=None, window: int | None = None) -> torch.Te
 # the `aot_eager` backend, which traces forward and backward the way the compiler does).
 
 # %%
-g = torch.Generator().manual_seed(11)
+g = torch.Generator(torch.get_default_device()).manual_seed(11)
 q, k, v = (torch.randn(2, h, 70, 16, generator=g).requires_grad_() for h in (4, 2, 2))
 sk = torch.randn(4, generator=g).requires_grad_()
 dout = torch.randn(2, 4, 70, 16, generator=g)
+tol = 1e-5 if not q.is_cuda else 1e-3   # fp32 on the GPU multiplies in tf32x3
 for window, sinks in [(None, None), (20, sk)]:
     fn = lambda q, k, v, s: causal_attention(q, k, v, s, window)
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, sinks)
@@ -1342,8 +1343,8 @@ for window, sinks in [(None, None), (20, sk)]:
                                   window=window)
     leaves = [q, k, v] + ([sk] if sinks is not None else [])
     for a, b in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout.double())):
-        assert rel_err(a, b) < 1e-5
-    assert rel_err(got, want) < 1e-5
+        assert rel_err(a, b) < tol
+    assert rel_err(got, want) < tol
 torch._dynamo.reset()
 
 # %% [markdown]

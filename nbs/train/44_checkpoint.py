@@ -702,9 +702,9 @@ def _differences(meta: dict, index, model_config: dict, shapes: dict, extra: dic
 
 def _refuse(path: Path, problems: list[str]):
     if problems:
-        raise InvalidInput(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(problems) +
-                         "\nResume with the config the checkpoint was written with, or set another run.dir "
-                         "to start a new run.")
+        raise InvalidInput(f"checkpoint {path} does not match this run: " + "; ".join(problems) +
+                           ". Resume with the config the checkpoint was written with, or set another run.dir "
+                           "to start a new run.")
 
 # %%
 #| export
