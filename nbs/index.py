@@ -29,6 +29,7 @@ import torch
 
 from pith_lit.models.protocol import LocalDispatcher, run_layers
 from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
+from pith_lit.testing import repo_path
 from pith_lit.train.config import load_config
 from pith_lit.train.data import build_dataset
 from pith_lit.train.trainer import train
@@ -84,12 +85,12 @@ print(len(data), "windows;", bytes(inputs[0, :60].tolist()).decode(errors="repla
 # with the same config (`train/40_config`). Forty steps of the tiny model take well under a minute here.
 
 # %%
-cfg = load_config("../configs/tiny.toml", [f"run.dir={tmp}/run", "train.steps=40", "train.warmup=8",
-                                           "log.tensorboard=false", "log.sample_tokens=0"])
+cfg = load_config(repo_path("configs/tiny.toml"), [f"run.dir={tmp}/run", "train.steps=40", "train.warmup=8",
+                                                  "log.tensorboard=false", "log.sample_tokens=0"])
 out = train(cfg, quiet=True)
 loss = [r["loss"] for r in out["history"]]
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.plot(range(1, len(loss) + 1), loss)
+ax.plot(range(1, len(loss) + 1), loss, label="training loss")
 ax.axhline(math.log(cfg.model.vocab_size), color="gray", lw=0.8, ls="--", label="ln(vocab): uniform guess")
 ax.set(xlabel="step", ylabel="loss (nats/token)"); ax.legend()
 assert loss[-1] < loss[0] - 1.0

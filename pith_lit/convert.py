@@ -93,9 +93,10 @@ def _tokenizer_advice(src: Path) -> str:
     tok = src / "tokenizer.json"
     if tok.exists():
         return f"--set data.tokenizer={tok} --set data.corpus=DATA (tokenized with it by python -m pith_lit.tokenize)"
-    return ("--set data.corpus=DATA --set data.tokenizer=TOKENIZER_JSON: this checkpoint ships no tokenizer.json, so "
-            "take the model's tokenizer.json from where the model is published and tokenize DATA with it "
-            "(python -m pith_lit.tokenize FILES --out DATA --tokenizer TOKENIZER_JSON)")
+    return ("and its tokenizer: this checkpoint ships no tokenizer.json, so data.tokenizer stays 'bytes' (right for a "
+            "model trained by pith_lit on bytes); for a published model take its tokenizer.json from where the model "
+            "is published, tokenize the data with it (python -m pith_lit.tokenize FILES --out DATA --tokenizer "
+            "TOKENIZER_JSON) and add --set data.corpus=DATA --set data.tokenizer=TOKENIZER_JSON")
 
 
 if __name__ == "__main__" and __spec__ is not None:

@@ -123,3 +123,4 @@ def test_readme_commands_run(tmp_path):
             f"README.md line {b.line} ({b.heading}) exited {proc.returncode}; the block:\n{b.code}\n"
             f"stdout:\n{tail(proc.stdout)}\nstderr:\n{tail(proc.stderr)}\n(blocks so far:\n" + "\n".join(times) + ")")
     print("\n".join(times))
+    shutil.rmtree(repo, ignore_errors=True)     # a few hundred MB; kept only when a block failed

@@ -516,8 +516,9 @@ class Timeline:
 #
 # `DualPipeV(parts, group, dispatcher, loss_fn, aux_fn, device)` runs this rank's schedule. `group` is the pipeline
 # process group (None, or a group of one, for a single pipeline rank). `step(micro_batches, loss_scale)` takes the
-# step's micro-batches as `(input_ids, labels)` pairs (every pipeline rank passes the same list; only rank 0 reads
-# the tokens, the others need their shape), accumulates gradients into the parameters' `.grad` like
+# step's micro-batches as `(input_ids, labels)` pairs, or `(input_ids, labels, positions)` triples when the
+# positions are not 0..S-1 (packed documents; every pipeline rank passes the same list; only rank 0 reads the
+# tokens, the others need their shape and the positions), accumulates gradients into the parameters' `.grad` like
 # `loss.backward()` would, and returns `(loss_sum, aux_sum)`: the sum of `loss_fn` over the micro-batches (on rank
 # 0; zero elsewhere) and the sum of this rank's load-balance terms, both float64.
 #
@@ -620,10 +621,11 @@ class DualPipeV:
 
     def _forward(self, p: int, m: int):
         "Steps of F for stage `p` on micro-batch `m`, then where its output goes."
-        part, (ids, labels) = self.parts[p], self.batches[m]
+        part, (ids, labels, *positions) = self.parts[p], self.batches[m]
         run = StageRun(part, self.dispatcher, self.aux_fn)
         x = ids if part.prolog is not None else self.inputs.pop((p, m))
-        yield from run.forward(x, self.positions, labels if part.is_last else None, self.loss_fn)
+        yield from run.forward(x, positions[0] if positions else self.positions, labels if part.is_last else None,
+                               self.loss_fn)
         self.runs[p, m] = run
         self.aux_sum += run.aux()
         if part.is_last:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.swiglu import swiglu
 
@@ -220,7 +221,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
+        if docs is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif q.is_cuda:             # within documents, skipping the key blocks of other documents
+            o = causal_attention(q, k, v, docs=docs)
+        else:
+            mask = attention_mask(S, S, q_doc=docs, k_doc=docs, device=q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
 # %% [markdown]

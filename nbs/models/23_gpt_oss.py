@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
-from pith_lit.ops.attention import causal_attention
+from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.swiglu import clamped_swiglu
 
@@ -294,18 +294,11 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 SINK_PAD = 8  # channels added to q and k: one carries the sink, the rest keep the head dim a multiple of 8
 
 
-def attention_mask(S: int, window: int | None, device=None) -> Tensor:
-    "(S, S) bool: query i may see key j when j <= i and, with a window, i - j < window."
-    i = torch.arange(S, device=device)[:, None]
-    j = torch.arange(S, device=device)[None, :]
-    allowed = j <= i
-    return allowed if window is None else allowed & (i - j < window)
-
-
-def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int | None) -> Tensor:
+def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int | None, docs=None) -> Tensor:
     """Causal attention with one sink logit per query head, by one SDPA call over an extra key.
 
-    q (B, n_q, S, d), k and v (B, n_kv, S, d) with n_kv dividing n_q, sinks (n_q,) -> (B, n_q, S, d)."""
+    q (B, n_q, S, d), k and v (B, n_kv, S, d) with n_kv dividing n_q, sinks (n_q,), docs (B, S) document ids or
+    None -> (B, n_q, S, d)."""
     (B, nq, S, d), rep, scale = q.shape, q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
     sink_q = (sinks.to(q.dtype) / scale).view(1, nq, 1, 1).expand(B, nq, S, 1)
     q = torch.cat((q, sink_q, q.new_zeros(B, nq, S, SINK_PAD - 1)), -1)
@@ -313,7 +306,8 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int |
     sink_k = F.pad(k.new_ones(B, nq, 1, 1), (d, SINK_PAD - 1))   # 1 in channel d, 0 elsewhere
     k = torch.cat((sink_k, F.pad(k, (0, SINK_PAD))), 2)           # the sink is key 0, real keys have 0 in its channel
     v = torch.cat((v.new_zeros(B, nq, 1, d), v), 2)
-    mask = torch.cat((q.new_ones(S, 1, dtype=torch.bool), attention_mask(S, window, q.device)), 1)
+    keep = attention_mask(S, S, window=window, q_doc=docs, k_doc=docs, device=q.device)   # ops/14's rules
+    mask = torch.cat((keep.new_ones(keep.shape[:-1] + (1,)), keep), -1)                  # and the sink key
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 # %% [markdown]
@@ -353,7 +347,7 @@ for window in (W, None):
 
 with torch.no_grad():
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    keep = attention_mask(S, W)
+    keep = attention_mask(S, S, window=W)[0, 0]
     scores = (q @ kr.transpose(-1, -2) / math.sqrt(d)).masked_fill(~keep, float("-inf"))
     plain_out = scores.softmax(-1) @ vr
     lse = scores.logsumexp(-1, keepdim=True)
@@ -481,10 +475,11 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
         q, k, v = self.qkv(x, positions)
+        docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
         if q.is_cuda:   # ops/14's kernel: sinks in the softmax, whole blocks outside the window skipped
-            o = causal_attention(q, k, v, self.sinks, self.sliding_window)
+            o = causal_attention(q, k, v, self.sinks, self.sliding_window, docs=docs)
         else:
-            o = sink_attention(q, k, v, self.sinks, self.sliding_window)
+            o = sink_attention(q, k, v, self.sinks, self.sliding_window, docs)
         return self.o_proj(o.transpose(1, 2).flatten(2))
 
 
@@ -761,7 +756,7 @@ print(f"{total:,} parameters, {active:,} active matmul parameters per token")
 
 # %%
 for S in (3, 5, 13, 64):
-    keys = sum((attention_mask(S, a.sliding_window).sum().item() - min(S, a.sliding_window or S) / 2) / S
+    keys = sum((attention_mask(S, S, window=a.sliding_window).sum().item() - min(S, a.sliding_window or S) / 2) / S
                for a in (l.self_attn for l in model.model.layers.values()))
     assert math.isclose(model.flops_per_token(S), 6 * active + 12 * nq * d * keys, rel_tol=1e-12), S
 

@@ -1274,61 +1274,80 @@ for msg, tensors, kw in bad_cases:
 # cannot trace into a Triton launch wrapped in an autograd function, so `causal_attention` registers the forward
 # and the backward as two PyTorch custom operators (`torch.library.custom_op`) with shape-only ("fake") versions:
 # the compiler sees each as one opaque call, in the forward graph and in the backward graph. It is the case the
-# models need: causal, an optional window (0: none), optional per-head sinks, the usual scale, no documents or
-# offsets.
+# models need: causal, an optional window (0: none), optional per-head sinks, a scale, and optional documents
+# (the same ids for queries and keys), no offsets.
+#
+# **Documents from positions.** A window of packed text holds several documents, and RoPE positions restart at
+# each one. So the positions say where the documents are: `documents(positions)` numbers them, a new one starting
+# wherever the position does not increase. (S,) positions are one sequence per row and give None: plain causal
+# attention.
 
 # %%
 #| export
+def documents(positions: torch.Tensor) -> torch.Tensor | None:
+    """(B, S) int32 document ids from (B, S) positions that restart at each document (a document starts where the
+    position does not increase); None for (S,) positions, a whole sequence per row."""
+    if positions.dim() == 1:
+        return None
+    starts = torch.ones(positions.shape, dtype=torch.int32, device=positions.device)
+    starts[:, 1:] = (positions[:, 1:] <= positions[:, :-1]).to(torch.int32)
+    return starts.cumsum(1, dtype=torch.int32) - 1
+
+
 @torch.library.custom_op("pith_lit::causal_attention_fwd", mutates_args=())
-def _causal_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd(q, k, v, sinks, _Mask(True, window or None, 0, 0), q.shape[-1] ** -0.5, None, None)
+def _causal_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, window: int,
+                scale: float, docs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd(q, k, v, sinks, _Mask(True, window or None, 0, 0), scale, docs, docs)
 
 
 @_causal_fwd.register_fake
-def _(q, k, v, sinks, window):
+def _(q, k, v, sinks, window, scale, docs):
     (B, Hq, S, _), Dv = q.shape, v.shape[-1]
     return q.new_empty(B, S, Hq, Dv).transpose(1, 2), q.new_empty(B, Hq, S, dtype=torch.float32)
 
 
 @torch.library.custom_op("pith_lit::causal_attention_bwd", mutates_args=())
 def _causal_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
-                lse: torch.Tensor, dout: torch.Tensor, window: int) -> list[torch.Tensor]:
-    dq, dk, dv, ds = _bwd(q, k, v, sinks, out, lse, dout, None, _Mask(True, window or None, 0, 0),
-                          q.shape[-1] ** -0.5, None, None)
+                lse: torch.Tensor, dout: torch.Tensor, window: int, scale: float,
+                docs: torch.Tensor | None) -> list[torch.Tensor]:
+    dq, dk, dv, ds = _bwd(q, k, v, sinks, out, lse, dout, None, _Mask(True, window or None, 0, 0), scale, docs, docs)
     return [dq, dk, dv] + ([ds] if sinks is not None else [])
 
 
 @_causal_bwd.register_fake
-def _(q, k, v, sinks, out, lse, dout, window):
+def _(q, k, v, sinks, out, lse, dout, window, scale, docs):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)] + (
         [torch.empty_like(sinks)] if sinks is not None else [])
 
 
 def _causal_setup(ctx, inputs, output):
-    q, k, v, sinks, window = inputs
-    ctx.save_for_backward(q, k, v, sinks, *output)
-    ctx.window = window
+    q, k, v, sinks, window, scale, docs = inputs
+    ctx.save_for_backward(q, k, v, sinks, docs, *output)
+    ctx.window, ctx.scale = window, scale
 
 
 def _causal_backward(ctx, dout, dlse):
-    q, k, v, sinks, out, lse = ctx.saved_tensors
-    grads = _causal_bwd(q, k, v, sinks, out, lse, dout, ctx.window)
-    return grads[0], grads[1], grads[2], grads[3] if sinks is not None else None, None
+    q, k, v, sinks, docs, out, lse = ctx.saved_tensors
+    grads = _causal_bwd(q, k, v, sinks, out, lse, dout, ctx.window, ctx.scale, docs)
+    return grads[0], grads[1], grads[2], grads[3] if sinks is not None else None, None, None, None
 
 
 _causal_fwd.register_autograd(_causal_backward, setup_context=_causal_setup)
 
 
-def causal_attention(q, k, v, sinks=None, window: int | None = None) -> torch.Tensor:
-    """Causal attention of q (B, Hq, S, D) over k, v (B, Hkv, S, D), optional `window` and per-head `sinks`, scale
-    D**-0.5, as one custom operator that `torch.compile` keeps whole; returns out (B, Hq, S, Dv) laid out as
-    (B, S, Hq, Dv). The log-sum-exp is not differentiated through (`flash_attention` has it)."""
-    return _causal_fwd(q, k, v, sinks, window or 0)[0]
+def causal_attention(q, k, v, sinks=None, window: int | None = None, scale: float | None = None,
+                     docs=None) -> torch.Tensor:
+    """Causal attention of q (B, Hq, S, Dqk) over k (B, Hkv, S, Dqk), v (B, Hkv, S, Dv), with an optional `window`,
+    per-head `sinks`, `scale` (default Dqk**-0.5) and (B, S) document ids `docs` (from `documents`), as one custom
+    operator that `torch.compile` keeps whole; returns out (B, Hq, S, Dv) laid out as (B, S, Hq, Dv). The
+    log-sum-exp is not differentiated through (`flash_attention` has it)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _causal_fwd(q, k, v, sinks, window or 0, scale, None if docs is None else docs.to(torch.int32))[0]
 
 # %% [markdown]
-# Check: the operator agrees with the reference, gradients included, and compiles whole (`fullgraph=True` with
-# the `aot_eager` backend, which traces forward and backward the way the compiler does).
+# Check: the operator agrees with the reference, gradients included, with and without documents (here from
+# positions restarting at 0, 30 and 31), and compiles whole (`fullgraph=True` with the `aot_eager` backend, which
+# traces forward and backward the way the compiler does).
 
 # %%
 g = torch.Generator(torch.get_default_device()).manual_seed(11)
@@ -1336,11 +1355,14 @@ q, k, v = (torch.randn(2, h, 70, 16, generator=g).requires_grad_() for h in (4, 
 sk = torch.randn(4, generator=g).requires_grad_()
 dout = torch.randn(2, 4, 70, 16, generator=g)
 tol = 1e-5 if not q.is_cuda else 1e-3   # fp32 on the GPU multiplies in tf32x3
-for window, sinks in [(None, None), (20, sk)]:
-    fn = lambda q, k, v, s: causal_attention(q, k, v, s, window)
-    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, sinks)
+pos = torch.cat([torch.arange(30), torch.arange(1), torch.arange(39)]).expand(2, 70)
+docs = documents(pos)
+assert docs[0].tolist() == [0] * 30 + [1] + [2] * 39 and documents(torch.arange(70)) is None
+for window, sinks, d in [(None, None, None), (20, sk, None), (None, None, docs), (20, sk, docs)]:
+    fn = lambda q, k, v, s, d: causal_attention(q, k, v, s, window, docs=d)
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, sinks, d)
     want, _ = attention_reference(q.double(), k.double(), v.double(), None if sinks is None else sinks.double(),
-                                  window=window)
+                                  window=window, q_doc=d, k_doc=d)
     leaves = [q, k, v] + ([sk] if sinks is not None else [])
     for a, b in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout.double())):
         assert rel_err(a, b) < tol

@@ -126,6 +126,9 @@ class DataConfig:
                                 "or the path of a packed token file made by `python -m pith_lit.tokenize`")
     tokenizer: str = cfg("bytes", "bytes = the byte-level tokenizer, or the path of a Hugging Face tokenizer.json")
     val_frac: float = cfg(0.01, "fraction of the corpus held out for validation", ge=0, lt=1)
+    document_mask: bool = cfg(False, "attend within documents: in a window of packed text, positions restart after "
+                                     "each end-of-document token and no token attends to another document "
+                                     "(block-causal); false: a window is one sequence")
 
 
 @dataclass
@@ -726,7 +729,8 @@ def _field_lines(cfg: Config) -> list[str]:
 
 def arg_parser() -> argparse.ArgumentParser:
     "The command line: an optional config file, repeatable --set, and a --help that lists the fields."
-    parser = argparse.ArgumentParser(add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(prog="python -m pith_lit.train", add_help=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="Run config: defaults <- TOML file <- --set overrides, validated.")
     parser.add_argument("config", nargs="?", help="TOML config file (default: the built-in defaults)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",

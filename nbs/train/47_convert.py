@@ -12,10 +12,13 @@
 # Two commands join Hugging Face checkpoints (train/hf) to runs:
 #
 # ```bash
-# python -m pith_lit.convert hf2pith HF_DIR RUN_DIR   # a run directory that starts from a Hugging Face model
-# python -m pith_lit.train RUN_DIR/config.toml        # continue training it (edit config.toml or --set first)
-# python -m pith_lit.convert pith2hf RUN_DIR HF_OUT   # its latest checkpoint as a Hugging Face model
+# python -m pith_lit.convert pith2hf runs/tiny runs/tiny-hf        # a run's latest checkpoint as a Hugging Face model
+# python -m pith_lit.convert hf2pith runs/tiny-hf runs/from-hf     # a run directory that starts from such a model
+# python -m pith_lit.train runs/from-hf/config.toml --set train.steps=20 --set train.warmup=2   # train it on
 # ```
+#
+# (runs/tiny is the README Quickstart's run; any Hugging Face checkpoint directory of a supported family works in
+# place of runs/tiny-hf.)
 #
 # **hf2pith** reads the checkpoint with `load_hf`, in the dtype its config.json names (so no bit of a bf16
 # checkpoint is lost or doubled), and writes two things into a new run directory: `config.toml`, whose
@@ -221,9 +224,10 @@ def _tokenizer_advice(src: Path) -> str:
     tok = src / "tokenizer.json"
     if tok.exists():
         return f"--set data.tokenizer={tok} --set data.corpus=DATA (tokenized with it by python -m pith_lit.tokenize)"
-    return ("--set data.corpus=DATA --set data.tokenizer=TOKENIZER_JSON: this checkpoint ships no tokenizer.json, so "
-            "take the model's tokenizer.json from where the model is published and tokenize DATA with it "
-            "(python -m pith_lit.tokenize FILES --out DATA --tokenizer TOKENIZER_JSON)")
+    return ("and its tokenizer: this checkpoint ships no tokenizer.json, so data.tokenizer stays 'bytes' (right for a "
+            "model trained by pith_lit on bytes); for a published model take its tokenizer.json from where the model "
+            "is published, tokenize the data with it (python -m pith_lit.tokenize FILES --out DATA --tokenizer "
+            "TOKENIZER_JSON) and add --set data.corpus=DATA --set data.tokenizer=TOKENIZER_JSON")
 
 
 if __name__ == "__main__" and __spec__ is not None:

@@ -17,10 +17,11 @@
 # deterministic). It draws the training and validation losses and the load balance into
 # `out_dir/v01_training.png` and ends with PASS or FAIL.
 #
-# CPU (the defaults): `papermill` with no parameters. On a GPU, the bench width with 2 layers (what
-# `skills/validate-correctness/check.sh --gpu` passes): `-p config configs/bench-qwen3-30b-a3b.toml -p steps 30
-# -p min_drop 1.0 -p resume_rtol 1e-2 -p max_balance 16 -y 'overrides: ["model.num_hidden_layers=2",
-# "train.warmup=5", "ckpt.every=0", "ckpt.keep=1"]'`.
+# CPU (the defaults), from the repository root with the venv active:
+# `mkdir -p out && jupytext --to ipynb nbs/validate/v01_training.py -o - | papermill - out/v01.ipynb -p out_dir out`.
+# On a GPU, the bench width with 2 layers (what `skills/validate-correctness/check.sh --gpu` runs): the same with
+# `-p config configs/bench-qwen3-30b-a3b.toml -p steps 30 -p min_drop 1.0 -p resume_rtol 1e-2 -p max_balance 16
+# -y 'overrides: ["model.num_hidden_layers=2", "train.warmup=5", "ckpt.every=0", "ckpt.keep=1"]'` added.
 
 # %% tags=["parameters"]
 config = "configs/tiny.toml"  # a path relative to the repository's root, or absolute

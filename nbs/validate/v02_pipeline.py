@@ -16,9 +16,11 @@
 # above the one `simulate` predicts from the measured durations into `out_dir/v02_pipeline.png`, prints both bubble
 # fractions, and ends with PASS or FAIL.
 #
-# CPU (the defaults): `papermill` with no parameters. Two GPUs, pipeline only, then with expert parallelism:
-# `-p nproc 2 -p device cuda -p timeline_hidden 2048 -p timeline_seq 4096` and
-# `-p nproc 4 -p ep 2 -p device cuda -p micro "[4, 5]" -p timeline_hidden 2048 -p timeline_seq 4096`.
+# CPU (the defaults), from the repository root with the venv active:
+# `mkdir -p out && jupytext --to ipynb nbs/validate/v02_pipeline.py -o - | papermill - out/v02.ipynb -p out_dir out`.
+# Two GPUs, pipeline only, then four with expert parallelism: the same with `-p nproc 2 -p device cuda
+# -p timeline_hidden 2048 -p timeline_seq 4096`, and with `-p nproc 4 -p ep 2 -p device cuda -p micro "[4, 5]"
+# -p timeline_hidden 2048 -p timeline_seq 4096` added.
 
 # %% tags=["parameters"]
 nproc = 2

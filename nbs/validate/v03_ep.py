@@ -17,8 +17,9 @@
 # bytes than one row per (token, expert) pair. It draws the bytes per token with and without deduplication into
 # `out_dir/v03_ep.png` and ends with PASS or FAIL.
 #
-# CPU (the defaults): `papermill` with no parameters (2 gloo processes). Eight GPUs over NCCL:
-# `-p nproc 8 -p device cuda -p tokens 8192`.
+# CPU (the defaults, 2 gloo processes), from the repository root with the venv active:
+# `mkdir -p out && jupytext --to ipynb nbs/validate/v03_ep.py -o - | papermill - out/v03.ipynb -p out_dir out`.
+# Eight GPUs over NCCL: the same with `-p nproc 8 -p device cuda -p tokens 8192` added.
 
 # %% tags=["parameters"]
 nproc = 2
@@ -102,7 +103,8 @@ ax.bar([x + 0.2 for x in xs], [per_token[e][0] / 1024 for e in eps], 0.4, label=
 ax.set_xticks(list(xs), [f"ep={e}" for e in eps])
 ax.set_ylabel("KiB sent per token, one layer")
 ax.set_title("dispatch, Qwen3-30B-A3B routing (random router)")
-ax.legend()
+ax.set_ylim(0, 1.35 * max(per_token[e][1] for e in eps) / 1024)   # room for the legend above the bars
+ax.legend(loc="upper left")
 fig.tight_layout()
 fig.savefig(Path(out_dir) / "v03_ep.png", dpi=100)
 

@@ -436,10 +436,11 @@ class DualPipeV:
 
     def _forward(self, p: int, m: int):
         "Steps of F for stage `p` on micro-batch `m`, then where its output goes."
-        part, (ids, labels) = self.parts[p], self.batches[m]
+        part, (ids, labels, *positions) = self.parts[p], self.batches[m]
         run = StageRun(part, self.dispatcher, self.aux_fn)
         x = ids if part.prolog is not None else self.inputs.pop((p, m))
-        yield from run.forward(x, self.positions, labels if part.is_last else None, self.loss_fn)
+        yield from run.forward(x, positions[0] if positions else self.positions, labels if part.is_last else None,
+                               self.loss_fn)
         self.runs[p, m] = run
         self.aux_sum += run.aux()
         if part.is_last:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.grouped_linear import grouped_linear
 from ..ops.swiglu import swiglu
 
@@ -207,7 +208,14 @@ class Attention(nn.Module):
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), -1)
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(B, self.n_heads, S, self.rope)  # one for all heads
         k = torch.cat((k_nope, k_rope), -1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
+        if docs is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        elif q.is_cuda:             # within documents, skipping the key blocks of other documents
+            o = causal_attention(q, k, v, scale=self.softmax_scale, docs=docs)
+        else:
+            mask = attention_mask(S, S, q_doc=docs, k_doc=docs, device=q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #5aafcb58

@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['LAYER_TYPES', 'ROPE_KEYS', 'SINK_PAD', 'Config', 'RMSNorm', 'yarn_inv_freq', 'rope_cos_sin', 'apply_rope',
-           'attention_mask', 'sink_attention', 'sink_attention_reference', 'projection', 'Experts', 'Attention',
-           'Router', 'MLP', 'DecoderLayer', 'GptOssModel', 'GptOssForCausalLM']
+           'sink_attention', 'sink_attention_reference', 'projection', 'Experts', 'Attention', 'Router', 'MLP',
+           'DecoderLayer', 'GptOssModel', 'GptOssForCausalLM']
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #649fc001
 import math
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
-from ..ops.attention import causal_attention
+from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.grouped_linear import grouped_linear
 from ..ops.swiglu import clamped_swiglu
 
@@ -135,18 +135,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 SINK_PAD = 8  # channels added to q and k: one carries the sink, the rest keep the head dim a multiple of 8
 
 
-def attention_mask(S: int, window: int | None, device=None) -> Tensor:
-    "(S, S) bool: query i may see key j when j <= i and, with a window, i - j < window."
-    i = torch.arange(S, device=device)[:, None]
-    j = torch.arange(S, device=device)[None, :]
-    allowed = j <= i
-    return allowed if window is None else allowed & (i - j < window)
-
-
-def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int | None) -> Tensor:
+def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int | None, docs=None) -> Tensor:
     """Causal attention with one sink logit per query head, by one SDPA call over an extra key.
 
-    q (B, n_q, S, d), k and v (B, n_kv, S, d) with n_kv dividing n_q, sinks (n_q,) -> (B, n_q, S, d)."""
+    q (B, n_q, S, d), k and v (B, n_kv, S, d) with n_kv dividing n_q, sinks (n_q,), docs (B, S) document ids or
+    None -> (B, n_q, S, d)."""
     (B, nq, S, d), rep, scale = q.shape, q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
     sink_q = (sinks.to(q.dtype) / scale).view(1, nq, 1, 1).expand(B, nq, S, 1)
     q = torch.cat((q, sink_q, q.new_zeros(B, nq, S, SINK_PAD - 1)), -1)
@@ -154,7 +147,8 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, window: int |
     sink_k = F.pad(k.new_ones(B, nq, 1, 1), (d, SINK_PAD - 1))   # 1 in channel d, 0 elsewhere
     k = torch.cat((sink_k, F.pad(k, (0, SINK_PAD))), 2)           # the sink is key 0, real keys have 0 in its channel
     v = torch.cat((v.new_zeros(B, nq, 1, d), v), 2)
-    mask = torch.cat((q.new_ones(S, 1, dtype=torch.bool), attention_mask(S, window, q.device)), 1)
+    keep = attention_mask(S, S, window=window, q_doc=docs, k_doc=docs, device=q.device)   # ops/14's rules
+    mask = torch.cat((keep.new_ones(keep.shape[:-1] + (1,)), keep), -1)                  # and the sink key
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #11584177
@@ -219,10 +213,11 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
         q, k, v = self.qkv(x, positions)
+        docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
         if q.is_cuda:   # ops/14's kernel: sinks in the softmax, whole blocks outside the window skipped
-            o = causal_attention(q, k, v, self.sinks, self.sliding_window)
+            o = causal_attention(q, k, v, self.sinks, self.sliding_window, docs=docs)
         else:
-            o = sink_attention(q, k, v, self.sinks, self.sliding_window)
+            o = sink_attention(q, k, v, self.sinks, self.sliding_window, docs)
         return self.o_proj(o.transpose(1, 2).flatten(2))
 
 

@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['INTERPRET', 'LOG2E', 'CUDA_CONFIGS', 'FP32_CONFIG', 'BENCH_SHAPES', 'attention_mask', 'attention_reference',
-           'doc_ids', 'doc_positions', 'FlashAttention', 'flash_attention', 'causal_attention', 'bench']
+           'doc_ids', 'doc_positions', 'FlashAttention', 'flash_attention', 'documents', 'causal_attention', 'bench']
 
 # %% ../../nbs/ops/14_attention.ipynb #e0784306
 import functools
@@ -693,52 +693,65 @@ def flash_attention(q, k, v, sinks=None, *, causal=True, window=None, scale=None
     return FlashAttention.apply(q, k, v, sinks, mask, scale, q_doc, k_doc, blocks)
 
 # %% ../../nbs/ops/14_attention.ipynb #c2377852
+def documents(positions: torch.Tensor) -> torch.Tensor | None:
+    """(B, S) int32 document ids from (B, S) positions that restart at each document (a document starts where the
+    position does not increase); None for (S,) positions, a whole sequence per row."""
+    if positions.dim() == 1:
+        return None
+    starts = torch.ones(positions.shape, dtype=torch.int32, device=positions.device)
+    starts[:, 1:] = (positions[:, 1:] <= positions[:, :-1]).to(torch.int32)
+    return starts.cumsum(1, dtype=torch.int32) - 1
+
+
 @torch.library.custom_op("pith_lit::causal_attention_fwd", mutates_args=())
-def _causal_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd(q, k, v, sinks, _Mask(True, window or None, 0, 0), q.shape[-1] ** -0.5, None, None)
+def _causal_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, window: int,
+                scale: float, docs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd(q, k, v, sinks, _Mask(True, window or None, 0, 0), scale, docs, docs)
 
 
 @_causal_fwd.register_fake
-def _(q, k, v, sinks, window):
+def _(q, k, v, sinks, window, scale, docs):
     (B, Hq, S, _), Dv = q.shape, v.shape[-1]
     return q.new_empty(B, S, Hq, Dv).transpose(1, 2), q.new_empty(B, Hq, S, dtype=torch.float32)
 
 
 @torch.library.custom_op("pith_lit::causal_attention_bwd", mutates_args=())
 def _causal_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
-                lse: torch.Tensor, dout: torch.Tensor, window: int) -> list[torch.Tensor]:
-    dq, dk, dv, ds = _bwd(q, k, v, sinks, out, lse, dout, None, _Mask(True, window or None, 0, 0),
-                          q.shape[-1] ** -0.5, None, None)
+                lse: torch.Tensor, dout: torch.Tensor, window: int, scale: float,
+                docs: torch.Tensor | None) -> list[torch.Tensor]:
+    dq, dk, dv, ds = _bwd(q, k, v, sinks, out, lse, dout, None, _Mask(True, window or None, 0, 0), scale, docs, docs)
     return [dq, dk, dv] + ([ds] if sinks is not None else [])
 
 
 @_causal_bwd.register_fake
-def _(q, k, v, sinks, out, lse, dout, window):
+def _(q, k, v, sinks, out, lse, dout, window, scale, docs):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)] + (
         [torch.empty_like(sinks)] if sinks is not None else [])
 
 
 def _causal_setup(ctx, inputs, output):
-    q, k, v, sinks, window = inputs
-    ctx.save_for_backward(q, k, v, sinks, *output)
-    ctx.window = window
+    q, k, v, sinks, window, scale, docs = inputs
+    ctx.save_for_backward(q, k, v, sinks, docs, *output)
+    ctx.window, ctx.scale = window, scale
 
 
 def _causal_backward(ctx, dout, dlse):
-    q, k, v, sinks, out, lse = ctx.saved_tensors
-    grads = _causal_bwd(q, k, v, sinks, out, lse, dout, ctx.window)
-    return grads[0], grads[1], grads[2], grads[3] if sinks is not None else None, None
+    q, k, v, sinks, docs, out, lse = ctx.saved_tensors
+    grads = _causal_bwd(q, k, v, sinks, out, lse, dout, ctx.window, ctx.scale, docs)
+    return grads[0], grads[1], grads[2], grads[3] if sinks is not None else None, None, None, None
 
 
 _causal_fwd.register_autograd(_causal_backward, setup_context=_causal_setup)
 
 
-def causal_attention(q, k, v, sinks=None, window: int | None = None) -> torch.Tensor:
-    """Causal attention of q (B, Hq, S, D) over k, v (B, Hkv, S, D), optional `window` and per-head `sinks`, scale
-    D**-0.5, as one custom operator that `torch.compile` keeps whole; returns out (B, Hq, S, Dv) laid out as
-    (B, S, Hq, Dv). The log-sum-exp is not differentiated through (`flash_attention` has it)."""
-    return _causal_fwd(q, k, v, sinks, window or 0)[0]
+def causal_attention(q, k, v, sinks=None, window: int | None = None, scale: float | None = None,
+                     docs=None) -> torch.Tensor:
+    """Causal attention of q (B, Hq, S, Dqk) over k (B, Hkv, S, Dqk), v (B, Hkv, S, Dv), with an optional `window`,
+    per-head `sinks`, `scale` (default Dqk**-0.5) and (B, S) document ids `docs` (from `documents`), as one custom
+    operator that `torch.compile` keeps whole; returns out (B, Hq, S, Dv) laid out as (B, S, Hq, Dv). The
+    log-sum-exp is not differentiated through (`flash_attention` has it)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _causal_fwd(q, k, v, sinks, window or 0, scale, None if docs is None else docs.to(torch.int32))[0]
 
 # %% ../../nbs/ops/14_attention.ipynb #2dcf8932
 BENCH_SHAPES = {  # name: (B, S, Hq, Hkv, Dqk, Dv, sinks, window)

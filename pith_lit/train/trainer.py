@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['PEAK_FLOPS', 'build_model', 'peak_flops', 'start_distributed', 'StopFlag', 'NonFiniteLoss', 'Run', 'build_run',
-           'aux_div', 'micro_step', 'build_pipeline', 'clip_grads', 'train_step', 'evaluate', 'json_record',
-           'keep_metrics_until', 'Reporter', 'train', 'greedy_sample']
+           'aux_div', 'positions_of', 'micro_step', 'build_pipeline', 'clip_grads', 'train_step', 'evaluate',
+           'json_record', 'keep_metrics_until', 'Reporter', 'train', 'greedy_sample']
 
 # %% ../../nbs/train/45_trainer.ipynb #240b8621
 import json
@@ -22,6 +22,7 @@ from ..engine.dualpipev import DualPipeV, split_model
 from ..engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_grads, is_expert_param, shard_experts
 from ..engine.mesh import Mesh, build_mesh, init_distributed, launch_env
 from ..models.protocol import LocalDispatcher, head_loss, run_layers
+from ..ops.attention import doc_positions
 from . import checkpoint
 from .config import Config, ConfigError, UserError, dump_toml, read_toml, to_dict
 from .data import build_dataset, load_tokenizer
@@ -116,6 +117,7 @@ class Run:
     pipe: DualPipeV | None         # the DualPipeV schedule at pp > 1 or with parallel.overlap
     sizes: dict                    # the whole model's parameters, active matmul parameters, FLOPs/token, MoE layers
     val: object = None             # the held-out windows (data.val_frac), or None
+    eos: int | None = None         # with data.document_mask, the end-of-document token: positions restart after it
     start: int = 0                 # the step this run resumed from
     resumed_from: Path | None = None   # the checkpoint it resumed from
 
@@ -198,7 +200,7 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     run = Run(cfg, device, mesh, started, model, master, optimizer,
               [p for n, p in named if not (sharded and is_expert_param(n))],
               [p for n, p in named if sharded and is_expert_param(n)], data, lb, _dispatcher(cfg, mesh, device),
-              None, sizes, val)
+              None, sizes, val, load_tokenizer(cfg.data.tokenizer).eos_id if cfg.data.document_mask else None)
     if parts is not None:
         run.pipe = build_pipeline(run, parts)
     last = checkpoint.latest(run.run_dir) if cfg.ckpt.resume else None
@@ -214,13 +216,22 @@ def aux_div(run: Run) -> int:
     return run.cfg.num_micro_batches * run.mesh.batch.size()
 
 
-def micro_step(run: Run, input_ids, labels, n_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+def positions_of(run: Run, ids: torch.Tensor) -> torch.Tensor:
+    """RoPE positions of a micro-batch: (S,) 0..S-1, or with `data.document_mask` (B, S) positions that restart
+    after each end-of-document token (the models then attend within documents, ops/14 `documents`)."""
+    if run.eos is None:
+        return torch.arange(ids.shape[1], device=ids.device)
+    ends = (ids == run.eos).to(torch.int32)
+    return doc_positions(ends.cumsum(1) - ends)   # an end token belongs to the document it ends
+
+
+def micro_step(run: Run, input_ids, labels, n_tokens, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one micro-batch, one after the other; returns the summed token loss and the
     load-balance loss as it entered the objective (both detached; a deferred `LoadBalance` gives its values at
-    `settle`)."""
+    `settle`). `positions`: default `positions_of(run, input_ids)`."""
     model = run.model
-    h, routings = run_layers(model.model.layers.values(), model.prolog(input_ids),
-                             torch.arange(input_ids.shape[1], device=input_ids.device), run.dispatcher)
+    positions = positions_of(run, input_ids) if positions is None else positions
+    h, routings = run_layers(model.model.layers.values(), model.prolog(input_ids), positions, run.dispatcher)
     ce = head_loss(model, h, labels)
     moe = [(key, r) for key, r in zip(model.model.layers.keys(), routings) if r is not None]
     aux = sum(run.lb.loss(key, r.probs, r.ids) for key, r in moe) / (max(len(moe), 1) * aux_div(run))
@@ -255,13 +266,13 @@ def _forward_backward(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, 
     run.lb.start_step()
     batches = [run.data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro)]
     n_tokens = _sum(sum(count_tokens(y) for _, y in batches).to(dev, torch.float32), run.mesh.dense)
-    batches = [(x.to(dev), y.to(dev)) for x, y in batches]
+    batches = [(x, y, positions_of(run, x)) for x, y in ((x.to(dev), y.to(dev)) for x, y in batches)]
     if run.pipe is not None:  # sums of this rank's stages: the token loss on pipeline rank 0 only
         ce_sum, aux_sum = run.pipe.step(batches, 1 / n_tokens)
     else:
         ce_sum = aux_sum = torch.zeros((), device=dev, dtype=torch.float64)
-        for x, y in batches:
-            ce, aux = micro_step(run, x, y, n_tokens)
+        for x, y, positions in batches:
+            ce, aux = micro_step(run, x, y, n_tokens, positions)
             ce_sum, aux_sum = ce_sum + ce.double(), aux_sum + aux.double().to(dev)
     settled = run.lb.settle().to(aux_sum) / (max(run.sizes["moe_layers"], 1) * aux_div(run))  # the deferred terms
     return ce_sum, aux_sum + settled, n_tokens
@@ -303,8 +314,7 @@ def evaluate(run: Run) -> float | None:
     sums = torch.zeros(2, dtype=torch.float64, device=run.device)
     for m in range(n_micro):
         x, y = (b.to(run.device) for b in run.val.batch(0, m, t.micro_batch, n_micro))
-        h, _ = run_layers(model.model.layers.values(), model.prolog(x), torch.arange(x.shape[1], device=x.device),
-                          run.dispatcher)
+        h, _ = run_layers(model.model.layers.values(), model.prolog(x), positions_of(run, x), run.dispatcher)
         sums += torch.stack([head_loss(model, h, y).detach().double(), count_tokens(y).double()])
     _sum(sums, run.mesh.dense)
     return (sums[0] / sums[1]).item()
@@ -481,7 +491,8 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
 
 def _opening(run: Run, end: int) -> str:
     cfg, sz = run.cfg, run.sizes
-    where = f"resumed from step {run.start} ({run.resumed_from})" if run.start else "from scratch"
+    where = (f"resumed from step {run.start} ({run.resumed_from})" if run.start else
+             f"from the weights of {run.resumed_from}" if run.resumed_from else "from scratch")
     pipe = f", DualPipeV over {run.mesh.pp.size()} pipeline rank(s)" if run.pipe else ""
     val = "" if run.val is not None and run.mesh.pp.size() == 1 else (
         ", no validation loss (pp > 1 splits the layers)" if run.val is not None else ", no held-out data")

@@ -6,16 +6,24 @@
 # 3. the Hugging Face round trip in tests/test_hf.py, the cases whose id starts with MODEL_TYPE
 # 4. two training steps of the family's default (tiny) config through python -m pith_lit.train
 set -uo pipefail
-cd "$(git rev-parse --show-toplevel)"
+cd "$(dirname "$0")/../.."
 fail() { echo "$1"; echo FAIL; exit 1; }
+# The project's interpreter, so that a fresh shell needs no `source .venv/bin/activate`: the Quickstart's
+# .venv/bin/python when it exists, else python3 on PATH; its console scripts (nbdev_test, jupytext, ...) beside it.
+if [ -x .venv/bin/python ]; then py=$PWD/.venv/bin/python; else py=$(command -v python3 || command -v python || true); fi
+[ -n "$py" ] || fail "no python3 on PATH and no .venv: run the README's Quickstart"
+bin=$(dirname "$py")
+export PATH="$bin:$PATH"
+need() {  # need MODULES: each imports with $py, or FAIL naming the first that does not
+  local err; err=$("$py" -c "import $1" 2>&1) ||
+    fail "$(tail -1 <<<"$err") (with $py): run the README's Quickstart, or pip install -e \".[dev]\" there"
+}
 [ $# -eq 1 ] || fail "usage: bash skills/add-new-model/check.sh MODEL_TYPE (e.g. qwen3_moe)"
 type=$1
-bin=$(dirname "$(command -v python)")
-python -c "import pith_lit, pytest, transformers, nbdev" 2>/dev/null ||
-  fail 'pith_lit, pytest, transformers or nbdev missing: pip install -e ".[dev]"'
-python scripts/sync_check.py >/dev/null ||
+need "torch, pith_lit, pytest, transformers, nbdev"
+"$py" scripts/sync_check.py >/dev/null ||
   fail "notebooks and package disagree: python scripts/sync_check.py says what to run"
-python - "$type" <<'PY' || fail "$type is not wired into the package (see the message above and SKILL.md steps 3-5)"
+"$py" - "$type" <<'PY' || fail "$type is not wired into the package (see the message above and SKILL.md steps 3-5)"
 import sys
 from pith_lit.train.config import MODEL_TYPES, model_class
 from pith_lit.train.hf import SUPPORTED
@@ -44,10 +52,10 @@ step() {  # step NAME COMMAND...: run it, keep its output in $out/NAME.log, prin
   fi
 }
 step notebook "$bin/nbdev_test" --path "${nbs[0]}"
-step tests python -m pytest -q "tests/test_$type.py"
-step hf-parity python -m pytest -q tests/test_hf.py -k "test_matches_transformers and $type"  # exit 5: no case
+step tests "$py" -m pytest -q "tests/test_$type.py"
+step hf-parity "$py" -m pytest -q tests/test_hf.py -k "test_matches_transformers and $type"  # exit 5: no case
 rm -rf "$runs/run-$type"
-step train python -m pith_lit.train --set model.model_type="$type" --set run.dir="$runs/run-$type" --set train.steps=2 \
+step train "$py" -m pith_lit.train --set model.model_type="$type" --set run.dir="$runs/run-$type" --set train.steps=2 \
   --set train.warmup=0 --set train.global_batch=2 --set train.micro_batch=2 --set train.seq_len=32 \
   --set log.tensorboard=false --set log.sample_tokens=0 --set ckpt.every=0
 [ $ok -eq 1 ] && { echo PASS; exit 0; }

@@ -2,8 +2,18 @@
 # Records one training step with torch.profiler and runs the communication report on it; prints PASS or FAIL.
 #   bash skills/profile-step/check.sh [--gpu] [--gpus 2]
 set -uo pipefail
-cd "$(git rev-parse --show-toplevel)"
+cd "$(dirname "$0")/../.."
 fail() { echo "$1"; echo FAIL; exit 1; }
+# The project's interpreter, so that a fresh shell needs no `source .venv/bin/activate`: the Quickstart's
+# .venv/bin/python when it exists, else python3 on PATH; its console scripts (nbdev_test, jupytext, ...) beside it.
+if [ -x .venv/bin/python ]; then py=$PWD/.venv/bin/python; else py=$(command -v python3 || command -v python || true); fi
+[ -n "$py" ] || fail "no python3 on PATH and no .venv: run the README's Quickstart"
+bin=$(dirname "$py")
+export PATH="$bin:$PATH"
+need() {  # need MODULES: each imports with $py, or FAIL naming the first that does not
+  local err; err=$("$py" -c "import $1" 2>&1) ||
+    fail "$(tail -1 <<<"$err") (with $py): run the README's Quickstart, or pip install -e \".[dev]\" there"
+}
 gpu=0; gpus=1
 while [ $# -gt 0 ]; do
   case $1 in
@@ -13,28 +23,28 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-python -c "import pith_lit" 2>/dev/null || fail 'pith_lit missing: pip install -e ".[dev]"'
+need "torch, pith_lit"
 out=$PWD/out/profile-step
 rm -rf "$out" && mkdir -p "$out"
 args=(--set run.dir="$out/run" --set train.steps=3 --set train.warmup=1 --set log.profile_step=2
       --set log.tensorboard=false --set log.sample_tokens=0 --set ckpt.every=-1)
-launch=(python -m pith_lit.train)
+launch=("$py" -m pith_lit.train)
 if [ $gpu = 1 ]; then
-  python -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= $gpus else 1)" ||
+  "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= $gpus else 1)" ||
     fail "--gpu asked for $gpus CUDA device(s), but fewer are visible"
   args=(configs/bench-qwen3-30b-a3b.toml "${args[@]}" --set model.num_hidden_layers=2)
   if [ "$gpus" -gt 1 ]; then
-    launch=(python -m torch.distributed.run --nproc-per-node "$gpus" -m pith_lit.train)
+    launch=("$py" -m torch.distributed.run --nproc-per-node "$gpus" -m pith_lit.train)
     args+=(--set parallel.ep="$gpus" --set parallel.overlap=true --set train.global_batch=$((4 * gpus)))
   fi
 fi
 "${launch[@]}" "${args[@]}" > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; fail "training failed"; }
 traces=("$out"/run/trace-rank*.json)
 [ -f "${traces[0]}" ] || fail "no trace written to $out/run (log.profile_step did not record)"
-python -m pith_lit.engine.overlap "${traces[@]}" --top 10 > "$out/report.txt" 2>&1 ||
+"$py" -m pith_lit.engine.overlap "${traces[@]}" --top 10 > "$out/report.txt" 2>&1 ||
   { cat "$out/report.txt"; fail "the report failed"; }
 cat "$out/report.txt"
-python - "$gpu" "${traces[@]}" <<'PY' || fail "the trace or the report is missing what a step does (above)"
+"$py" - "$gpu" "${traces[@]}" <<'PY' || fail "the trace or the report is missing what a step does (above)"
 import json, sys
 from pith_lit.engine.overlap import overlap_report
 gpu, paths = sys.argv[1] == "1", sys.argv[2:]

@@ -2,22 +2,32 @@
 # Runs nbs/validate/v01_training through papermill; prints PASS or FAIL last and exits 0 or 1.
 #   bash skills/validate-correctness/check.sh [--gpu]
 set -uo pipefail
-cd "$(git rev-parse --show-toplevel)"
+cd "$(dirname "$0")/../.."
 fail() { echo "$1"; echo FAIL; exit 1; }
-python -c "import pith_lit, jupytext, papermill" 2>/dev/null || fail 'pith_lit, jupytext or papermill missing: pip install -e ".[dev]"'
-python scripts/sync_check.py >/dev/null || fail "notebooks and package disagree: python scripts/sync_check.py says what to run"
+# The project's interpreter, so that a fresh shell needs no `source .venv/bin/activate`: the Quickstart's
+# .venv/bin/python when it exists, else python3 on PATH; its console scripts (nbdev_test, jupytext, ...) beside it.
+if [ -x .venv/bin/python ]; then py=$PWD/.venv/bin/python; else py=$(command -v python3 || command -v python || true); fi
+[ -n "$py" ] || fail "no python3 on PATH and no .venv: run the README's Quickstart"
+bin=$(dirname "$py")
+export PATH="$bin:$PATH"
+need() {  # need MODULES: each imports with $py, or FAIL naming the first that does not
+  local err; err=$("$py" -c "import $1" 2>&1) ||
+    fail "$(tail -1 <<<"$err") (with $py): run the README's Quickstart, or pip install -e \".[dev]\" there"
+}
+need "torch, pith_lit, jupytext, papermill"
+"$py" scripts/sync_check.py >/dev/null || fail "notebooks and package disagree: python scripts/sync_check.py says what to run"
 params=()
 if [ "${1:-}" = "--gpu" ]; then
-  python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || fail "--gpu asked for, but no CUDA device is visible"
+  "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || fail "--gpu asked for, but no CUDA device is visible"
   # the bench width (hidden 2048, 128 experts, vocab 151936, sequence 4096) with 2 layers, so the two runs'
   # checkpoints (about 11 GB each) fit the disk; checkpoints on, since the resume check needs one
-  params=(-p config ../../configs/bench-qwen3-30b-a3b.toml -p steps 30 -p min_drop 1.0 -p resume_rtol 0.01
+  params=(-p config configs/bench-qwen3-30b-a3b.toml -p steps 30 -p min_drop 1.0 -p resume_rtol 0.01
           -p max_balance 16.0 -y 'overrides: ["model.num_hidden_layers=2", "train.warmup=5", "ckpt.every=0", "ckpt.keep=1"]')
 fi
 out=$PWD/out/validate
 mkdir -p "$out"
-jupytext --to ipynb nbs/validate/v01_training.py -o - 2>/dev/null |
-  papermill - "$out/v01.out.ipynb" --cwd nbs/validate -p out_dir "$out" "${params[@]}" --no-progress-bar --log-output \
+"$bin/jupytext" --to ipynb nbs/validate/v01_training.py -o - 2>/dev/null |
+  "$bin/papermill" - "$out/v01.out.ipynb" -p out_dir "$out" "${params[@]}" --no-progress-bar --log-output \
   > "$out/v01.log" 2>&1
 rc=$?
 grep -E '^(ok|FAIL) ' "$out/v01.log" | sed 's/^.*papermill.*- //' || true
