@@ -3,17 +3,7 @@
 #   bash skills/profile-step/check.sh [--gpu] [--gpus 2]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-fail() { echo "$1"; echo FAIL; exit 1; }
-# The project's interpreter, so that a fresh shell needs no `source .venv/bin/activate`: the Quickstart's
-# .venv/bin/python when it exists, else python3 on PATH; its console scripts (nbdev_test, jupytext, ...) beside it.
-if [ -x .venv/bin/python ]; then py=$PWD/.venv/bin/python; else py=$(command -v python3 || command -v python || true); fi
-[ -n "$py" ] || fail "no python3 on PATH and no .venv: run the README's Quickstart"
-bin=$(dirname "$py")
-export PATH="$bin:$PATH"
-need() {  # need MODULES: each imports with $py, or FAIL naming the first that does not
-  local err; err=$("$py" -c "import $1" 2>&1) ||
-    fail "$(tail -1 <<<"$err") (with $py): run the README's Quickstart, or pip install -e \".[dev]\" there"
-}
+. skills/common.sh   # fail, $py (the project's interpreter), need
 gpu=0; gpus=1
 while [ $# -gt 0 ]; do
   case $1 in
