@@ -581,7 +581,7 @@ class DualPipeV:
             dist.barrier(group=group)
 
     def step(self, micro_batches: list, loss_scale=1.0) -> tuple[Tensor, Tensor]:
-        shapes = {tuple(ids.shape) for ids, _ in micro_batches}
+        shapes = {tuple(batch[0].shape) for batch in micro_batches}
         if len(shapes) != 1:
             raise ValueError(f"every micro-batch of a step needs the same (batch, seq) shape, because pipeline "
                              f"receive buffers are allocated from it; got {sorted(shapes)}")

@@ -806,8 +806,9 @@ try:
     raise AssertionError("a wider model was loaded")
 except ValueError as e:
     msg = str(e)
-assert "config" not in msg.split("\n")[1] and "parameter 3.weight: checkpoint shape [1, 16], this run [1, 32]" in msg
-msg.split("\n")[1:3]
+problems = msg.split("does not match this run: ", 1)[1].split("; ")
+assert "config" not in problems[0] and "parameter 3.weight: checkpoint shape [1, 16], this run [1, 32]" in msg
+problems[:2]
 
 # %% [markdown]
 # ## Weights-only checkpoints
