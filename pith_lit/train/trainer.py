@@ -185,6 +185,7 @@ def build_run(cfg: Config) -> Run:
 
 
 def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
+    "`build_run` once the process group is up: model, optimizer, data, dispatcher, pipeline, resume."
     model, parts, sizes = _place_model(cfg, mesh, device)
     t = cfg.train
     master = MasterWeights(model) if cfg.torch_dtype != torch.float32 and t.optim_dtype == "float32" else None
@@ -193,8 +194,8 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     sharded = mesh.ep.size() > 1
     named = list(stepped.named_parameters())
     data, val = build_dataset(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.run.dir) / "cache", t.seq_len,
-                            cfg.run.seed, mesh.batch.rank(), mesh.batch.size(), cfg.model.vocab_size,
-                            cfg.data.val_frac)
+                              cfg.run.seed, mesh.batch.rank(), mesh.batch.size(), cfg.model.vocab_size,
+                              cfg.data.val_frac)
     # deferred: the forward does not wait for the global counts (train/42); their values are settled per step
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=mesh.dense, deferred=True)
     run = Run(cfg, device, mesh, started, model, master, optimizer,
