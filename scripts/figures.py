@@ -22,13 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "figures"
 DPI = 90
 
-# (notebook, the working directory of its kernel, [(the PNG it writes or None for its inline output, name, its dpi)])
+# (notebook, [(the PNG it writes or None for its inline output, name, its dpi)]); kernels run at the repository root
 # (the inline backend draws at 100 dpi)
 NOTEBOOKS = [
-    ("nbs/index.py", "nbs", [(None, "tour_loss.png", 100)]),     # reads ../configs/tiny.toml from nbs/
-    ("nbs/validate/v01_training.py", ".", [("v01_training.png", "v01_training.png", 110)]),
-    ("nbs/validate/v02_pipeline.py", ".", [("v02_pipeline.png", "v02_pipeline.png", 110)]),
-    ("nbs/validate/v03_ep.py", ".", [("v03_ep.png", "v03_ep.png", 100)]),
+    ("nbs/index.py", [(None, "tour_loss.png", 100)]),
+    ("nbs/validate/v01_training.py", [("v01_training.png", "v01_training.png", 110)]),
+    ("nbs/validate/v02_pipeline.py", [("v02_pipeline.png", "v02_pipeline.png", 110)]),
+    ("nbs/validate/v03_ep.py", [("v03_ep.png", "v03_ep.png", 100)]),
 ]
 
 
@@ -38,11 +38,11 @@ def tool(name: str) -> str:
     return str(beside) if beside.exists() else name
 
 
-def run(nb: str, cwd: str, tmp: Path) -> Path:
+def run(nb: str, tmp: Path) -> Path:
     executed = tmp / (Path(nb).stem + ".out.ipynb")
     notebook = subprocess.run([tool("jupytext"), "--to", "ipynb", str(ROOT / nb), "-o", "-"], check=True,
                               capture_output=True).stdout
-    proc = subprocess.run([tool("papermill"), "-", str(executed), "--cwd", str(ROOT / cwd), "-p", "out_dir", str(tmp),
+    proc = subprocess.run([tool("papermill"), "-", str(executed), "--cwd", str(ROOT), "-p", "out_dir", str(tmp),
                            "--no-progress-bar"], input=notebook, capture_output=True)
     if proc.returncode != 0:
         sys.exit(f"{nb} failed:\n{proc.stderr.decode()[-4000:]}")
@@ -69,10 +69,10 @@ def save(png: bytes, dpi: int, dest: Path) -> None:
 
 def main() -> None:
     FIGURES.mkdir(exist_ok=True)
-    for nb, cwd, figures in NOTEBOOKS:
+    for nb, figures in NOTEBOOKS:
         with tempfile.TemporaryDirectory() as tmp:
             print(f"running {nb}", flush=True)
-            executed = run(nb, cwd, Path(tmp))
+            executed = run(nb, Path(tmp))
             for written, name, dpi in figures:
                 png = inline_png(executed) if written is None else (Path(tmp) / written).read_bytes()
                 save(png, dpi, FIGURES / name)
