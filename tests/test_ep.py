@@ -151,7 +151,7 @@ def fake_world():
 
 
 def test_errors(fake_world):
-    with pytest.raises(ValueError, match=r"pp × dp × cp × ep = 1 × 2 × 1 × 1 = 2, but 4 processes were launched"):
+    with pytest.raises(ValueError, match=r"pp × dp_replicate × dp × cp × ep = 1 × 1 × 2 × 1 × 1 = 2, but 4 processes were launched"):
         build_mesh(1, 2, 1, 1, "cpu", 60)
     mesh = build_mesh(1, 1, 1, 4, "cpu", 60)
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by the expert-parallel size 4"):

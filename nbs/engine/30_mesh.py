@@ -29,6 +29,7 @@
 
 # %%
 #| export
+import math
 import os
 import re
 import sys
@@ -132,45 +133,56 @@ def init_distributed(timeout_s: float, device_type: str) -> tuple[int, int, torc
 # %% [markdown]
 # ## The mesh
 #
-# The processes form a grid of shape (pp, dp, cp, ep), **ep innermost**: the ranks of one expert-parallel
-# group are consecutive, so on a node of 8 GPUs an ep group of up to 8 stays inside the node, on NVLink, where
-# the all-to-alls of every MoE layer are cheap. Rank r sits at grid position `r = ((p·dp + d)·cp + c)·ep + e`.
+# The processes form a grid of shape (pp, dp_replicate, dp, cp, ep), **ep innermost**: the ranks of one
+# expert-parallel group are consecutive, so on a node of 8 GPUs an ep group of up to 8 stays inside the node, on
+# NVLink, where the all-to-alls of every MoE layer are cheap. Rank r sits at grid position
+# `r = (((p·R + q)·dp + d)·cp + c)·ep + e` with R = dp_replicate.
 #
-# Besides one group per axis the trainer needs three products, each for a reason:
+# Data parallelism has two axes. `dp` ranks **shard** the parameters, gradients and optimizer states among
+# themselves (FSDP2, engine/36); `dp_replicate` groups of them hold the same shards (HSDP: replicate across
+# groups, shard within), which keeps the all-gathers inside a group when the groups are nodes. Besides one group
+# per axis the trainer needs three products, each for a reason:
 #
-# - `batch` = dp × ep: the ranks that read **different data**. An expert-parallel rank runs the whole
-#   non-expert model on its own tokens (only the experts are divided), so ep ranks are data-parallel for
-#   everything but the experts. Data is sharded over `batch.rank()` of `batch.size()`. (cp ranks share a
-#   batch and split each sequence.)
-# - `dense` = dp × cp × ep: the ranks that hold the **same non-expert weights** and saw different tokens.
-#   Gradients of non-expert parameters are summed over it, and so are token counts, the loss, and the
+# - `batch` = dp_replicate × dp × ep: the ranks that read **different data**. An expert-parallel rank runs the
+#   whole non-expert model on its own tokens (only the experts are divided), so ep ranks are data-parallel for
+#   everything but the experts. Data is sharded over `batch.rank()` of `batch.size()`. (cp ranks share a batch
+#   and split each sequence.)
+# - `dense` = dp_replicate × dp × cp × ep: the ranks that hold the **same non-expert weights** and saw different
+#   tokens. Gradients of non-expert parameters are summed over it, and so are token counts, the loss, and the
 #   load-balance statistics.
-# - `expert` = dp × cp: the ranks that hold the **same experts**. Expert gradients are summed over it only:
-#   the tokens of the other ep ranks already reached this rank's experts through the all-to-all, so their
-#   contribution is in the local gradient.
+# - `expert` = dp_replicate × dp × cp: the ranks that hold the **same experts**. Expert gradients are summed over
+#   it only: the tokens of the other ep ranks already reached this rank's experts through the all-to-all, so
+#   their contribution is in the local gradient.
 #
-# With cp = 1, `dense` is dp × ep and `expert` is dp. The products come from `DeviceMesh._flatten`, which is
-# what TorchTitan uses (a private name, but the one way to get a group over several mesh dimensions that
-# DeviceMesh knows about). Groups made by `DeviceMesh` do not inherit the default group's timeout, so each gets
-# the configured one explicitly through its backend options.
-
+# FSDP2 takes device meshes rather than groups: `dense_mesh` shards non-expert parameters over dp × cp × ep
+# (with a leading dp_replicate dimension for HSDP), `expert_mesh` shards experts over dp × cp (the same), and
+# `ep_mesh` is the axis along which the experts themselves are divided.
+#
+# The products come from `DeviceMesh._flatten`, which is what TorchTitan uses (a private name, but the one way to
+# get a group over several mesh dimensions that DeviceMesh knows about). Groups made by `DeviceMesh` do not
+# inherit the default group's timeout, so each gets the configured one explicitly through its backend options.
 # %%
 #| export
 @dataclass
 class Mesh:
-    "The process groups of one rank: one per mesh axis, and the products dp×ep, dp×cp×ep, dp×cp."
+    "The process groups of one rank (one per mesh axis and the products batch, dense, expert) and FSDP's meshes."
     device_mesh: DeviceMesh
     pp: dist.ProcessGroup
-    dp: dist.ProcessGroup
+    replicate: dist.ProcessGroup    # dp_replicate: HSDP groups that hold the same shards
+    dp: dist.ProcessGroup           # the ranks that shard parameters among themselves
     cp: dist.ProcessGroup
     ep: dist.ProcessGroup
-    batch: dist.ProcessGroup    # dp × ep: ranks that read different data
-    dense: dist.ProcessGroup    # dp × cp × ep: same non-expert weights; sum their gradients here
-    expert: dist.ProcessGroup   # dp × cp: same experts; sum expert gradients here
+    batch: dist.ProcessGroup    # dp_replicate × dp × ep: ranks that read different data
+    dense: dist.ProcessGroup    # dp_replicate × dp × cp × ep: same non-expert weights; sum their gradients here
+    expert: dist.ProcessGroup   # dp_replicate × dp × cp: same experts; sum expert gradients here
+    dense_mesh: DeviceMesh = None   # FSDP: non-expert parameters, sharded over dp × cp × ep
+    expert_mesh: DeviceMesh = None  # FSDP: experts, sharded over dp × cp
+    ep_mesh: DeviceMesh = None      # the experts' own division
 
     def ranks(self) -> dict[str, list[int]]:
         "Global ranks of each group this rank belongs to (for logs and checks)."
-        return {f.name: dist.get_process_group_ranks(getattr(self, f.name)) for f in fields(self)[1:]}
+        return {f.name: dist.get_process_group_ranks(getattr(self, f.name)) for f in fields(self)[1:]
+                if isinstance(getattr(self, f.name), dist.ProcessGroup)}
 
 
 def _backend_options(timeout: timedelta):
@@ -186,39 +198,46 @@ def _backend_options(timeout: timedelta):
     return dist.get_backend(), opts
 
 
-def build_mesh(pp: int, dp: int, cp: int, ep: int, device_type: str, timeout_s: float) -> Mesh:
-    "The (pp, dp, cp, ep) mesh over all processes of the default group; every rank must call it."
-    world, sizes = dist.get_world_size(), (pp, dp, cp, ep)
-    if min(sizes) < 1 or pp * dp * cp * ep != world:
-        raise ValueError(f"parallel.pp × dp × cp × ep = {pp} × {dp} × {cp} × {ep} = {pp * dp * cp * ep}, but "
-                         f"{world} processes were launched; make the product equal the number of processes "
-                         "(or launch that many)")
-    timeout, names = timedelta(seconds=timeout_s), ("pp", "dp", "cp", "ep")
+def build_mesh(pp: int, dp: int, cp: int, ep: int, device_type: str, timeout_s: float,
+               dp_replicate: int = 1) -> Mesh:
+    "The (pp, dp_replicate, dp, cp, ep) mesh over all processes of the default group; every rank must call it."
+    world, sizes = dist.get_world_size(), (pp, dp_replicate, dp, cp, ep)
+    if min(sizes) < 1 or math.prod(sizes) != world:
+        raise ValueError(f"parallel.pp × dp_replicate × dp × cp × ep = {' × '.join(map(str, sizes))} = "
+                         f"{math.prod(sizes)}, but {world} processes were launched; make the product equal the "
+                         "number of processes (or launch that many)")
+    timeout, names = timedelta(seconds=timeout_s), ("pp", "dp_replicate", "dp", "cp", "ep")
     opts = _backend_options(timeout)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names,
                             backend_override=None if opts is None else {n: opts for n in names})
 
-    def product(*dims):
-        return mesh[dims]._flatten("_".join(dims), backend_override=_backend_options(timeout)).get_group()
+    def flat(*dims):
+        return mesh[dims]._flatten("_".join(dims), backend_override=_backend_options(timeout))
 
-    return Mesh(mesh, *(mesh.get_group(n) for n in names), product("dp", "ep"), product("dp", "cp", "ep"),
-                product("dp", "cp"))
+    groups = [mesh.get_group(n) for n in names]
+    products = [flat(*d).get_group() for d in (("dp_replicate", "dp", "ep"), ("dp_replicate", "dp", "cp", "ep"),
+                                                ("dp_replicate", "dp", "cp"))]
+    shard_dense, shard_expert = flat("dp", "cp", "ep"), flat("dp", "cp")
+    if dp_replicate > 1:    # HSDP: (replicate, shard) meshes
+        shard_dense, shard_expert = mesh["dp_replicate", "dp_cp_ep"], mesh["dp_replicate", "dp_cp"]
+    return Mesh(mesh, *groups, *products, shard_dense, shard_expert, mesh["ep"])
 
 # %% [markdown]
 # ### Check: the groups of every rank
 #
 # torch's test backend `fake` lets one process play any rank of any world size without talking to anyone, so
-# we can build the mesh as each of the 16 ranks of a (pp=2, dp=2, cp=2, ep=2) grid in turn and compare its
-# groups with the grid position formula above, worked out independently: the ranks of a group are those that
-# agree with this rank on every coordinate outside the group's axes.
+# we can build the mesh as each of the 32 ranks of a grid with every axis 2 in turn and compare its groups with
+# the grid position formula above, worked out independently: the ranks of a group are those that agree with
+# this rank on every coordinate outside the group's axes.
 
 # %%
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-sizes = dict(pp=2, dp=2, cp=2, ep=2)
-grid = torch.arange(16).view(*sizes.values())            # grid[p, d, c, e] = global rank
-axes = dict(pp=("pp",), dp=("dp",), cp=("cp",), ep=("ep",), batch=("dp", "ep"), dense=("dp", "cp", "ep"),
-            expert=("dp", "cp"))
+sizes = dict(pp=2, dp_replicate=2, dp=2, cp=2, ep=2)
+grid = torch.arange(32).view(*sizes.values())            # grid[p, q, d, c, e] = global rank
+axes = dict(pp=("pp",), replicate=("dp_replicate",), dp=("dp",), cp=("cp",), ep=("ep",),
+            batch=("dp_replicate", "dp", "ep"), dense=("dp_replicate", "dp", "cp", "ep"),
+            expert=("dp_replicate", "dp", "cp"))
 
 def expected(rank, group_axes):
     coord = [int(i) for i in (grid == rank).nonzero()[0]]
@@ -226,18 +245,21 @@ def expected(rank, group_axes):
     return sorted(int(r) for r in grid.flatten()
                   if all(c == int(x) for c, x, k in zip(coord, (grid == r).nonzero()[0], keep) if k))
 
-for rank in range(16):
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=16)
+for rank in range(32):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=32)
     mesh = build_mesh(**sizes, device_type="cpu", timeout_s=60)
     got = mesh.ranks()
+    fsdp = {"dense_mesh": mesh.dense_mesh.mesh.flatten().tolist(), "expert_mesh": mesh.expert_mesh.mesh.flatten().tolist()}
     dist.destroy_process_group()
     assert got == {name: expected(rank, a) for name, a in axes.items()}, (rank, got)
-got   # the groups of rank 15
+    assert fsdp == {"dense_mesh": got["dense"], "expert_mesh": got["expert"]}, (rank, fsdp)
+got   # the groups of rank 31
 
 # %% [markdown]
-# Rank 15, at grid position (1, 1, 1, 1), shares its experts' work with rank 14, reads different data from
-# ranks 10, 11 and 14 (its batch group: pipeline stage 1, cp coordinate 1), sums non-expert gradients over the
-# 8 ranks of stage 1 and expert gradients over the 4 of them that hold the same experts (ep coordinate 1).
+# Rank 31, at grid position (1, 1, 1, 1, 1), shares its experts' work with rank 30, reads different data from
+# the ranks of its batch group (pipeline stage 1, cp coordinate 1), sums non-expert gradients over the 16 ranks
+# of stage 1 and expert gradients over the 8 of them that hold the same experts (ep coordinate 1). FSDP's meshes
+# span exactly the `dense` and `expert` groups.
 #
 # A size mismatch fails before any group is made:
 

@@ -44,7 +44,7 @@
 # | outputs back | `combine` | communication | one row per (token, rank) to the home rank, which adds them up |
 #
 # Around the dispatchers: `shard_experts` and `is_expert_param` (which parameters live where) and
-# `all_reduce_grads` (the gradient rule). The checks with several processes against one are in engine/35.
+# `all_reduce_grads` (the gradient rule). The checks with several processes against one are in engine/39.
 
 # %%
 #| default_exp engine.ep
@@ -107,7 +107,7 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
     return _AllToAll.apply(x, list(send), list(recv), group)
 
 # %% [markdown]
-# The checks in this notebook run in a one-rank gloo group; the multi-rank checks are in engine/35.
+# The checks in this notebook run in a one-rank gloo group; the multi-rank checks are in engine/39.
 
 # %%
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -454,7 +454,7 @@ except ValueError as err:
 # %% [markdown]
 # ## 5. Several processes
 #
-# engine/35 runs these dispatchers on several processes against one: every skewed routing, both dispatchers,
+# engine/39 runs these dispatchers on several processes against one: every skewed routing, both dispatchers,
 # float32 and float64, with dp and ep; and measures the bytes deduplication saves at Qwen3-30B-A3B's shape.
 
 # %%

@@ -31,7 +31,7 @@
 # This notebook builds the schedule as plain data, checks it by simulating all ranks (every message matched,
 # no deadlock, the ideal bubble), then runs it: `split_model` keeps a rank's two stages, and `DualPipeV.step`
 # executes one optimizer step's micro-batches and records a timeline. The checks compare against one process
-# running the whole model with plain autograd; engine/35 repeats them with several processes.
+# running the whole model with plain autograd; engine/39 repeats them with several processes.
 
 # %%
 #| default_exp engine.dualpipev
@@ -81,8 +81,9 @@ class StagePart:
     model: torch.nn.Module          # what is left of the model on this rank
 
     def dtype(self) -> torch.dtype:
-        "dtype of the hidden states: that of the rank's parameters (what receive buffers are allocated in)."
-        return next(self.model.parameters()).dtype
+        """dtype of the hidden states (what receive buffers are allocated in): the compute dtype FSDP gathers the
+        weights in (engine/36 records it), else that of the rank's parameters."""
+        return getattr(self.model, "compute_dtype", None) or next(self.model.parameters()).dtype
 
 
 def split_model(model, pp_rank: int, pp_size: int, sizes: list[int] | None = None) -> tuple[StagePart, StagePart]:
@@ -101,7 +102,8 @@ def split_model(model, pp_rank: int, pp_size: int, sizes: list[int] | None = Non
     if pp_rank != 0:
         del model.model.embed_tokens, model.model.norm, model.lm_head
     return tuple(StagePart(s, {keys[i]: model.model.layers[keys[i]] for i in stages[s]},
-                           model.prolog if s == 0 else None, s == 2 * pp_size - 1, model.config.hidden_size, model)
+                           (lambda ids: model.prolog(ids)) if s == 0 else None,   # late-bound: FSDP may wrap it
+                           s == 2 * pp_size - 1, model.config.hidden_size, model)
                  for s in mine)
 
 # %% [markdown]
@@ -670,7 +672,7 @@ class DualPipeV:
 # two stages; the loss is the protocol's `head_loss` (summed token cross-entropy), scaled by 1 / tokens, and the
 # load-balance loss is a micro-batch one (the trainer passes its `LoadBalance`). The reference runs the same
 # micro-batches one after the other through `run_layers` with one `backward()` each. Loss and gradients must agree
-# to 1e-6 / 1e-5 relative in float32. engine/35 runs the same comparison with several pipeline and expert ranks.
+# to 1e-6 / 1e-5 relative in float32. engine/39 runs the same comparison with several pipeline and expert ranks.
 
 # %%
 def tiny_model():

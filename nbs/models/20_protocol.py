@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from pith_lit.ops.permute import gather_rows, sort_by_expert, weighted_gather
 
@@ -178,6 +179,12 @@ def run_layers(layers, h: Tensor, positions: Tensor, dispatcher) -> tuple[Tensor
             h = layer.stage5(h, dispatcher.combine(dispatcher.reduce(y, routing), routing))
         routings.append(routing)
     return h, routings
+
+
+def local(w: Tensor) -> Tensor:
+    """This rank's block of a parameter: under expert parallelism with sharded data parallelism (engine/36) the
+    stacked experts are DTensors divided along the expert axis, and an expert module computes on its local block."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def head_loss(model, h: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:

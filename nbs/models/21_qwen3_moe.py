@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.swiglu import swiglu
@@ -188,8 +188,8 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(grouped_linear(x, self.gate_up_proj, counts, wgrad_queue))
-        return grouped_linear(h, self.down_proj, counts, wgrad_queue)
+        h = swiglu(grouped_linear(x, local(self.gate_up_proj), counts, wgrad_queue))
+        return grouped_linear(h, local(self.down_proj), counts, wgrad_queue)
 
 # %% [markdown]
 # ## Attention

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.grouped_linear import grouped_linear
 from pith_lit.ops.swiglu import clamped_swiglu
@@ -417,9 +417,9 @@ class Experts(nn.Module):
         (not the biases') to the pipeline schedule's W slots; it reaches the parameters through the `.mT` views."""
         experts = torch.arange(counts.numel(), device=x.device)
         one_hot = (torch.repeat_interleave(experts, counts, output_size=x.shape[0])[:, None] == experts).to(x.dtype)
-        gate_up = grouped_linear(x, self.gate_up_proj.mT, counts, wgrad_queue) + one_hot @ self.gate_up_proj_bias
+        gate_up = grouped_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue) + one_hot @ local(self.gate_up_proj_bias)
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return grouped_linear(act, self.down_proj.mT, counts, wgrad_queue) + one_hot @ self.down_proj_bias
+        return grouped_linear(act, local(self.down_proj).mT, counts, wgrad_queue) + one_hot @ local(self.down_proj_bias)
 
 # %% [markdown]
 # Check: grouped rows through `Experts` equal each expert's formula written out (`x @ W + b`, the activation on

@@ -9,7 +9,7 @@
 # %% [markdown]
 # # v02 · Pipeline validation
 #
-# Runs DualPipeV (engine/33_dualpipev, through the checks of engine/35_testing) on `nproc` processes, `nproc / ep` pipeline ranks times `ep` expert-parallel
+# Runs DualPipeV (engine/33_dualpipev, through the checks of engine/39_testing) on `nproc` processes, `nproc / ep` pipeline ranks times `ep` expert-parallel
 # ranks, and checks two things: one step per micro-batch count in `micro` gives the loss and gradients of a single
 # process running the whole model (float32 on the CPU to 1e-6 / 1e-5 relative; bf16 on GPUs, to rounding); and a
 # measured step of a wider model runs every rank's schedule, action by action. It draws the measured timeline

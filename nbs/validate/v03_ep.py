@@ -9,7 +9,7 @@
 # %% [markdown]
 # # v03 · Expert parallelism
 #
-# Launches `nproc` processes of the EP self-check (engine/35_testing: `python -m pith_lit.testing ep`) and checks
+# Launches `nproc` processes of the EP self-check (engine/39_testing: `python -m pith_lit.testing ep`) and checks
 # three things: every case (random routing, top-k wider than the experts per rank, every token to one expert,
 # every token to one rank; float32 and float64; ep = nproc, and dp = 2 × ep = nproc/2 where nproc is a multiple
 # of 4) matches the single-process run within its tolerance; the dispatcher's byte counters equal a count made
@@ -59,7 +59,7 @@ res = json.loads(proc.stdout.strip().splitlines()[-1])
 for c in res["checks"]:
     print(f"dp={c['dp']} ep={c['ep']} {c['case']:>10} {c['dtype']:>7} top-{c['top_k']} {c['dispatcher']:>9}: "
           f"max relative error {c['max_rel_err']:.2e}")
-# on CUDA the float64 cases run in float32 (no float64 grouped_mm), and float32 gets 1e-4 (engine/35 says why)
+# on CUDA the float64 cases run in float32 (no float64 grouped_mm), and float32 gets 1e-4 (engine/39 says why)
 ok_checks = len(res["checks"]) == (18 if nproc % 4 == 0 else 9) and all(
     c["max_rel_err"] <= tolerance(c["dtype"], device) for c in res["checks"])
 

@@ -30,8 +30,9 @@ class StagePart:
     model: torch.nn.Module          # what is left of the model on this rank
 
     def dtype(self) -> torch.dtype:
-        "dtype of the hidden states: that of the rank's parameters (what receive buffers are allocated in)."
-        return next(self.model.parameters()).dtype
+        """dtype of the hidden states (what receive buffers are allocated in): the compute dtype FSDP gathers the
+        weights in (engine/36 records it), else that of the rank's parameters."""
+        return getattr(self.model, "compute_dtype", None) or next(self.model.parameters()).dtype
 
 
 def split_model(model, pp_rank: int, pp_size: int, sizes: list[int] | None = None) -> tuple[StagePart, StagePart]:
@@ -50,7 +51,8 @@ def split_model(model, pp_rank: int, pp_size: int, sizes: list[int] | None = Non
     if pp_rank != 0:
         del model.model.embed_tokens, model.model.norm, model.lm_head
     return tuple(StagePart(s, {keys[i]: model.model.layers[keys[i]] for i in stages[s]},
-                           model.prolog if s == 0 else None, s == 2 * pp_size - 1, model.config.hidden_size, model)
+                           (lambda ids: model.prolog(ids)) if s == 0 else None,   # late-bound: FSDP may wrap it
+                           s == 2 * pp_size - 1, model.config.hidden_size, model)
                  for s in mine)
 
 # %% ../../nbs/engine/33_dualpipev.ipynb #f5a2bd4a

@@ -4,6 +4,7 @@
 __all__ = ['first_host', 'launch_env', 'init_distributed', 'Mesh', 'build_mesh', 'stage_layers', 'run_ranked']
 
 # %% ../../nbs/engine/30_mesh.ipynb #937d93b3
+import math
 import os
 import re
 import sys
@@ -67,19 +68,24 @@ def init_distributed(timeout_s: float, device_type: str) -> tuple[int, int, torc
 # %% ../../nbs/engine/30_mesh.ipynb #fc1de43f
 @dataclass
 class Mesh:
-    "The process groups of one rank: one per mesh axis, and the products dp×ep, dp×cp×ep, dp×cp."
+    "The process groups of one rank (one per mesh axis and the products batch, dense, expert) and FSDP's meshes."
     device_mesh: DeviceMesh
     pp: dist.ProcessGroup
-    dp: dist.ProcessGroup
+    replicate: dist.ProcessGroup    # dp_replicate: HSDP groups that hold the same shards
+    dp: dist.ProcessGroup           # the ranks that shard parameters among themselves
     cp: dist.ProcessGroup
     ep: dist.ProcessGroup
-    batch: dist.ProcessGroup    # dp × ep: ranks that read different data
-    dense: dist.ProcessGroup    # dp × cp × ep: same non-expert weights; sum their gradients here
-    expert: dist.ProcessGroup   # dp × cp: same experts; sum expert gradients here
+    batch: dist.ProcessGroup    # dp_replicate × dp × ep: ranks that read different data
+    dense: dist.ProcessGroup    # dp_replicate × dp × cp × ep: same non-expert weights; sum their gradients here
+    expert: dist.ProcessGroup   # dp_replicate × dp × cp: same experts; sum expert gradients here
+    dense_mesh: DeviceMesh = None   # FSDP: non-expert parameters, sharded over dp × cp × ep
+    expert_mesh: DeviceMesh = None  # FSDP: experts, sharded over dp × cp
+    ep_mesh: DeviceMesh = None      # the experts' own division
 
     def ranks(self) -> dict[str, list[int]]:
         "Global ranks of each group this rank belongs to (for logs and checks)."
-        return {f.name: dist.get_process_group_ranks(getattr(self, f.name)) for f in fields(self)[1:]}
+        return {f.name: dist.get_process_group_ranks(getattr(self, f.name)) for f in fields(self)[1:]
+                if isinstance(getattr(self, f.name), dist.ProcessGroup)}
 
 
 def _backend_options(timeout: timedelta):
@@ -95,23 +101,29 @@ def _backend_options(timeout: timedelta):
     return dist.get_backend(), opts
 
 
-def build_mesh(pp: int, dp: int, cp: int, ep: int, device_type: str, timeout_s: float) -> Mesh:
-    "The (pp, dp, cp, ep) mesh over all processes of the default group; every rank must call it."
-    world, sizes = dist.get_world_size(), (pp, dp, cp, ep)
-    if min(sizes) < 1 or pp * dp * cp * ep != world:
-        raise ValueError(f"parallel.pp × dp × cp × ep = {pp} × {dp} × {cp} × {ep} = {pp * dp * cp * ep}, but "
-                         f"{world} processes were launched; make the product equal the number of processes "
-                         "(or launch that many)")
-    timeout, names = timedelta(seconds=timeout_s), ("pp", "dp", "cp", "ep")
+def build_mesh(pp: int, dp: int, cp: int, ep: int, device_type: str, timeout_s: float,
+               dp_replicate: int = 1) -> Mesh:
+    "The (pp, dp_replicate, dp, cp, ep) mesh over all processes of the default group; every rank must call it."
+    world, sizes = dist.get_world_size(), (pp, dp_replicate, dp, cp, ep)
+    if min(sizes) < 1 or math.prod(sizes) != world:
+        raise ValueError(f"parallel.pp × dp_replicate × dp × cp × ep = {' × '.join(map(str, sizes))} = "
+                         f"{math.prod(sizes)}, but {world} processes were launched; make the product equal the "
+                         "number of processes (or launch that many)")
+    timeout, names = timedelta(seconds=timeout_s), ("pp", "dp_replicate", "dp", "cp", "ep")
     opts = _backend_options(timeout)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names,
                             backend_override=None if opts is None else {n: opts for n in names})
 
-    def product(*dims):
-        return mesh[dims]._flatten("_".join(dims), backend_override=_backend_options(timeout)).get_group()
+    def flat(*dims):
+        return mesh[dims]._flatten("_".join(dims), backend_override=_backend_options(timeout))
 
-    return Mesh(mesh, *(mesh.get_group(n) for n in names), product("dp", "ep"), product("dp", "cp", "ep"),
-                product("dp", "cp"))
+    groups = [mesh.get_group(n) for n in names]
+    products = [flat(*d).get_group() for d in (("dp_replicate", "dp", "ep"), ("dp_replicate", "dp", "cp", "ep"),
+                                                ("dp_replicate", "dp", "cp"))]
+    shard_dense, shard_expert = flat("dp", "cp", "ep"), flat("dp", "cp")
+    if dp_replicate > 1:    # HSDP: (replicate, shard) meshes
+        shard_dense, shard_expert = mesh["dp_replicate", "dp_cp_ep"], mesh["dp_replicate", "dp_cp"]
+    return Mesh(mesh, *groups, *products, shard_dense, shard_expert, mesh["ep"])
 
 # %% ../../nbs/engine/30_mesh.ipynb #694e6c34
 def stage_layers(num_layers: int, pp_size: int, sizes: list[int] | None = None) -> list[list[int]]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.grouped_linear import grouped_linear
 from ..ops.swiglu import swiglu
@@ -169,8 +169,8 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(grouped_linear(x, self.gate_up_proj, counts, wgrad_queue))
-        return grouped_linear(h, self.down_proj, counts, wgrad_queue)
+        h = swiglu(grouped_linear(x, local(self.gate_up_proj), counts, wgrad_queue))
+        return grouped_linear(h, local(self.down_proj), counts, wgrad_queue)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #0502191e
 class Attention(nn.Module):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.grouped_linear import grouped_linear
 from ..ops.swiglu import clamped_swiglu
@@ -185,9 +185,9 @@ class Experts(nn.Module):
         (not the biases') to the pipeline schedule's W slots; it reaches the parameters through the `.mT` views."""
         experts = torch.arange(counts.numel(), device=x.device)
         one_hot = (torch.repeat_interleave(experts, counts, output_size=x.shape[0])[:, None] == experts).to(x.dtype)
-        gate_up = grouped_linear(x, self.gate_up_proj.mT, counts, wgrad_queue) + one_hot @ self.gate_up_proj_bias
+        gate_up = grouped_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue) + one_hot @ local(self.gate_up_proj_bias)
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return grouped_linear(act, self.down_proj.mT, counts, wgrad_queue) + one_hot @ self.down_proj_bias
+        return grouped_linear(act, local(self.down_proj).mT, counts, wgrad_queue) + one_hot @ local(self.down_proj_bias)
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #47093d77
 class Attention(nn.Module):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import LocalDispatcher, Routing, cfg, init_shared, run_layers
+from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.grouped_linear import grouped_linear
 from ..ops.swiglu import swiglu
@@ -109,8 +109,8 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(grouped_linear(x, self.gate_up_proj, counts, wgrad_queue))
-        return grouped_linear(h, self.down_proj, counts, wgrad_queue)
+        h = swiglu(grouped_linear(x, local(self.gate_up_proj), counts, wgrad_queue))
+        return grouped_linear(h, local(self.down_proj), counts, wgrad_queue)
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #0e8794b9
 class Attention(nn.Module):

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from pith_lit.engine.dualpipev import DualPipeV, split_model
 from pith_lit.engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_grads, is_expert_param, shard_experts
+from pith_lit.engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model
 from pith_lit.engine.mesh import build_mesh, init_distributed, run_ranked
 from pith_lit.models.protocol import LocalDispatcher, Routing, head_loss, run_layers
 
@@ -344,6 +345,73 @@ def record_timeline(path: str, M: int, ep: int = 1, device: torch.device = torch
         Path(path).write_text(json.dumps({"P": pp, "M": M, "events": events[::ep]}))
 
 # %% [markdown]
+# ## Sharded data parallelism against one process
+#
+# `fsdp_check` trains the tiny model for a few AdamW steps (gradient clipping included) on a (pp, dp_replicate,
+# dp, ep) mesh with FSDP2 (engine/36), and a single-process copy on the whole batch beside it. After every
+# step's `reduce_gradients`, each sharded gradient, gathered to its full shape (`full_tensor`, all experts
+# included), must equal the reference's, the clipped norm must equal the reference's, and after the last step so
+# must every parameter: that covers the sums over the two meshes, HSDP's replicas, the experts' placement and the
+# optimizer on DTensors. The check runs in float64 (to 1e-10 relative): AdamW divides each gradient by its own
+# magnitude, so in float32 the rounding of a different summation order (1e-7) grows to 1e-4 in a parameter
+# whose gradient is near AdamW's epsilon after one step, which would hide a real error of that size. With pp > 1 (or `overlap`) the step runs through DualPipeV,
+# whose deferred weight gradients are what makes the once-per-step reduction necessary.
+
+# %%
+#| export
+def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, family: str = "qwen3_moe", M: int = 4,
+               overlap: bool = False, steps: int = 2, device: torch.device = torch.device("cpu")) -> str:
+    "Worker: FSDP2 training steps against a single-process reference (see above); returns this rank's line."
+    mesh = build_mesh(pp, dp, 1, ep, device.type, 120, dp_replicate=dp_replicate)
+    layers, shards, pipelined = max(5, 2 * pp + 1), mesh.batch.size(), pp > 1 or overlap
+    ref, model = (tiny_model(family, layers, dtype=torch.float64).to(device) for _ in range(2))
+    parts = split_model(model, mesh.pp.rank(), pp) if pipelined else None
+    dispatcher = _dispatcher(model, mesh, 4)
+    shard_model(model, mesh)
+    aux, adamw = aux_fn(4), dict(lr=1e-2, weight_decay=0.1)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), **adamw), torch.optim.AdamW(ref.parameters(), **adamw)
+    loss_fn = (lambda h, labels: head_loss(model, h, labels)) if mesh.pp.rank() == 0 else None
+    pipe = DualPipeV(parts, mesh.pp, dispatcher, loss_fn, aux, device) if pipelined else None
+    what, worst = f"rank {dist.get_rank()}: {family} pp={pp} dp_replicate={dp_replicate} dp={dp} ep={ep}", 0.0
+    for step in range(steps):
+        data = [[(x.to(device), y.to(device)) for x, y in micro_batches(M, 64, 1000 * step + 10 * s)]
+                for s in range(shards)]
+        scale = 1 / (M * shards * 16)
+        ref_loss, _ = reference_step(ref, sum(data, []), scale, aux)
+        mine = data[mesh.batch.rank()]
+        begin_step(model)
+        if pipe is not None:
+            loss, _ = pipe.step(mine, scale)
+        else:
+            loss = torch.zeros((), dtype=torch.float64, device=device)
+            for ids, labels in mine:
+                h, routings = run_layers(model.model.layers.values(), model.prolog(ids), torch.arange(ids.shape[1]),
+                                         dispatcher)
+                ce = head_loss(model, h, labels)
+                terms = sum(aux(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None)
+                (ce * scale + terms).backward()
+                loss += ce.detach().double()
+        reduce_gradients(model)
+        dist.all_reduce(loss, group=mesh.batch)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        for name, p in model.named_parameters():
+            err = max_rel_err(p.grad.full_tensor(), ref_grads[name])
+            assert err <= 1e-10, f"{what} step {step}: gradient of {name} differs by {err:.2e}"
+            worst = max(worst, err)
+        if mesh.pp.rank() == 0:
+            assert max_rel_err(loss, ref_loss) <= 1e-12, f"{what} step {step}: loss {loss.item()} vs {ref_loss.item()}"
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        norm = clip_sharded_grads(list(model.parameters()), 1.0, dp_replicate)
+        assert max_rel_err(norm, ref_norm) <= 1e-10, f"{what} step {step}: gradient norm {norm} vs {ref_norm}"
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        err = max_rel_err(p.detach().full_tensor(), ref_params[name].detach())
+        assert err <= 1e-10, f"{what}: parameter {name} after {steps} steps differs by {err:.2e}"
+    return f"{what} {'DualPipeV' if pipelined else 'plain'}: {steps} steps OK (worst gradient difference {worst:.1e})"
+
+# %% [markdown]
 # ## The command line
 
 # %%
@@ -365,13 +433,16 @@ def _ep_main(a, device: torch.device) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m pith_lit.testing",
                                  description="Distributed checks against one process; launch with torchrun")
-    ap.add_argument("check", choices=["ep", "pipeline"])
+    ap.add_argument("check", choices=["ep", "pipeline", "fsdp"])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo; cuda: NCCL")
     ap.add_argument("--timeout-s", type=float, default=120)
     ap.add_argument("--tokens", type=int, default=2048, help="ep: tokens per rank for the traffic measurement")
     ap.add_argument("--micro", type=int, nargs="*", default=[4, 5, 6], help="pipeline: micro-batch counts")
     ap.add_argument("--ep", type=int, default=1, help="pipeline: expert-parallel ranks (pp = processes / ep)")
     ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"], default="qwen3_moe", help="pipeline: family")
+    ap.add_argument("--layout", type=int, nargs=4, metavar=("PP", "DP_REPLICATE", "DP", "EP"), default=[1, 1, 2, 1],
+                    help="fsdp: the mesh (their product = processes)")
+    ap.add_argument("--overlap", action="store_true", help="fsdp: run the step through DualPipeV at pp = 1")
     ap.add_argument("--stage-layers", type=int, nargs="*", help="pipeline: layers of each stage (default: even)")
     ap.add_argument("--timeline", help="pipeline: also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
@@ -383,6 +454,13 @@ def main(argv=None) -> None:
         torch.set_num_threads(1)
     if a.check == "ep":
         run_ranked(_ep_main, a, device)
+    elif a.check == "fsdp":
+        for family in ("qwen3_moe", "deepseek_v2") if a.model == "qwen3_moe" else (a.model,):
+            line = run_ranked(fsdp_check, *a.layout, family, overlap=a.overlap, device=device)
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, line)
+            if dist.get_rank() == 0:
+                print("\n".join(everyone), flush=True)
     else:
         run_ranked(pipeline_check, a.micro, a.ep, device, a.model, a.stage_layers)
         if a.timeline:

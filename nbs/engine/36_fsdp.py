@@ -1,0 +1,229 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Sharded data parallelism (FSDP2)
+#
+# Training state costs 16 bytes per parameter: the fp32 master weight, its fp32 gradient and AdamW's two fp32
+# moments. Qwen3-30B-A3B has 30.5B parameters, so about 490 GB: replicated on every data rank it does not fit
+# any GPU. Sharded data parallelism keeps 1/N of that state on each of N ranks and all-gathers a layer's
+# weights just before the layer runs. PyTorch's `fully_shard` (FSDP2) does this per module: each parameter
+# becomes a DTensor holding this rank's rows, and hooks around the module's forward gather the full weights
+# (in the compute dtype) and free them afterwards.
+#
+# What the MoE layout adds:
+#
+# - **Two meshes.** Non-expert parameters are the same on every rank of `dense` (dp × cp × ep), so they are
+#   sharded over all of it; experts are the same only on the ranks of `expert` (dp × cp), so they are sharded
+#   there. Under expert parallelism the stacked experts are first made DTensors divided along the expert axis
+#   of `ep_mesh`, and FSDP shards them further along dimension 1 (the output rows): their placements become
+#   (Shard(1), Shard(0)) over (dp·cp, ep), a distributed checkpoint sees every expert exactly once, and the
+#   expert module computes on its local block (`local` in models/20_protocol). HSDP puts a replicate dimension
+#   in front of both meshes (engine/30_mesh).
+# - **Units.** Each layer's experts are one unit, the rest of the layer another, and the embedding, final norm
+#   and head belong to the root. The engine calls `stage1` and the root's `prolog` rather than `forward`, so
+#   both are registered as forward methods: FSDP's pre-forward hook gathers the unit, the post-forward hook
+#   frees it and places the pre-backward hook on the outputs. The experts unit is entered through its own
+#   `forward`, which stage 3 calls.
+# - **Sums, not means.** The trainer's objective already divides by the global token count, so gradients must
+#   be summed over the data ranks, as the replicated path summed them. Every unit gets a divide factor of 1
+#   and plain SUM reductions.
+# - **Mixed precision.** The sharded parameters are the fp32 master weights; `MixedPrecisionPolicy` casts them
+#   to the compute dtype when gathering and reduces gradients in fp32. The optimizer steps the fp32 shards,
+#   and nothing else holds a second copy of the weights.
+# - **Once per step.** The pipeline schedule defers weight gradients to its W slots (ops/12's
+#   `WeightGradQueue`). FSDP reduce-scatters a unit as soon as the gradient reaches the unit's inputs, which
+#   is before a deferred weight gradient exists: the sum would silently miss it. So a step runs with gradient
+#   synchronisation off (gradients accumulate unsharded, in fp32) and the units stay gathered after their
+#   first backward; `reduce_gradients` then reduce-scatters every unit once, after the last W, and frees the
+#   gathered weights before the optimizer step. The plain loop uses the same two calls, so there is one path.
+#   The cost is memory: this rank's stages hold unsharded bf16 weights and fp32 gradients during the step (the
+#   planner counts it), and the saving is that the fp32 masters and both AdamW moments are sharded.
+#
+# A mesh of size one is the same code with nothing to gather: a single GPU runs FSDP over one rank, which is
+# where the master weights live.
+
+# %%
+#| default_exp engine.fsdp
+
+# %%
+#| export
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, Shard
+
+from pith_lit.engine.mesh import Mesh
+
+# %% [markdown]
+# ## Sharding a model
+#
+# `shard_model` works in place on a model that is already initialised, cut to this rank's pipeline stages and
+# expert slices (engine/31 `shard_experts`), in the dtype its master weights should have (fp32, or bf16 when the
+# optimizer states are bf16), and with `stage1` compiled if it is to be: the FSDP hooks then sit outside the
+# compiled function, which sees plain gathered tensors. `param_dtype` is the compute dtype; gradients of a
+# lower-precision compute are reduced in fp32. None computes and reduces in the parameters' own dtype.
+
+# %%
+#| export
+def _experts(layer: nn.Module) -> nn.Module | None:
+    "The routed-experts module of a decoder layer (`mlp.experts`), or None for a dense layer."
+    return getattr(getattr(layer, "mlp", None), "experts", None)
+
+
+def _as_ep_dtensors(experts: nn.Module, ep_mesh) -> None:
+    "Make each stacked expert parameter (this rank's slice) a DTensor divided along dim 0 of `ep_mesh`."
+    for name, p in list(experts.named_parameters(recurse=False)):
+        d = DTensor.from_local(p.detach(), ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, name, nn.Parameter(d, requires_grad=p.requires_grad))
+
+
+def _sum_reduction(unit: FSDPModule) -> FSDPModule:
+    "Reduce this unit's gradients as plain sums: the objective already divides by the global token count."
+    unit.set_gradient_divide_factor(1.0)
+    unit.set_force_sum_reduction_for_comms(True)
+    return unit
+
+
+def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = None) -> list[FSDPModule]:
+    """Apply FSDP2 to `model` in place: per layer an experts unit (over `mesh.expert_mesh`) and a layer unit (over
+    `mesh.dense_mesh`), and the root (embedding, norm, head). Returns the units, root last."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    ep = mesh.ep.size() > 1
+    units = []
+    for layer in model.model.layers.values():
+        experts = _experts(layer)
+        if experts is not None:
+            if ep:
+                _as_ep_dtensors(experts, mesh.ep_mesh)
+            units.append(fully_shard(experts, mesh=mesh.expert_mesh, mp_policy=mp,
+                                     shard_placement_fn=(lambda p: Shard(1)) if ep else None))
+        units.append(fully_shard(layer, mesh=mesh.dense_mesh, mp_policy=mp))
+        register_fsdp_forward_method(layer, "stage1")
+    units.append(fully_shard(model, mesh=mesh.dense_mesh, mp_policy=mp))
+    register_fsdp_forward_method(model, "prolog")
+    for unit in units:
+        _sum_reduction(unit)
+    model.compute_dtype = param_dtype or next(model.parameters()).dtype   # what the pipeline's buffers hold
+    # The root must be initialised first: a pipeline rank without the embedding enters through a layer's stage1,
+    # which would otherwise make that layer a root of its own.
+    model._get_fsdp_state()._lazy_init()
+    return units
+
+# %% [markdown]
+# ## One reduction per step
+#
+# `begin_step` turns synchronisation off for every unit and keeps gathered weights gathered after backward;
+# `reduce_gradients` runs FSDP's post-backward by hand on every unit once all backward and W work of the step
+# is done: it adds the last (deferred) gradients to the accumulated ones, reduce-scatters them (all-reduced
+# across HSDP replicas) into the sharded `.grad`, and frees the gathered weights. This is private API of
+# FSDP2 (the same sequence `torch.distributed.pipelining` uses for its schedules); torch 2.11 keeps one
+# parameter group per state, 2.13 a list.
+
+# %%
+#| export
+def begin_step(model: FSDPModule) -> None:
+    "Before a step's first forward: accumulate gradients unreduced and keep weights gathered after backward."
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    model.set_is_last_backward(False)
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return groups
+
+
+def reduce_gradients(model: FSDPModule) -> None:
+    "After a step's last backward and W: reduce-scatter every unit's gradients once and free the gathered weights."
+    model.set_requires_gradient_sync(True)
+    model.set_reshard_after_backward(True)
+    model.set_is_last_backward(True)
+    state = model._get_fsdp_state()
+    for st in state._state_ctx.all_states:
+        for group in _param_groups(st):
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+# %% [markdown]
+# ## The gradient norm of sharded gradients
+#
+# Each rank holds distinct rows of every gradient it has, except that HSDP replicas hold the same rows. So the
+# squared norm of the whole model's gradient is the sum over all ranks of their local squared norms, divided by
+# the number of replicas. Clipping multiplies the local shards in place.
+
+# %%
+#| export
+def _local_grads(params) -> list[torch.Tensor]:
+    return [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in params if p.grad is not None]
+
+
+def clip_sharded_grads(params, max_norm: float, replicas: int = 1) -> torch.Tensor:
+    """The whole model's gradient norm from this rank's (sharded) gradients, summed over the default group; clip
+    in place when `max_norm > 0`. `replicas`: ranks holding the same shard (HSDP's dp_replicate)."""
+    grads = _local_grads(params)
+    dev = grads[0].device if grads else torch.device("cpu")
+    wide = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32
+    sq = torch.stack([g.to(wide).pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=dev)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+    norm = (sq / replicas).sqrt()
+    if max_norm > 0 and grads:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    return norm
+
+# %% [markdown]
+# ## Check: one rank, against the unsharded model
+#
+# On a mesh of size one FSDP changes nothing numerically: the tiny Qwen3-MoE, sharded, gives the same loss and
+# the same gradients as an unsharded copy over two micro-batches, and the gathered weights are freed again after
+# `reduce_gradients`. The checks with several processes (dp, ep × dp, HSDP, DualPipeV) run in engine/39.
+
+# %%
+import copy
+
+from pith_lit.engine.mesh import build_mesh, init_distributed
+from pith_lit.models.protocol import LocalDispatcher, head_loss, run_layers
+from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
+
+# %%
+if not dist.is_initialized():
+    init_distributed(60, "cpu")
+mesh = build_mesh(1, 1, 1, 1, "cpu", 60)
+torch.manual_seed(0)
+cfg = Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermediate_size=48, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+             mlp_only_layers=[1])
+ref = Qwen3MoeForCausalLM(cfg)
+model = copy.deepcopy(ref)
+units = shard_model(model, mesh)
+g = torch.Generator().manual_seed(1)
+batches = [(torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)) for _ in range(2)]
+
+def step(m, sharded):
+    if sharded:
+        begin_step(m)
+    total = 0.0
+    for ids, labels in batches:
+        h, _ = run_layers(m.model.layers.values(), m.prolog(ids), torch.arange(8), LocalDispatcher(4))
+        loss = head_loss(m, h, labels)
+        (loss / 32).backward()
+        total += loss.item()
+    if sharded:
+        reduce_gradients(m)
+    return total
+
+assert abs(step(model, True) - step(ref, False)) < 1e-5
+worst = max((p.grad.full_tensor() - q.grad).abs().max().item() / q.grad.abs().max().item()
+            for p, q in zip(model.parameters(), ref.parameters()))
+assert worst < 1e-6, worst
+assert all(isinstance(p, DTensor) for p in model.parameters())          # sharded again: the gathered copies are gone
+print(f"{len(units)} units; worst relative gradient difference {worst:.1e}")
