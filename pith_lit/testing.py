@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .engine.dualpipev import DualPipeV, split_model
 from .engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_grads, is_expert_param, shard_experts
-from .engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model
+from .engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model, whole
 from .engine.mesh import build_mesh, init_distributed, run_ranked
 from .models.protocol import LocalDispatcher, Routing, head_loss, run_layers
 
@@ -290,7 +290,7 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
         dist.all_reduce(loss, group=mesh.batch)
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         for name, p in model.named_parameters():
-            err = max_rel_err(p.grad.full_tensor(), ref_grads[name])
+            err = max_rel_err(whole(p.grad), ref_grads[name])
             assert err <= 1e-10, f"{what} step {step}: gradient of {name} differs by {err:.2e}"
             worst = max(worst, err)
         if mesh.pp.rank() == 0:
@@ -302,7 +302,7 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
         opt.zero_grad(), ref_opt.zero_grad()
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        err = max_rel_err(p.detach().full_tensor(), ref_params[name].detach())
+        err = max_rel_err(whole(p.detach()), ref_params[name].detach())
         assert err <= 1e-10, f"{what}: parameter {name} after {steps} steps differs by {err:.2e}"
     return f"{what} {'DualPipeV' if pipelined else 'plain'}: {steps} steps OK (worst gradient difference {worst:.1e})"
 

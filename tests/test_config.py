@@ -63,7 +63,7 @@ def test_bad_choice():
     assert error(["train.schedule=linear"]) == "train.schedule = 'linear': expected one of 'wsd', 'cosine', 'constant'"
     assert error(["run.device=tpu"]) == "run.device = 'tpu': expected one of 'auto', 'cpu', 'cuda'"
     assert error(["train.lb_level=batch"]) == "train.lb_level = 'batch': expected one of 'micro', 'global'"
-    assert error(["train.dtype=float16"]) == "train.dtype = 'float16': expected one of 'auto', 'bfloat16', 'float32'"
+    assert error(["train.dtype=float16"]) == "train.dtype = 'float16': expected one of 'auto', 'bfloat16', 'float32', 'float64'"
 
 
 @pytest.mark.parametrize("key", ["parallel.pp", "parallel.ep", "train.steps", "train.global_batch",
@@ -86,10 +86,12 @@ def test_negative_and_out_of_range():
 
 
 def test_world_size():
-    assert error(["parallel.dp=2"], world_size=4) == ("parallel: pp × dp × cp × ep = 1 × 2 × 1 × 1 = 2, "
+    assert error(["parallel.dp=2"], world_size=4) == ("parallel: pp × dp_replicate × dp × cp × ep = 1 × 1 × 2 × 1 × 1 = 2, "
                                                      "but the world size is 4; choose sizes whose product is 4")
     assert validate(from_dict({}, ["parallel.dp=2", "parallel.ep=2", "train.global_batch=16"]), 4)
     assert validate(from_dict({}, ["parallel.dp=2"]), None)  # world size unknown: not checked
+    hsdp = validate(from_dict({}, ["parallel.dp=2", "parallel.dp_replicate=2", "train.global_batch=16"]), 4)
+    assert (hsdp.world_size, hsdp.data_ranks, hsdp.num_micro_batches) == (4, 4, 1)
 
 
 def test_experts_divisible_by_ep():
@@ -99,20 +101,20 @@ def test_experts_divisible_by_ep():
 
 def test_global_batch_divisible():
     assert error(["train.global_batch=10"]) == \
-        "train.global_batch = 10: not divisible by train.micro_batch × parallel.dp × parallel.ep = 4 × 1 × 1 = 4; use a multiple of 4"
-    assert error(["parallel.dp=2", "train.global_batch=12"], world_size=2).endswith("= 4 × 2 × 1 = 8; use a multiple of 8")
+        "train.global_batch = 10: not divisible by train.micro_batch × parallel.dp_replicate × dp × ep = 4 × 1 × 1 × 1 = 4; use a multiple of 4"
+    assert error(["parallel.dp=2", "train.global_batch=12"], world_size=2).endswith("= 4 × 1 × 2 × 1 = 8; use a multiple of 8")
 
 
 def test_dualpipev_needs_two_micro_batches_per_stage():
     assert error(["parallel.pp=2", "train.global_batch=8"], world_size=2) == (
-        "train.global_batch = 8: gives 2 micro-batches per step (global_batch / (micro_batch × dp × ep)), but DualPipeV "
+        "train.global_batch = 8: gives 2 micro-batches per step (global_batch / (micro_batch × dp_replicate × dp × ep)), but DualPipeV "
         "with parallel.pp = 2 needs at least 2·pp = 4; use global_batch >= 16 or a smaller micro_batch")
     assert validate(from_dict({}, ["parallel.pp=2", "train.global_batch=16"]), 2).num_micro_batches == 4
 
 
 def test_overlap_needs_two_micro_batches():
     assert error(["parallel.overlap=true", "train.global_batch=4"]) == (
-        "train.global_batch = 4: gives 1 micro-batches per step (global_batch / (micro_batch × dp × ep)), but DualPipeV "
+        "train.global_batch = 4: gives 1 micro-batches per step (global_batch / (micro_batch × dp_replicate × dp × ep)), but DualPipeV "
         "with parallel.overlap = true needs at least 2·pp = 2; use global_batch >= 8 or a smaller micro_batch")
     assert validate(from_dict({}, ["train.global_batch=4"]), 1)  # without overlap one micro-batch is fine
 

@@ -29,7 +29,11 @@
 #   and head belong to the root. The engine calls `stage1` and the root's `prolog` rather than `forward`, so
 #   both are registered as forward methods: FSDP's pre-forward hook gathers the unit, the post-forward hook
 #   frees it and places the pre-backward hook on the outputs. The experts unit is entered through its own
-#   `forward`, which stage 3 calls.
+#   `forward`, which stage 3 calls, and freed after it. A layer unit stays gathered from its forward to its
+#   backward: stage 1 has outputs whose gradients arrive by different paths (the router's weights come back
+#   through stage 5 and the combine), and on torch 2.11 the router's backward could run before the hook on the
+#   other outputs had gathered the weights again. The attention and router weights are a few percent of a MoE
+#   layer, so keeping them costs little.
 # - **Sums, not means.** The trainer's objective already divides by the global token count, so gradients must
 #   be summed over the data ranks, as the replicated path summed them. Every unit gets a divide factor of 1
 #   and plain SUM reductions.
@@ -45,14 +49,20 @@
 #   The cost is memory: this rank's stages hold unsharded bf16 weights and fp32 gradients during the step (the
 #   planner counts it), and the saving is that the fp32 masters and both AdamW moments are sharded.
 #
-# A mesh of size one is the same code with nothing to gather: a single GPU runs FSDP over one rank, which is
-# where the master weights live.
+# A unit whose mesh is one rank (a single GPU; experts at dp × cp = 1) has nothing to gather or to sum. If it also
+# computes in its own dtype, `fully_shard` would only add copies: each gather copies the weights into the gathered
+# buffer and each reduction copies the gradients through a one-rank reduce-scatter, 28% of the Qwen3 bench's step
+# on one H200 (benchmarks/RESULTS.md). Such a unit is left as it is: its gradients are already the sums and the
+# optimizer steps it directly. With fp32 masters computing in bf16 the unit is wrapped on one rank too, since
+# FSDP's gather is then the cast. Checkpoints see the same names and global shapes either way.
 
 # %%
 #| default_exp engine.fsdp
 
 # %%
 #| export
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -93,27 +103,36 @@ def _sum_reduction(unit: FSDPModule) -> FSDPModule:
 
 def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = None) -> list[FSDPModule]:
     """Apply FSDP2 to `model` in place: per layer an experts unit (over `mesh.expert_mesh`) and a layer unit (over
-    `mesh.dense_mesh`), and the root (embedding, norm, head). Returns the units, root last."""
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    ep = mesh.ep.size() > 1
-    units = []
+    `mesh.dense_mesh`), and the root (embedding, norm, head). Returns the units made, root last."""
+    low = param_dtype in (torch.bfloat16, torch.float16)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if low else None)
+    ep, units, left = mesh.ep.size() > 1, [], set()   # left: parameters of modules left unwrapped
+
+    def unit(module, device_mesh, **kw):
+        if device_mesh.size() == 1 and param_dtype is None:
+            left.update(module.parameters())   # one rank, nothing to cast: FSDP would only copy (see above)
+            return
+        kw = kw | ({"ignored_params": left & set(module.parameters())} if left else {})
+        units.append(_sum_reduction(fully_shard(module, mesh=device_mesh, mp_policy=mp, **kw)))
+
     for layer in model.model.layers.values():
         experts = _experts(layer)
         if experts is not None:
             if ep:
                 _as_ep_dtensors(experts, mesh.ep_mesh)
-            units.append(fully_shard(experts, mesh=mesh.expert_mesh, mp_policy=mp,
-                                     shard_placement_fn=(lambda p: Shard(1)) if ep else None))
-        units.append(fully_shard(layer, mesh=mesh.dense_mesh, mp_policy=mp))
-        register_fsdp_forward_method(layer, "stage1")
-    units.append(fully_shard(model, mesh=mesh.dense_mesh, mp_policy=mp))
+            unit(experts, mesh.expert_mesh, shard_placement_fn=(lambda p: Shard(1)) if ep else None)
+        unit(layer, mesh.dense_mesh, reshard_after_forward=False)
+        register_fsdp_forward_method(layer, "stage1")     # a no-op on a module left unwrapped
+    unit(model, mesh.dense_mesh)
     register_fsdp_forward_method(model, "prolog")
-    for unit in units:
-        _sum_reduction(unit)
     model.compute_dtype = param_dtype or next(model.parameters()).dtype   # what the pipeline's buffers hold
+    # stage1 returns the normalised hidden states flattened to rows, a view; FSDP warns that an in-place op on a view
+    # would skip its pre-backward hook. The engine never writes into a stage's outputs, so the warning says nothing.
+    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(\w+\) returned a view tensor", UserWarning)
     # The root must be initialised first: a pipeline rank without the embedding enters through a layer's stage1,
     # which would otherwise make that layer a root of its own.
-    model._get_fsdp_state()._lazy_init()
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()
     return units
 
 # %% [markdown]
@@ -125,11 +144,19 @@ def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
 # across HSDP replicas) into the sharded `.grad`, and frees the gathered weights. This is private API of
 # FSDP2 (the same sequence `torch.distributed.pipelining` uses for its schedules); torch 2.11 keeps one
 # parameter group per state, 2.13 a list.
+#
+# A unit whose mesh is this rank alone (one GPU, or experts at dp × cp = 1) has nothing to sum with anyone, but
+# FSDP's reduction still copies every gradient into a flat buffer, through a one-rank reduce-scatter and back:
+# on one H200 that was 121 ms of a 495 ms step of the Qwen3 bench (benchmarks/RESULTS.md). `_hand_over` gives
+# such a unit its accumulated gradient as the sharded one instead, without a copy (with one rank the shard is
+# the whole tensor).
 
 # %%
 #| export
-def begin_step(model: FSDPModule) -> None:
+def begin_step(model: nn.Module) -> None:
     "Before a step's first forward: accumulate gradients unreduced and keep weights gathered after backward."
+    if not isinstance(model, FSDPModule):
+        return
     model.set_requires_gradient_sync(False)
     model.set_reshard_after_backward(False)
     model.set_is_last_backward(False)
@@ -142,16 +169,39 @@ def _param_groups(state) -> list:
     return groups
 
 
-def reduce_gradients(model: FSDPModule) -> None:
+def _hand_over(group) -> None:
+    "Reduction over a mesh of one rank: the accumulated unsharded gradient becomes the sharded one, uncopied."
+    for fp in group.fsdp_params:
+        if not hasattr(fp, "_unsharded_param"):
+            continue
+        fp.accumulate_unsharded_grad_if_needed()    # a deferred W after unreduced backwards
+        fp.to_accumulated_grad_if_needed()          # a low-precision gradient widened to the reduce dtype
+        grad = fp.unsharded_accumulated_grad
+        if grad is None:
+            grad = fp._unsharded_param.grad
+        fp.unsharded_accumulated_grad = fp._unsharded_param.grad = None
+        if grad is None:
+            continue
+        grad = fp.to_sharded_dtensor((grad.to_local() if isinstance(grad, DTensor) else grad).view(fp.sharded_size))
+        fp.sharded_param.grad = grad if fp.sharded_param.grad is None else fp.sharded_param.grad + grad
+    group.reshard()
+
+
+def reduce_gradients(model: nn.Module) -> None:
     "After a step's last backward and W: reduce-scatter every unit's gradients once and free the gathered weights."
+    if not isinstance(model, FSDPModule):
+        return
     model.set_requires_gradient_sync(True)
     model.set_reshard_after_backward(True)
     model.set_is_last_backward(True)
     state = model._get_fsdp_state()
     for st in state._state_ctx.all_states:
         for group in _param_groups(st):
-            group.post_backward()
-    state._root_post_backward_final_callback()
+            if group.mesh_info.mesh.size() == 1:
+                _hand_over(group)
+            else:
+                group.post_backward()
+    state._root_post_backward_final_callback()   # FSDP's bookkeeping; the groups handed over have nothing left
 
 # %% [markdown]
 # ## The gradient norm of sharded gradients
@@ -162,6 +212,11 @@ def reduce_gradients(model: FSDPModule) -> None:
 
 # %%
 #| export
+def whole(t: torch.Tensor) -> torch.Tensor:
+    "The whole value of a parameter or gradient: a DTensor gathered from its ranks (a collective), else `t` itself."
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _local_grads(params) -> list[torch.Tensor]:
     return [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in params if p.grad is not None]
 
@@ -172,7 +227,7 @@ def clip_sharded_grads(params, max_norm: float, replicas: int = 1) -> torch.Tens
     grads = _local_grads(params)
     dev = grads[0].device if grads else torch.device("cpu")
     wide = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32
-    sq = torch.stack([g.to(wide).pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=dev)
+    sq = torch.stack(torch._foreach_norm(grads)).to(wide).pow(2).sum() if grads else torch.zeros((), device=dev)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     norm = (sq / replicas).sqrt()
@@ -183,9 +238,11 @@ def clip_sharded_grads(params, max_norm: float, replicas: int = 1) -> torch.Tens
 # %% [markdown]
 # ## Check: one rank, against the unsharded model
 #
-# On a mesh of size one FSDP changes nothing numerically: the tiny Qwen3-MoE, sharded, gives the same loss and
-# the same gradients as an unsharded copy over two micro-batches, and the gathered weights are freed again after
-# `reduce_gradients`. The checks with several processes (dp, ep × dp, HSDP, DualPipeV) run in engine/39.
+# On a mesh of size one FSDP changes nothing numerically. The tiny Qwen3-MoE, given a compute dtype (its own,
+# fp32) so that every unit is wrapped, gives the same loss and the same gradients as an unsharded copy over two
+# micro-batches, its gradients handed over by `_hand_over`, and the gathered weights are freed again after
+# `reduce_gradients`; without a compute dtype nothing is wrapped. The checks with several processes (dp, ep × dp,
+# HSDP, DualPipeV) run in engine/39.
 
 # %%
 import copy
@@ -204,7 +261,8 @@ cfg = Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermedia
              mlp_only_layers=[1])
 ref = Qwen3MoeForCausalLM(cfg)
 model = copy.deepcopy(ref)
-units = shard_model(model, mesh)
+assert shard_model(copy.deepcopy(ref), mesh) == []        # one rank, no cast: left as it is
+units = shard_model(model, mesh, torch.float32)
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)) for _ in range(2)]
 
@@ -222,7 +280,7 @@ def step(m, sharded):
     return total
 
 assert abs(step(model, True) - step(ref, False)) < 1e-5
-worst = max((p.grad.full_tensor() - q.grad).abs().max().item() / q.grad.abs().max().item()
+worst = max((whole(p.grad) - q.grad).abs().max().item() / q.grad.abs().max().item()
             for p, q in zip(model.parameters(), ref.parameters()))
 assert worst < 1e-6, worst
 assert all(isinstance(p, DTensor) for p in model.parameters())          # sharded again: the gathered copies are gone

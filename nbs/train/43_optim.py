@@ -7,11 +7,11 @@
 # ---
 
 # %% [markdown]
-# # Optimizer, schedule, clipping and the loss
+# # Optimizer, schedule and the loss
 #
-# Everything one optimizer step needs besides the model: AdamW with the right parameters decayed, fp32 master
-# weights for a model stored in bf16, the learning-rate schedule, gradient clipping, and a cross-entropy whose
-# gradient accumulation is exact. Each function takes plain arguments (the trainer passes `cfg.train.*`), so
+# Everything one optimizer step needs besides the model: AdamW with the right parameters decayed, why the master
+# weights are fp32, the learning-rate schedule, and a cross-entropy whose gradient accumulation is exact (gradient
+# clipping of sharded gradients is in engine/36_fsdp). Each function takes plain arguments (the trainer passes `cfg.train.*`), so
 # this notebook does not depend on the config.
 
 # %%
@@ -48,8 +48,8 @@ import matplotlib.pyplot as plt
 #| export
 def build_optimizer(model, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float) -> torch.optim.AdamW:
-    """AdamW over `model.named_parameters()` (an `nn.Module` or a `MasterWeights`): weight decay on parameters
-    with ≥ 2 dimensions, none on 1-D ones (norm gains, biases). Fused on CUDA and CPU."""
+    """AdamW over `model.named_parameters()`: weight decay on parameters with ≥ 2 dimensions, none on 1-D ones (norm
+    gains, biases). Fused on CUDA and CPU."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
@@ -77,159 +77,56 @@ assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0] and opt.defau
 # bf16 keeps 8 significant bits: next to a weight of magnitude $w$ the closest other bf16 number is about
 # $w/128$ away. An Adam update is about `lr` in size, so with `lr = 1e-4` on weights of size 0.1 most updates
 # round back to the old value, and training quietly stalls. The standard cure is to keep an fp32 *master* copy
-# of each low-precision parameter: the optimizer (and its moment estimates) works on the fp32 copies, the bf16
-# gradients are widened into them before the step, and the updated fp32 values are rounded into the bf16
-# parameters after it. The model still computes in bf16.
+# of each weight: the optimizer (and its moment estimates) works on the fp32 values, and the model computes with
+# bf16 copies of them.
 #
-# `MasterWeights` does exactly that and nothing for parameters already in fp32 (the master *is* the
-# parameter, no copy). It is a module whose parameters carry the model's names, so `build_optimizer` and DCP's
-# optimizer state dict treat it like the model itself, and the trainer
-# code is the same for fp32 and bf16 models. Sharded runs get the same effect from FSDP2's
-# `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, which keeps fp32 shards; this wrapper is for parameters
-# that are *stored* in bf16. One step reads:
+# In pith_lit the master weights are the parameters themselves. The trainer keeps every parameter in fp32
+# (`train.optim_dtype = "float32"`) and FSDP2 (engine/36) casts each unit's weights to bf16 when it gathers them
+# for compute and reduces the gradients in fp32 (`MixedPrecisionPolicy`), on one rank as on many; the optimizer
+# steps the fp32 shards. `train.optim_dtype = "bfloat16"` stores the parameters and the AdamW states in bf16
+# instead: half the memory, at the cost measured here.
 #
-# ```
-# master.grads_to_master(); clip_grad_norm(master.parameters(), clip); opt.step(); opt.zero_grad(); master.master_to_model()
-# ```
+# Check: the same small regression trained three ways from the same start, all with AdamW at `lr = 1e-4` for 30
+# steps: an fp32 model (the reference), a bf16 model with AdamW on its bf16 parameters, and fp32 parameters
+# computing in bf16 through FSDP2's mixed precision on a one-rank mesh. We measure how far each one's weights are
+# from the fp32 reference, relative to how far the reference moved. The fp32 masters track it closely (the rest is
+# the bf16 forward pass); plain bf16 loses most of its updates to rounding.
 
 # %%
-#| export
-class MasterWeights(nn.Module):
-    """fp32 master copies of a model's bf16/fp16 parameters; fp32 parameters are used as they are.
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    Give the optimizer `MasterWeights(model)`, then per step: `grads_to_master()` → clip → `optimizer.step()` →
-    `optimizer.zero_grad()` → `master_to_model()`. It is a module whose parameters carry the model's names, so
-    anything that maps optimizer state to parameter names (DCP's `get_optimizer_state_dict`) works on it.
-    `state_dict()` holds the fp32 copies (checkpoint it beside the model and the optimizer).
-    """
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        for n, p in named:  # mirror the model's module tree so each master has the parameter's own name
-            *path, leaf = n.split(".")
-            owner = self
-            for part in path:
-                if part not in owner._modules:
-                    owner.add_module(part, nn.Module())
-                owner = owner._modules[part]
-            low = p.dtype in (torch.bfloat16, torch.float16)
-            owner.register_parameter(leaf, nn.Parameter(p.detach().float()) if low else p)
-        self.master = [self.get_parameter(n) for n in self.names]
-
-    def named_parameters(self, *args, **kwargs):
-        "The masters under the model's parameter names, in the model's order."
-        return zip(self.names, self.master)
-
-    def parameters(self, *args, **kwargs):
-        return iter(self.master)
-
-    @torch.no_grad()
-    def model_to_master(self):
-        "Copy the model's current weights into the masters (after loading weights into the model alone)."
-        for p, m in zip(self.params, self.master):
-            if m is not p:
-                m.copy_(p)
-
-    def grads_to_master(self):
-        "Widen each low-precision gradient into its master's fp32 `.grad` and free the low-precision one."
-        for p, m in zip(self.params, self.master):
-            if m is not p:
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
-
-    @torch.no_grad()
-    def master_to_model(self):
-        "Round the updated fp32 masters into the model's low-precision parameters."
-        for p, m in zip(self.params, self.master):
-            if m is not p:
-                p.copy_(m)
-
-    def state_dict(self) -> dict:
-        "The fp32 masters of the low-precision parameters, by parameter name (empty for an fp32 model)."
-        return {n: m for n, p, m in zip(self.names, self.params, self.master) if m is not p}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict):
-        "Restore the fp32 masters and round them into the model."
-        mine = self.state_dict()
-        if state.keys() != mine.keys():
-            raise ValueError(f"master-weight checkpoint does not match the model: missing "
-                             f"{sorted(mine.keys() - state.keys())}, unexpected {sorted(state.keys() - mine.keys())}; "
-                             "load a checkpoint saved from the same model and parameter dtype")
-        for n, m in mine.items():
-            m.copy_(state[n])
-        self.master_to_model()
-
-# %% [markdown]
-# Check: the same small regression trained three ways from the same start, all with AdamW at `lr = 1e-4`
-# for 30 steps: an fp32 model (the reference), a bf16 model with plain AdamW on its bf16 parameters, and a bf16
-# model with fp32 master weights. We measure how far each one's weights are from the fp32 reference, relative
-# to how far the reference moved. Master weights track it closely (the rest is the bf16 forward pass); plain
-# bf16 loses most of its updates to rounding.
+from pith_lit.engine.fsdp import whole
+from pith_lit.engine.mesh import init_distributed
 
 # %%
 def train_three(seed, steps=30, lr=1e-4):
     torch.manual_seed(seed)
     ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     x, y = torch.randn(64, 32), torch.randn(64, 32)
-    plain, mixed = copy.deepcopy(ref).bfloat16(), copy.deepcopy(ref).bfloat16()
     ref.load_state_dict({n: v.bfloat16().float() for n, v in ref.state_dict().items()})  # same start as bf16
+    plain, mixed = copy.deepcopy(ref).bfloat16(), copy.deepcopy(ref)
+    fully_shard(mixed, mesh=init_device_mesh("cpu", (1,)),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     start = [p.detach().clone() for p in ref.parameters()]
-    master = MasterWeights(mixed)
-    opts = [build_optimizer(m, lr, 0.0, (0.9, 0.95), 1e-8) for m in (ref, plain, master)]
+    opts = [build_optimizer(m, lr, 0.0, (0.9, 0.95), 1e-8) for m in (ref, plain, mixed)]
     for _ in range(steps):
-        for model, opt in zip((ref, plain, mixed), opts):
-            dt = next(model.parameters()).dtype
+        for model, opt, dt in zip((ref, plain, mixed), opts, (torch.float32, torch.bfloat16, torch.bfloat16)):
             F.mse_loss(model(x.to(dt)).float(), y).backward()
-            if model is mixed:
-                master.grads_to_master()
             opt.step(); opt.zero_grad()
-            if model is mixed:
-                master.master_to_model()
     moved = sum((p.detach() - s).pow(2).sum() for p, s in zip(ref.parameters(), start)).sqrt()
-    def err(m): return (sum((p.detach().float() - r.detach()).pow(2).sum()
+    def err(m): return (sum((whole(p.detach()).float() - r.detach()).pow(2).sum()
                             for p, r in zip(m.parameters(), ref.parameters())).sqrt() / moved).item()
-    return err(plain), err(mixed), master
+    return err(plain), err(mixed), mixed
 
-plain_err, master_err, master = train_three(0)
-print(f"distance from fp32 / distance fp32 moved: plain bf16 {plain_err:.3f}, bf16 + fp32 masters {master_err:.3f}")
+if not dist.is_initialized():
+    init_distributed(60, "cpu")
+plain_err, master_err, mixed = train_three(0)
+print(f"distance from fp32 / distance fp32 moved: plain bf16 {plain_err:.3f}, fp32 masters computing in bf16 "
+      f"{master_err:.3f}")
 assert master_err < 0.1 and plain_err > 0.5 and plain_err > 10 * master_err
-
-# %% [markdown]
-# The masters and the optimizer state are fp32, and the state dict round-trips: a fresh bf16 model loaded
-# from it continues exactly like the original. An fp32 model gets no copies and an empty state dict.
-
-# %%
-assert all(m.dtype == torch.float32 for m in master.parameters())
-assert all(p.dtype == torch.bfloat16 for p in master.params)
-fp32_model = nn.Linear(3, 3)
-assert all(m is p for m, p in zip(MasterWeights(fp32_model).parameters(), fp32_model.parameters()))
-assert MasterWeights(fp32_model).state_dict() == {}
-
-def continue_steps(model, master, opt, n=3, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        model(torch.randn(8, 4, generator=g).bfloat16()).float().pow(2).mean().backward()
-        master.grads_to_master(); opt.step(); opt.zero_grad(); master.master_to_model()
-
-torch.manual_seed(0)
-a = nn.Linear(4, 4).bfloat16()
-ma = MasterWeights(a)
-oa = build_optimizer(ma, 1e-3, 0.1, (0.9, 0.95), 1e-8)
-continue_steps(a, ma, oa, seed=0)
-saved = copy.deepcopy({"model": a.state_dict(), "master": ma.state_dict(), "opt": oa.state_dict()})
-b = nn.Linear(4, 4).bfloat16()
-b.load_state_dict(saved["model"])
-mb = MasterWeights(b)
-ob = build_optimizer(mb, 1e-3, 0.1, (0.9, 0.95), 1e-8)
-mb.load_state_dict(saved["master"]); ob.load_state_dict(saved["opt"])
-continue_steps(a, ma, oa); continue_steps(b, mb, ob)
-assert all(torch.equal(x, y) for x, y in zip(ma.parameters(), mb.parameters()))
-assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-assert all(v.dtype == torch.float32 for s in ob.state.values() for v in s.values() if v.dim() > 0)
+assert all(p.dtype == torch.float32 for p in mixed.parameters())          # the masters are the parameters
 
 # %% [markdown]
 # ## Learning-rate schedule
@@ -315,59 +212,6 @@ for bad, msg in [(dict(kw, schedule="linear"), "unknown schedule"),
         raise AssertionError("no error")
     except ValueError as e:
         assert msg in str(e), e
-
-# %% [markdown]
-# ## Gradient clipping
-#
-# One global norm over all gradients, $\sqrt{\sum_p \lVert g_p \rVert^2}$; if it exceeds `max_norm` every gradient
-# is scaled by `max_norm / norm`. `max_norm = 0` switches clipping off, but the norm is still returned because
-# it is one of the most useful numbers to log. With master weights, clip the fp32 master gradients (after
-# `grads_to_master`). PyTorch's own functions do the work; for FSDP2's DTensor gradients they already reduce
-# over the sharding mesh. **Distributed note:** when parameters are split across pipeline stages (or expert
-# parameters live outside the FSDP mesh), each rank's norm covers only its own parameters. `clip_grad_norm`
-# takes those as `sharded` with the `group` they are split over: their squared norms are summed over the group
-# and added to the squared norm of the replicated `params`, so every rank computes the same global norm and the
-# same scale.
-
-# %%
-#| export
-def clip_grad_norm(params, max_norm: float, sharded=(), group=None) -> torch.Tensor:
-    """Global L2 norm of all gradients (a float tensor); if `max_norm > 0`, scale them so it is at most `max_norm`.
-
-    `params` are replicated on every rank; `sharded` (e.g. expert parameters under expert parallelism) differ
-    between the ranks of `group`, and their squared norms are summed over it."""
-    if max_norm < 0:
-        raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {max_norm} (train.grad_clip)")
-    params = [p for p in params if p.grad is not None]
-    sharded = [p for p in sharded if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if group is not None:
-        part = torch.nn.utils.get_total_norm([p.grad for p in sharded]).to(norm.device) if sharded else norm * 0
-        sq = part.float() ** 2
-        torch.distributed.all_reduce(sq, group=group)
-        norm = (norm.float() ** 2 + sq).sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params + sharded, max_norm, norm)
-    return norm
-
-# %% [markdown]
-# Check against the norm computed by hand in float64, with and without clipping.
-
-# %%
-torch.manual_seed(0)
-ps = [torch.zeros(s, requires_grad=True) for s in ((3, 4), (5,), (2, 2, 2))]
-for p in ps:
-    p.grad = torch.randn(p.shape)
-orig = [p.grad.clone() for p in ps]
-by_hand = math.sqrt(sum((g.double() ** 2).sum().item() for g in orig))
-n0 = clip_grad_norm(ps, 0.0)
-assert abs(n0.item() - by_hand) < 1e-5 and all(torch.equal(p.grad, g) for p, g in zip(ps, orig))
-n1 = clip_grad_norm(ps, 1.0)
-assert abs(n1.item() - by_hand) < 1e-5
-assert abs(math.sqrt(sum((p.grad.double() ** 2).sum().item() for p in ps)) - 1.0) < 1e-5
-assert all(torch.allclose(p.grad, g / by_hand, rtol=1e-5) for p, g in zip(ps, orig))
-clip_grad_norm(ps, 10.0)   # below the limit: unchanged
-assert all(torch.allclose(p.grad, g / by_hand, rtol=1e-6) for p, g in zip(ps, orig))
 
 # %% [markdown]
 # ## Token-weighted cross-entropy

@@ -15,8 +15,8 @@
 # So a checkpoint holds everything the next step depends on:
 #
 # - the **model** and the **optimizer** state (AdamW's moments and step counts);
-# - the trainer's **extras**: the learning-rate scheduler, the fp32 master weights when the model computes
-#   in lower precision, any counter; anything with `state_dict()`/`load_state_dict()`, or a plain value;
+# - the trainer's **extras**: a scheduler, any counter; anything with `state_dict()`/`load_state_dict()`, or a
+#   plain value;
 # - the **step**, which is also the data position, because the dataset is a pure function of the step;
 # - every **random stream** a step may draw from: torch's CPU generator, the current CUDA device's
 #   generator, numpy's and Python's `random`, per rank;
@@ -55,10 +55,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torch.distributed.tensor import DTensor, Shard
-
 from pith_lit import __version__
-from pith_lit.engine.ep import is_expert_param
 from pith_lit.train.config import ExistingFile, InvalidInput, MissingFile
 
 # %%
@@ -294,51 +291,26 @@ def _meta_hash(meta: dict) -> str:
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 # %% [markdown]
-# ## What is saved, and expert-parallel slices
+# ## What is saved
 #
 # The state handed to DCP has four parts: the model's state dict, the optimizer's (flattened to one entry per
 # parameter name, so that pipeline ranks, which hold different parameters, never write different values under a
 # shared key such as `param_groups.0.params`), the extras (each Stateful one as its state dict), and nothing
-# else. Under expert parallelism every rank holds a *slice* of each layer's experts under the same name; handed
-# to DCP as plain tensors, only one rank's slice would be kept. So every expert tensor (model weight, fp32
-# master, Adam moment) is presented as a `DTensor` sharded on its first dimension over the expert-parallel mesh:
-# DCP then writes each slice once, records the global shape, and can load the checkpoint at another expert-parallel
-# size, or in one process. The DTensors share storage with the local tensors, so loading fills them in place.
+# else. In a training run every parameter and every AdamW moment is a DTensor (FSDP2, engine/36): it records its
+# global shape and which rows this rank holds, experts included (they are divided along the expert axis, then
+# sharded over the data ranks). DCP writes each piece once and can load the checkpoint at any other layout: other
+# pipeline, expert- or data-parallel sizes, or one process with plain tensors.
 
 # %%
 #| export
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _ep_view(state: dict, ep_mesh, prefix: str = "") -> dict:
-    "`state` with every expert tensor (dim ≥ 1, under a module named `experts`) as a DTensor sharded over `ep_mesh`."
-    if ep_mesh is None:
-        return state
-    out = {}
-    for k, v in state.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out[k] = _ep_view(v, ep_mesh, name + ".")
-        elif torch.is_tensor(v) and v.dim() >= 1 and is_expert_param(name):
-            out[k] = DTensor.from_local(v, ep_mesh, [Shard(0)], run_check=False)
-        else:
-            out[k] = v
-    return out
-
-
-def _local(state: dict, ep_mesh) -> dict:
-    "`state` with the DTensors `_ep_view` made replaced by their local tensors (the same storage); others kept."
-    if ep_mesh is None:
-        return state
-    return {k: _local(v, ep_mesh) if isinstance(v, dict) else
-            v.to_local() if isinstance(v, DTensor) and v.device_mesh is ep_mesh else v for k, v in state.items()}
-
-
-def _state(model, owner, optimizer, extra: dict, ep_mesh) -> dict:
+def _state(model, optimizer, extra: dict) -> dict:
     "The dict DCP saves or loads into: model, flattened optimizer, extras (Stateful ones as state dicts)."
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(owner, optimizer, options=_FLAT)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=_FLAT)}
     state.update({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in extra.items()})
-    return _ep_view(state, ep_mesh)
+    return state
 
 # %%
 #| export
@@ -348,7 +320,8 @@ def _need_model_type(model_config: dict):
                          "model config as a dict, e.g. dataclasses.asdict(config.model)")
 
 
-def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, keep: int, rng: dict | None) -> Path:
+def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, keep: int, rng: dict | None,
+           layout: dict | None = None) -> Path:
     "Write `state` as `run_dir/ckpt/step_{step:08d}` by the three steps above; no `rng`: a weights-only checkpoint."
     ckpt = Path(run_dir) / "ckpt"
     final, tmp = ckpt / f"step_{step:08d}", ckpt / f".tmp_step_{step:08d}"
@@ -374,7 +347,7 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
     files = {name: entry for part in _gathered(_digests(mine)) for name, entry in part.items()}
     if rank == 0:
         files.update(_digests(sorted(p for p in tmp.iterdir() if p.name not in files)))  # .metadata, any other
-        meta = {"step": step, "pith_lit_version": __version__, "world_size": _world_size(),
+        meta = {"step": step, "pith_lit_version": __version__, "world_size": _world_size(), "layout": layout,
                 "model_config": model_config, "params_sha256": params_hash(shapes)}
         if rng is None:
             meta["weights_only"] = True
@@ -398,15 +371,13 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
 
 
 def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict | None = None, model_config: dict, keep: int = 2,
-         optim_module: torch.nn.Module | None = None, ep_mesh=None) -> Path:
+         extra: dict | None = None, model_config: dict, keep: int = 2, layout: dict | None = None) -> Path:
     """Write `run_dir/ckpt/step_{step:08d}` atomically and keep the newest `keep` checkpoints.
 
-    `extra` maps names to objects with `state_dict()`/`load_state_dict()` (scheduler, fp32 master weights)
-    or to plain values (numbers, strings, tensors). `model_config` is the model's config as a dict,
-    including `model_type`. `optim_module` is the module whose parameters the optimizer updates when that is
-    not `model` (the fp32 `MasterWeights`). `ep_mesh`: the expert-parallel device mesh when each rank holds a
-    slice of every layer's experts. Every rank calls this; returns the checkpoint's path."""
+    `extra` maps names to objects with `state_dict()`/`load_state_dict()` (a scheduler, a counter) or to plain
+    values (numbers, strings, tensors). `model_config` is the model's config as a dict, including `model_type`.
+    `layout` (e.g. the parallel sizes) is recorded in meta.json for the log of a run that loads it elsewhere. Every
+    rank calls this; returns the checkpoint's path."""
     extra = extra or {}
     rng = rng_state()  # first, so that nothing below can advance a generator before it is recorded
     if keep < 1:
@@ -419,9 +390,13 @@ def save(run_dir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.O
     if not optimizer.state:
         raise ValueError(f"save(step={step}) before the optimizer's first step: it has no state to save, and "
                          "creating one would change training. Save after optimizer.step().")
-    owner = model if optim_module is None else optim_module
-    state = _state(model, owner, optimizer, extra, ep_mesh)
-    return _write(run_dir, step, state, _param_shapes(state["model"]), model_config, keep, rng)
+    state = _state(model, optimizer, extra)
+    return _write(run_dir, step, state, _param_shapes(state["model"]), model_config, keep, rng, layout)
+
+
+def saved_layout(path) -> dict | None:
+    "The `layout` that checkpoint `path` was saved with (None if it recorded none)."
+    return _read_meta(Path(path)).get("layout")
 
 # %% [markdown]
 # ## Verifying a checkpoint, and the latest good one
@@ -708,25 +683,25 @@ def _refuse(path: Path, problems: list[str]):
 
 # %%
 #| export
-def load_weights(path, *, model: torch.nn.Module, model_config: dict, ep_mesh=None) -> int:
+def load_weights(path, *, model: torch.nn.Module, model_config: dict) -> int:
     """Restore only the model's weights from checkpoint `path` (a full or a weights-only one); return its step.
 
     The same checks as `load` for the model; no optimizer, extras or RNG are read or changed."""
     path = Path(path)
-    return _load_model(path, *_check_files(path), model, model_config, ep_mesh)
+    return _load_model(path, *_check_files(path), model, model_config)
 
 
-def _load_model(path: Path, meta: dict, index, model, model_config: dict, ep_mesh) -> int:
+def _load_model(path: Path, meta: dict, index, model, model_config: dict) -> int:
     "`load_weights` after the files are checked."
-    model_sd = _ep_view(get_model_state_dict(model), ep_mesh)
+    model_sd = get_model_state_dict(model)
     _refuse(path, _differences(meta, index, model_config, _param_shapes(model_sd), None))
     _dcp(dcp.load, {"model": model_sd}, path)
-    set_model_state_dict(model, _local(model_sd, ep_mesh))
+    set_model_state_dict(model, model_sd)
     return meta["step"]
 
 
 def load(path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None,
-         model_config: dict, optim_module: torch.nn.Module | None = None, ep_mesh=None) -> int:
+         model_config: dict) -> int:
     """Restore model, optimizer, `extra` and every RNG from checkpoint `path`; return its step.
 
     Refuses a damaged checkpoint (`DamagedCheckpoint`, or `FileNotFoundError` for a missing file) or one of
@@ -736,14 +711,12 @@ def load(path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extr
     path, extra = Path(path), extra if extra is not None else {}
     meta, index = _check_files(path)
     if meta.get("weights_only"):
-        return _load_model(path, meta, index, model, model_config, ep_mesh)
-    owner = model if optim_module is None else optim_module
-    state = _state(model, owner, optimizer, extra, ep_mesh)
+        return _load_model(path, meta, index, model, model_config)
+    state = _state(model, optimizer, extra)
     _refuse(path, _differences(meta, index, model_config, _param_shapes(state["model"]), extra))
     _dcp(dcp.load, state, path)
-    state = _local(state, ep_mesh)
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(owner, optimizer, state["optim"], options=_FLAT)
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=_FLAT)
     for k, v in extra.items():
         if isinstance(v, Stateful):
             v.load_state_dict(state[k])

@@ -35,9 +35,12 @@ class RunConfig:
 
 @dataclass
 class ParallelConfig:
-    "How the processes divide the work. pp × dp × cp × ep must equal the number of processes."
+    "How the processes divide the work. pp × dp_replicate × dp × cp × ep must equal the number of processes."
     pp: int = cfg(1, "pipeline-parallel ranks (DualPipeV: rank r holds stages r and 2·pp−1−r)", gt=0)
-    dp: int = cfg(1, "data-parallel ranks", gt=0)
+    dp: int = cfg(1, "data-parallel ranks that shard parameters, gradients and optimizer states among themselves "
+                     "(FSDP2)", gt=0)
+    dp_replicate: int = cfg(1, "HSDP: groups of dp ranks that hold the same shards (replicated across groups, "
+                               "sharded within: the all-gathers stay inside a group, e.g. one node)", gt=0)
     cp: int = cfg(1, "context-parallel ranks; must be 1: context parallelism is not implemented yet", gt=0)
     ep: int = cfg(1, "expert-parallel ranks (the routed experts are divided among them)", gt=0)
     overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one micro-batch beside "
@@ -78,11 +81,16 @@ class TrainConfig:
     lb_coef: float = cfg(0.01, "load-balance loss coefficient (0 disables)", ge=0)
     lb_level: Literal["micro", "global"] = cfg(
         "global", "load-balance expert counts per micro-batch, or over the whole step on all ranks")
-    dtype: Literal["auto", "bfloat16", "float32"] = cfg("auto", "auto = bfloat16 on CUDA, float32 on CPU")
+    dtype: Literal["auto", "bfloat16", "float32", "float64"] = cfg(
+        "auto", "compute dtype: auto = bfloat16 on CUDA, float32 on CPU; float64 is for exact checks on a CPU")
     optim_dtype: Literal["float32", "bfloat16"] = cfg(
         "float32", "when computing in bfloat16: float32 = fp32 master weights and AdamW states; bfloat16 = "
         "update the bf16 weights in place with bf16 states (half the optimizer memory, less exact)")
     compile: bool = cfg(False, "torch.compile stages 1 and 5 of every layer")
+    recompute: Literal["none", "attention", "layer"] = cfg(
+        "none", "recompute activations in backward instead of keeping them: attention = stage 1 of every layer (the "
+        "attention block, norms, router), layer = stages 1 and 3 (the routed experts too); the exchanges are never "
+        "repeated. Less memory for more compute (engine/32_stages)")
 
 
 @dataclass
@@ -174,15 +182,27 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        "Processes the parallel sizes call for: pp × dp × cp × ep."
+        "Processes the parallel sizes call for: pp × dp_replicate × dp × cp × ep."
         p = self.parallel
-        return p.pp * p.dp * p.cp * p.ep
+        return p.pp * p.dp_replicate * p.dp * p.cp * p.ep
+
+    @property
+    def layout(self) -> str:
+        "The parallel sizes as 'pp × dp_replicate × dp × cp × ep', for messages."
+        p = self.parallel
+        return f"{p.pp} × {p.dp_replicate} × {p.dp} × {p.cp} × {p.ep}"
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different data: dp_replicate × dp × ep (expert-parallel ranks share experts, not tokens,
+        so each reads a different part of the batch; cp ranks split one sequence)."""
+        p = self.parallel
+        return p.dp_replicate * p.dp * p.ep
 
     @property
     def num_micro_batches(self) -> int:
-        """Micro-batches per optimizer step on each rank that reads its own data: the dp × ep ranks (expert-parallel
-        ranks share experts, not tokens, so each reads a different part of the batch)."""
-        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp * self.parallel.ep)
+        "Micro-batches per optimizer step on each rank that reads its own data."
+        return self.train.global_batch // (self.train.micro_batch * self.data_ranks)
 
     @property
     def pipelined(self) -> bool:
@@ -213,6 +233,13 @@ class Config:
         if self.train.dtype == "auto":
             return torch.bfloat16 if self.device_type == "cuda" else torch.float32
         return getattr(torch, self.train.dtype)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the parameters the optimizer steps: fp32 masters of a bf16 compute (train.optim_dtype =
+        float32), else the compute dtype itself."""
+        low = self.torch_dtype == torch.bfloat16 and self.train.optim_dtype == "float32"
+        return torch.float32 if low else self.torch_dtype
 
 # %% ../../nbs/train/40_config.ipynb #dc456c12
 def _type_name(t) -> str:
@@ -349,20 +376,20 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
           "run.device = 'cuda', but torch sees no CUDA GPU here; set run.device = cpu (or auto)")
     if world_size is not None:
         _need(cfg.world_size == world_size,
-              f"parallel: pp × dp × cp × ep = {p.pp} × {p.dp} × {p.cp} × {p.ep} = {cfg.world_size}, "
+              f"parallel: pp × dp_replicate × dp × cp × ep = {cfg.layout} = {cfg.world_size}, "
               f"but the world size is {world_size}; choose sizes whose product is {world_size}")
     _need(m.routed_experts % p.ep == 0,  # 0 experts (dense) also passes
           f"parallel.ep = {p.ep}: the model's {m.routed_experts} routed experts are not divisible by it; use one of "
           f"{[k for k in range(1, m.routed_experts + 1) if m.routed_experts % k == 0]}")
-    per_step = t.micro_batch * p.dp * p.ep
+    per_step = t.micro_batch * cfg.data_ranks
     _need(t.global_batch % per_step == 0,
-          f"train.global_batch = {t.global_batch}: not divisible by train.micro_batch × parallel.dp × parallel.ep = "
-          f"{t.micro_batch} × {p.dp} × {p.ep} = {per_step}; use a multiple of {per_step}")
+          f"train.global_batch = {t.global_batch}: not divisible by train.micro_batch × parallel.dp_replicate × dp × "
+          f"ep = {t.micro_batch} × {p.dp_replicate} × {p.dp} × {p.ep} = {per_step}; use a multiple of {per_step}")
     if cfg.pipelined:
         why = f"parallel.pp = {p.pp}" if p.pp > 1 else "parallel.overlap = true"
         _need(cfg.num_micro_batches >= 2 * p.pp,
               f"train.global_batch = {t.global_batch}: gives {cfg.num_micro_batches} micro-batches per step "
-              f"(global_batch / (micro_batch × dp × ep)), but DualPipeV with {why} needs at least 2·pp = {2 * p.pp}; "
+              f"(global_batch / (micro_batch × dp_replicate × dp × ep)), but DualPipeV with {why} needs at least 2·pp = {2 * p.pp}; "
               f"use global_batch >= {2 * p.pp * per_step} or a smaller micro_batch")
         try:        # the split's own rules (engine/30_mesh), checked before anything is built
             stage_layers(m.num_hidden_layers, p.pp, p.pp_stage_layers)

@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['PEAK_FLOPS', 'build_model', 'peak_flops', 'start_distributed', 'StopFlag', 'NonFiniteLoss', 'Run', 'build_run',
-           'aux_div', 'positions_of', 'micro_step', 'build_pipeline', 'clip_grads', 'train_step', 'evaluate',
-           'json_record', 'keep_metrics_until', 'Reporter', 'train', 'greedy_sample']
+           'aux_div', 'positions_of', 'micro_step', 'build_pipeline', 'train_step', 'evaluate', 'json_record',
+           'keep_metrics_until', 'Reporter', 'train', 'greedy_sample']
 
 # %% ../../nbs/train/45_trainer.ipynb #240b8621
 import json
@@ -19,15 +19,17 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..engine.dualpipev import DualPipeV, split_model
-from ..engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_grads, is_expert_param, shard_experts
+from ..engine.ep import EPDispatcher, SyncFreeEPDispatcher, is_expert_param, shard_experts
+from ..engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model, whole
 from ..engine.mesh import Mesh, build_mesh, init_distributed, launch_env
+from ..engine.stages import recompute_layers
 from ..models.protocol import LocalDispatcher, head_loss, run_layers
 from ..ops.attention import doc_positions
 from . import checkpoint
 from .config import Config, ConfigError, UserError, dump_toml, read_toml, to_dict
 from .data import build_dataset, load_tokenizer
 from .load_balance import LoadBalance
-from .optim import MasterWeights, build_optimizer, clip_grad_norm, count_tokens, lr_at
+from .optim import build_optimizer, count_tokens, lr_at
 
 # %% ../../nbs/train/45_trainer.ipynb #8734241e
 def build_model(model_cfg) -> torch.nn.Module:
@@ -61,7 +63,7 @@ def start_distributed(cfg: Config) -> tuple[torch.device, Mesh, bool]:
     "(device, mesh, whether this call started the process group), for the processes the launcher started."
     p, world = cfg.parallel, launch_env()["world"]
     if world != cfg.world_size:
-        raise ConfigError(f"parallel: pp × dp × cp × ep = {p.pp} × {p.dp} × {p.cp} × {p.ep} = {cfg.world_size}, but "
+        raise ConfigError(f"parallel: pp × dp_replicate × dp × cp × ep = {cfg.layout} = {cfg.world_size}, but "
                           f"{world} process(es) were launched; launch {cfg.world_size} (torchrun --nproc-per-node) "
                           "or choose sizes whose product is the number of processes")
     started = not dist.is_initialized()
@@ -69,7 +71,7 @@ def start_distributed(cfg: Config) -> tuple[torch.device, Mesh, bool]:
         _, _, device = init_distributed(p.timeout_s, cfg.device_type)
     else:
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device_type == "cuda" else torch.device("cpu")
-    return device, build_mesh(p.pp, p.dp, p.cp, p.ep, cfg.device_type, p.timeout_s), started
+    return device, build_mesh(p.pp, p.dp, p.cp, p.ep, cfg.device_type, p.timeout_s, p.dp_replicate), started
 
 
 def _sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -106,11 +108,8 @@ class Run:
     device: torch.device
     mesh: Mesh
     started_group: bool            # this process started the process group (and closes it at the end)
-    model: torch.nn.Module         # this rank's stages and expert slices, in the compute dtype
-    master: MasterWeights | None   # fp32 master weights, when the model computes in bf16 with fp32 states
+    model: torch.nn.Module         # this rank's stages and expert slices, sharded by FSDP2 (DTensor parameters)
     optimizer: torch.optim.Optimizer
-    replicated: list               # parameters the optimizer steps that are the same on every rank of `dense`
-    experts: list                  # this rank's expert shards (empty at ep 1)
     data: object
     lb: LoadBalance
     dispatcher: object
@@ -120,6 +119,7 @@ class Run:
     eos: int | None = None         # with data.document_mask, the end-of-document token: positions restart after it
     start: int = 0                 # the step this run resumed from
     resumed_from: Path | None = None   # the checkpoint it resumed from
+    resharded_from: dict | None = None   # the parallel sizes that checkpoint was saved at, where they differ
 
     @property
     def rank(self) -> int:
@@ -131,14 +131,17 @@ class Run:
 
     def ckpt_args(self) -> dict:
         "The keyword arguments of `checkpoint.save` and `checkpoint.load` for this run."
-        ep = self.mesh.device_mesh["ep"] if self.mesh.ep.size() > 1 else None
-        return dict(model=self.model, optimizer=self.optimizer, model_config=to_dict(self.cfg)["model"],
-                    extra={"master": self.master} if self.master is not None else {}, optim_module=self.master,
-                    ep_mesh=ep)
+        return dict(model=self.model, optimizer=self.optimizer, model_config=to_dict(self.cfg)["model"])
+
+    @property
+    def layout(self) -> dict:
+        "The parallel sizes of this run, as checkpoints record them."
+        p = self.cfg.parallel
+        return dict(pp=p.pp, dp_replicate=p.dp_replicate, dp=p.dp, cp=p.cp, ep=p.ep)
 
 
 def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.nn.Module, tuple | None, dict]:
-    "This rank's share of the model, initialised, compiled and cast; its pipeline parts; the whole model's sizes."
+    "This rank's share of the model, initialised, compiled and sharded; its pipeline parts; the whole model's sizes."
     torch.manual_seed(cfg.run.seed)
     with torch.device("meta"):  # shapes only: the whole model costs no memory until this rank has cut out its share
         model = build_model(cfg.model)
@@ -151,11 +154,14 @@ def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.n
         shard_experts(model, mesh.ep.rank(), mesh.ep.size())
     model.to_empty(device=device)
     model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
+    recompute_layers(model.model.layers.values(), cfg.train.recompute)
     if cfg.train.compile:
         for layer in model.model.layers.values():
             layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
             layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
-    return model.to(cfg.torch_dtype), parts, sizes
+    kept = cfg.param_dtype   # what the optimizer steps: fp32 masters, or the compute dtype itself
+    shard_model(model.to(kept), mesh, cfg.torch_dtype if cfg.torch_dtype != kept else None)
+    return model, parts, sizes
 
 
 def _dispatcher(cfg: Config, mesh: Mesh, device: torch.device):
@@ -188,27 +194,20 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     "`build_run` once the process group is up: model, optimizer, data, dispatcher, pipeline, resume."
     model, parts, sizes = _place_model(cfg, mesh, device)
     t = cfg.train
-    master = MasterWeights(model) if cfg.torch_dtype != torch.float32 and t.optim_dtype == "float32" else None
-    stepped = master if master is not None else model   # what the optimizer updates: fp32 masters or the model
-    optimizer = build_optimizer(stepped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps)
-    sharded = mesh.ep.size() > 1
-    named = list(stepped.named_parameters())
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps)
     data, val = build_dataset(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.run.dir) / "cache", t.seq_len,
                               cfg.run.seed, mesh.batch.rank(), mesh.batch.size(), cfg.model.vocab_size,
                               cfg.data.val_frac)
     # deferred: the forward does not wait for the global counts (train/42); their values are settled per step
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=mesh.dense, deferred=True)
-    run = Run(cfg, device, mesh, started, model, master, optimizer,
-              [p for n, p in named if not (sharded and is_expert_param(n))],
-              [p for n, p in named if sharded and is_expert_param(n)], data, lb, _dispatcher(cfg, mesh, device),
-              None, sizes, val, load_tokenizer(cfg.data.tokenizer).eos_id if cfg.data.document_mask else None)
+    run = Run(cfg, device, mesh, started, model, optimizer, data, lb, _dispatcher(cfg, mesh, device), None, sizes, val, load_tokenizer(cfg.data.tokenizer).eos_id if cfg.data.document_mask else None)
     if parts is not None:
         run.pipe = build_pipeline(run, parts)
     last = checkpoint.latest(run.run_dir) if cfg.ckpt.resume else None
     if last is not None:
         run.start, run.resumed_from = checkpoint.load(last, **run.ckpt_args()), last
-        if run.start == 0 and master is not None:  # imported weights (weights-only checkpoint): masters follow
-            master.model_to_master()
+        saved = checkpoint.saved_layout(last)
+        run.resharded_from = saved if saved not in (None, run.layout) else None
     return run
 
 # %% ../../nbs/train/45_trainer.ipynb #9e18ba75
@@ -248,19 +247,6 @@ def build_pipeline(run: Run, parts) -> DualPipeV:
     return DualPipeV(parts, run.mesh.pp, run.dispatcher, loss_fn, aux_fn, run.device)
 
 # %% ../../nbs/train/45_trainer.ipynb #2a137616
-def clip_grads(run: Run, max_norm: float) -> torch.Tensor:
-    "Clip this rank's gradients by the whole model's gradient norm and return the norm."
-    mesh, params = run.mesh, run.replicated + run.experts
-    ep_group = mesh.ep if mesh.ep.size() > 1 else None
-    if mesh.pp.size() == 1:
-        return clip_grad_norm(run.replicated, max_norm, run.experts, ep_group)
-    sq = clip_grad_norm(run.replicated, 0, run.experts, ep_group).float() ** 2
-    norm = _sum(sq, mesh.pp).sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
-
-# %% ../../nbs/train/45_trainer.ipynb #aaa3a5df
 def _forward_backward(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "All micro-batches of `step`, forward and backward: (summed token loss, load-balance loss, global tokens)."
     t, dev, n_micro = run.cfg.train, run.device, run.cfg.num_micro_batches
@@ -268,6 +254,7 @@ def _forward_backward(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, 
     batches = [run.data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro)]
     n_tokens = _sum(sum(count_tokens(y) for _, y in batches).to(dev, torch.float32), run.mesh.dense)
     batches = [(x, y, positions_of(run, x)) for x, y in ((x.to(dev), y.to(dev)) for x, y in batches)]
+    begin_step(run.model)     # gradients are summed over the data ranks once, after the last backward (engine/36)
     if run.pipe is not None:  # sums of this rank's stages: the token loss on pipeline rank 0 only
         ce_sum, aux_sum = run.pipe.step(batches, 1 / n_tokens)
     else:
@@ -275,6 +262,7 @@ def _forward_backward(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, 
         for x, y, positions in batches:
             ce, aux = micro_step(run, x, y, n_tokens, positions)
             ce_sum, aux_sum = ce_sum + ce.double(), aux_sum + aux.double().to(dev)
+    reduce_gradients(run.model)   # sums: the loss divides by the global tokens
     settled = run.lb.settle().to(aux_sum) / (max(run.sizes["moe_layers"], 1) * aux_div(run))  # the deferred terms
     return ce_sum, aux_sum + settled, n_tokens
 
@@ -288,14 +276,9 @@ def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     ce_sum, aux_sum, n_tokens = _forward_backward(run, step)
-    all_reduce_grads(run.model, run.mesh.dense, run.mesh.expert)  # sums: the loss divides by the global tokens
-    if run.master is not None:
-        run.master.grads_to_master()
-    grad_norm = clip_grads(run, t.grad_clip)
+    grad_norm = clip_sharded_grads(list(run.model.parameters()), t.grad_clip, run.mesh.replicate.size())
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    if run.master is not None:
-        run.master.master_to_model()
     balance = [v for k, v in run.lb.stats().items() if k != "lb/mean"] if run.lb.counts else []  # this rank's layers
     stats = torch.cat([torch.stack([ce_sum, aux_sum]).double(), torch.tensor(
         [sum(balance), len(balance), float(stop is not None and stop.set)], dtype=torch.float64, device=run.device)])
@@ -494,6 +477,9 @@ def _opening(run: Run, end: int) -> str:
     cfg, sz = run.cfg, run.sizes
     where = (f"resumed from step {run.start} ({run.resumed_from})" if run.start else
              f"from the weights of {run.resumed_from}" if run.resumed_from else "from scratch")
+    if run.resharded_from:
+        sizes = lambda d: " × ".join(f"{k} {v}" for k, v in d.items())
+        where += f", resharded from {sizes(run.resharded_from)} to {sizes(run.layout)}"
     pipe = f", DualPipeV over {run.mesh.pp.size()} pipeline rank(s)" if run.pipe else ""
     val = "" if run.val is not None and run.mesh.pp.size() == 1 else (
         ", no validation loss (pp > 1 splits the layers)" if run.val is not None else ", no held-out data")
@@ -533,7 +519,7 @@ def _loop(run: Run, report: Reporter, end: int) -> tuple[list[dict], bool]:
                                     f"the latest checkpoint in {run.run_dir / 'ckpt'} is the last good one. Lower "
                                     "train.lr, raise train.warmup or check the data, then rerun to resume from it.")
             if cfg.ckpt.every >= 0 and (last or (cfg.ckpt.every and (step + 1) % cfg.ckpt.every == 0)):
-                checkpoint.save(run.run_dir, step + 1, keep=cfg.ckpt.keep, **run.ckpt_args())
+                checkpoint.save(run.run_dir, step + 1, keep=cfg.ckpt.keep, layout=run.layout, **run.ckpt_args())
             if stopped:
                 report.say(f"stopped by signal after step {step + 1}; checkpoint saved, rerun to resume")
                 return history, True
@@ -541,14 +527,19 @@ def _loop(run: Run, report: Reporter, end: int) -> tuple[list[dict], bool]:
 
 
 def _sample(run: Run, report: Reporter) -> str:
-    "The greedy sample at the end of a run, on rank 0 of an unsplit model; '' otherwise."
+    """The greedy sample at the end of a run of an unsplit model, shown by rank 0; '' otherwise. Every data rank
+    decodes it, since each forward gathers the sharded weights from all of them."""
     n, pp, ep = run.cfg.log.sample_tokens, run.mesh.pp.size(), run.mesh.ep.size()
-    if run.rank != 0 or not n:
+    if not n:
         return ""
     if pp > 1 or ep > 1:
-        report.say(f"no sample: greedy_sample needs the whole model, and pp = {pp}, ep = {ep} split it among the ranks")
+        if run.rank == 0:
+            report.say(f"no sample: greedy_sample needs the whole model, and pp = {pp}, ep = {ep} split it among "
+                       "the ranks")
         return ""
     sample = greedy_sample(run.model, load_tokenizer(run.cfg.data.tokenizer), run.data, n, run.device)
+    if run.rank != 0:
+        return ""
     report.say("sample: " + repr(sample))
     return sample
 
@@ -559,6 +550,6 @@ def greedy_sample(model, tokenizer, data, n_tokens: int, device, prompt_len: int
     x, _ = data.batch(0, 0, 1, 1)
     ids = x[:1, :prompt_len].to(device)
     for _ in range(n_tokens):
-        logits = model.reference_forward(ids)
+        logits, _ = model(ids)
         ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
     return tokenizer.decode(ids[0, prompt_len:].tolist())
