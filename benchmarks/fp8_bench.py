@@ -1,0 +1,232 @@
+"""FP8 expert and dense linear layers (pith_lit.ops.fp8) against bf16, on one GPU (written for an H200, torch 2.11,
+Triton 3.6). Run from the repository root:
+
+    PYTHONPATH=. python benchmarks/fp8_bench.py [--tokens 16384] [--json /tmp/fp8_bench.json] [--no-sweep]
+
+For each model's expert shapes (Qwen3-30B-A3B: hidden 2048, expert FFN 768, 128 experts, top-8; DeepSeek-V2-Lite:
+hidden 2048, expert FFN 1408, 64 experts, top-6) and each projection (gate/up: hidden -> 2·FFN, down: FFN -> hidden),
+with `tokens × top-k` rows from random top-k routing, each expert's rows rounded up to a multiple of 16 (what the
+row-wise path needs; the same counts for every case):
+
+- forward + backward through autograd (quantization included) of bf16 `F.grouped_mm`, `fp8_grouped_linear` with the
+  block-scaled Triton kernels, and with the row-wise `torch._scaled_grouped_mm`; TFLOP/s count 3 products of
+  2·rows·in·out each; relative errors (Frobenius) of y, dx, dw against an fp32 per-expert reference on the same bf16
+  inputs;
+- the forward GEMM alone on operands quantized beforehand (bf16 grouped_mm, Triton block-scaled, row-wise);
+- the quantization passes alone, in GB/s (bytes read + written);
+- a tile sweep of the Triton forward GEMM and weight-gradient GEMM (Qwen3's gate/up shape), printing the best.
+
+Then the dense layer: `fp8_linear` (F.scaled_mm with 1x128 / 128x128 block scales) forward + backward and the forward
+`F.scaled_mm` alone, against bf16 `F.linear` / `torch.mm`, at 16K tokens × (2048 -> 4096) and (4096 -> 2048).
+
+Every case runs inside try/except: a failure prints its error and the rest still runs. Times are medians of
+`triton.testing.do_bench`. Nothing here is a test; the numbers go to benchmarks/RESULTS.md with the date and GPU.
+"""
+import argparse
+import datetime
+import json
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from pith_lit.ops import fp8
+from pith_lit.ops.fp8 import GemmConfig
+
+DEV = "cuda"
+MODELS = {"qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, top_k=8),
+          "deepseek-v2-lite": dict(hidden=2048, ffn=1408, experts=64, top_k=6)}
+SWEEP = [GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 4), GemmConfig(128, 128, 128, 8, 5),
+         GemmConfig(128, 128, 128, 4, 4), GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 4, 4),
+         GemmConfig(64, 128, 128, 4, 4), GemmConfig(128, 256, 128, 8, 3), GemmConfig(256, 128, 128, 8, 3),
+         GemmConfig(64, 256, 128, 8, 3)]
+ROWS = []
+
+
+def rel(a, b):
+    "‖a − b‖ / ‖b‖ in fp32 (the tensors here are too large for float64 copies to be cheap)."
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def report(group, case, ms=None, flops=None, nbytes=None, errs=None, note=""):
+    row = dict(group=group, case=case, ms=ms, tflops=flops / ms / 1e9 if ms and flops else None,
+               gbps=nbytes / ms / 1e6 if ms and nbytes else None, **(errs or {}), note=note)
+    ROWS.append(row)
+    fmt = lambda v, f: format(v, f) if isinstance(v, float) else "-"
+    errs_s = " ".join(f"{k}={v:.2e}" for k, v in (errs or {}).items())
+    print(f"{group:36s} {case:34s} {fmt(ms, '9.3f')} ms  {fmt(row['tflops'], '7.1f')} TFLOP/s  "
+          f"{fmt(row['gbps'], '7.1f')} GB/s  {errs_s} {note}", flush=True)
+
+
+def run(group, case, fn):
+    "Run one case; on failure print the error and go on."
+    try:
+        fn()
+    except Exception as e:  # a benchmark keeps going; the error is printed in full
+        report(group, case, note=f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        print("".join(traceback.format_exception(e, limit=-4))[:3000], flush=True)
+    torch.cuda.empty_cache()
+
+
+def routed_counts(tokens, experts, top_k, seed=0):
+    "Rows per expert from random top-k routing, each rounded up to a multiple of 16 (int64, on the GPU)."
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ids = torch.randn(tokens, experts, device=DEV, generator=g).topk(top_k, dim=1).indices
+    counts = torch.bincount(ids.flatten(), minlength=experts)
+    return (counts + 15) // 16 * 16
+
+
+def reference(x, w, counts, dy):
+    "y, dx, dw in fp32, one expert at a time, from the bf16 inputs."
+    bounds = [0] + counts.cumsum(0).tolist()
+    y = torch.empty(x.shape[0], w.shape[1], device=DEV)
+    dx = torch.empty(x.shape, device=DEV)
+    dw = torch.empty(w.shape, device=DEV)
+    for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        xe, we, ge = x[a:b].float(), w[e].float(), dy[a:b].float()
+        y[a:b], dx[a:b], dw[e] = xe @ we.T, ge @ we, ge.T @ xe
+    return y, dx, dw
+
+
+def bench_experts(name, shape, tokens, sweep):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    counts = routed_counts(tokens, shape["experts"], shape["top_k"])
+    offs = counts.cumsum(0).to(torch.int32)
+    n = int(counts.sum())
+    print(f"\n{name}: {tokens} tokens x top-{shape['top_k']} -> {n} rows over {shape['experts']} experts "
+          f"(min {int(counts.min())}, max {int(counts.max())} rows per expert)")
+    for proj, (n_in, n_out) in {"gate_up": (shape["hidden"], 2 * shape["ffn"]),
+                                "down": (shape["ffn"], shape["hidden"])}.items():
+        group = f"{name} {proj} {n_in}->{n_out}"
+        g = torch.Generator(device=DEV).manual_seed(1)
+        x = torch.randn(n, n_in, device=DEV, generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(shape["experts"], n_out, n_in, device=DEV, generator=g) / n_in ** 0.5).bfloat16()
+        w.requires_grad_()
+        dy = torch.randn(n, n_out, device=DEV, generator=g).bfloat16()
+        ref = reference(x.detach(), w.detach(), counts, dy)
+        flops = 2 * n * n_in * n_out
+
+        def fwd_bwd(case, layer):
+            def go():
+                y = layer()
+                dx, dw = torch.autograd.grad(y, (x, w), dy)
+                errs = dict(err_y=rel(y, ref[0]), err_dx=rel(dx, ref[1]), err_dw=rel(dw, ref[2]))
+                ms = do_bench(lambda: torch.autograd.grad(layer(), (x, w), dy), return_mode="median")
+                report(group, case, ms, 3 * flops, errs=errs)
+            run(group, case, go)
+
+        fwd_bwd("bf16 grouped_mm fwd+bwd", lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs))
+        fwd_bwd("fp8 triton fwd+bwd", lambda: fp8.fp8_grouped_linear(x, w, counts, impl="triton"))
+        fwd_bwd("fp8 rowwise fwd+bwd", lambda: fp8.fp8_grouped_linear(x, w, counts, impl="rowwise"))
+
+        xd, wd = x.detach(), w.detach()
+
+        def fwd_only(case, gemm):
+            def go():
+                y = gemm()
+                ms = do_bench(gemm, return_mode="median")
+                report(group, case, ms, flops, errs=dict(err_y=rel(y, ref[0])))
+            run(group, case, go)
+
+        fwd_only("bf16 grouped_mm fwd GEMM", lambda: F.grouped_mm(xd, wd.transpose(-2, -1), offs=offs))
+        q = {}
+        run(group, "quantize x and w", lambda: q.update(a=fp8.quantize_act(xd), w=fp8.quantize_weight(wd)))
+        if q:
+            fwd_only("fp8 triton fwd GEMM",
+                     lambda: fp8.fp8_grouped_mm(q["a"].q, q["a"].s, *q["w"], counts, torch.bfloat16))
+        def rowwise_gemm():
+            qx, sx = fp8._rowwise(xd)
+            qwr, swr = fp8._rowwise(wd)
+            return lambda: torch._scaled_grouped_mm(qx, qwr.transpose(-2, -1), sx, swr, offs=offs,
+                                                    out_dtype=torch.bfloat16)
+        run(group, "fp8 rowwise fwd GEMM", lambda: fwd_only("fp8 rowwise fwd GEMM", rowwise_gemm()))
+
+        def quant(case, fn, nbytes):
+            run(group, case, lambda: report(group, case, do_bench(fn, return_mode="median"), nbytes=nbytes))
+        quant("quantize_act rows+cols", lambda: fp8.quantize_act(xd, counts, rows=True, cols=True),
+              n * n_in * (2 + 1 + 1))
+        quant("quantize_act rows", lambda: fp8.quantize_act(xd), n * n_in * (2 + 1))
+        quant("quantize_weight", lambda: fp8.quantize_weight(wd), wd.numel() * (2 + 1))
+        quant("quantize_weight transposed", lambda: fp8.quantize_weight(wd, transposed=True), wd.numel() * (2 + 1))
+
+        if sweep and q and proj == "gate_up" and name == next(iter(MODELS)):
+            g8 = fp8.quantize_act(dy, counts, rows=False, cols=True)
+            a8 = fp8.quantize_act(xd, counts, rows=False, cols=True)
+            for kind, fn in [("fwd GEMM", lambda c: fp8.fp8_grouped_mm(q["a"].q, q["a"].s, *q["w"], counts,
+                                                                      torch.bfloat16, c)),
+                             ("wgrad GEMM", lambda c: fp8.fp8_grouped_wgrad(g8.qt, g8.st, a8.qt, a8.st, counts,
+                                                                           torch.bfloat16, c))]:
+                best = None
+                for cfg in SWEEP:
+                    case = f"sweep {kind} {tuple(cfg)}"
+                    def go(cfg=cfg, case=case):
+                        nonlocal best
+                        ms = do_bench(lambda: fn(cfg), return_mode="median")
+                        report(group, case, ms, flops)
+                        if best is None or ms < best[1]:
+                            best = (cfg, ms)
+                    run(group, case, go)
+                if best:
+                    print(f"best {kind}: {best[0]} {best[1]:.3f} ms, {flops / best[1] / 1e9:.1f} TFLOP/s "
+                          f"(default {GemmConfig()})")
+
+
+def bench_dense(tokens):
+    for n_in, n_out in [(2048, 4096), (4096, 2048)]:
+        group = f"dense {tokens}x{n_in}->{n_out}"
+        g = torch.Generator(device=DEV).manual_seed(2)
+        x = torch.randn(tokens, n_in, device=DEV, generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(n_out, n_in, device=DEV, generator=g) / n_in ** 0.5).bfloat16().requires_grad_()
+        dy = torch.randn(tokens, n_out, device=DEV, generator=g).bfloat16()
+        xf, wf, gf = x.detach().float(), w.detach().float(), dy.float()
+        ref = (xf @ wf.T, gf @ wf, gf.T @ xf)
+        flops = 2 * tokens * n_in * n_out
+        for case, layer in [("bf16 linear fwd+bwd", lambda: F.linear(x, w)),
+                            ("fp8_linear scaled_mm fwd+bwd", lambda: fp8.fp8_linear(x, w, impl="scaled_mm"))]:
+            def go(layer=layer, case=case):
+                y = layer()
+                dx, dw = torch.autograd.grad(y, (x, w), dy)
+                errs = dict(err_y=rel(y, ref[0]), err_dx=rel(dx, ref[1]), err_dw=rel(dw, ref[2]))
+                ms = do_bench(lambda: torch.autograd.grad(layer(), (x, w), dy), return_mode="median")
+                report(group, case, ms, 3 * flops, errs=errs)
+            run(group, case, go)
+        xd, wd = x.detach(), w.detach()
+        def go_mm():
+            ms = do_bench(lambda: torch.mm(xd, wd.T), return_mode="median")
+            report(group, "bf16 mm fwd GEMM", ms, flops, errs=dict(err_y=rel(torch.mm(xd, wd.T), ref[0])))
+        run(group, "bf16 mm fwd GEMM", go_mm)
+        def go_scaled():
+            a, (qw, sw) = fp8.quantize_act(xd), fp8.quantize_weight(wd)
+            gemm = lambda: fp8._scaled_mm_blockwise(a.q, a.s, qw, sw)
+            ms = do_bench(gemm, return_mode="median")
+            report(group, "F.scaled_mm 1x128/128x128 fwd GEMM", ms, flops, errs=dict(err_y=rel(gemm(), ref[0])))
+        run(group, "F.scaled_mm 1x128/128x128 fwd GEMM", go_scaled)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per step (rows = tokens x top-k)")
+    parser.add_argument("--json", help="also write the rows, with the GPU and versions, to this file")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("fp8_bench needs a CUDA GPU (sm90 for the FP8 tensor cores)")
+    env = dict(gpu=torch.cuda.get_device_name(), capability=torch.cuda.get_device_capability(),
+               torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat(),
+               tokens=args.tokens)
+    print(env)
+    for name in args.models.split(","):
+        run(name, "setup", lambda: bench_experts(name, MODELS[name], args.tokens, not args.no_sweep))
+    run("dense", "setup", lambda: bench_dense(args.tokens))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(env=env, rows=ROWS), f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

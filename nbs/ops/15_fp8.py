@@ -1,0 +1,1079 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # FP8 linear layers
+#
+# The expert projections are most of a MoE layer's FLOPs, and an H200's tensor cores multiply FP8 at twice their
+# bf16 rate. This notebook is the FP8 path for them, following DeepSeek-V3's recipe:
+#
+# - values in **E4M3** (`torch.float8_e4m3fn`: 4 exponent bits, 3 mantissa bits, largest finite value 448);
+# - one fp32 scale per **1×128 tile** of an activation (a row piece along the reduction dimension K) and per
+#   **128×128 block** of a weight, each a **power of two** `s = 2^ceil(log2(amax/448))`, so that `x/s` fits in ±448
+#   and dividing by `s` changes no mantissa bit;
+# - matmuls that multiply FP8 on the tensor cores and **promote** the partial sums to fp32 every 128 of K, where the
+#   scales are applied: `acc += dot(a, b) * (s_a · s_b)`.
+#
+# A linear layer needs three products, and each quantizes its operands along its own reduction dimension:
+#
+# | product | A (rows × K) | B (cols × K) | K is |
+# |---|---|---|---|
+# | forward `Y = X Wᵀ` | X, 1×128 tiles | W, 128×128 blocks | in features |
+# | input gradient `dX = dY W` | dY, 1×128 tiles | Wᵀ, 128×128 blocks | out features |
+# | weight gradient `dW = dYᵀ X` | dYᵀ, tiles of 128 tokens | Xᵀ, tiles of 128 tokens | tokens |
+#
+# A weight block is square, so Wᵀ's blocks are W's blocks transposed, with the same scales and values. The weight
+# gradient reduces over tokens: X and dY are quantized a second time, along the other dimension (the *transposed*
+# quantization), in tiles of 128 tokens that start at each expert's first row.
+#
+# What is here: the torch reference (quantize, dequantize, multiply in float64); Triton kernels that quantize
+# (activations both ways in one pass, weights in either layout); a grouped FP8 GEMM over rows grouped by expert and
+# a grouped weight-gradient GEMM over tokens grouped by expert, both without a host sync; `fp8_grouped_linear`, the
+# autograd function for the experts, whose weight gradient can wait in ops/grouped_linear's `WeightGradQueue`;
+# a row-wise alternative through `torch._scaled_grouped_mm`; and `fp8_linear`, the dense layer through
+# `F.scaled_mm`. On a CPU the kernels run under the Triton interpreter, which is how the checks run in CI.
+
+# %%
+#| default_exp ops.fp8
+
+# %%
+#| export
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pith_lit.ops.grouped_linear import WeightGradQueue
+
+# %% [markdown]
+# The checks below run on the GPU when there is one (compiled kernels), otherwise on the CPU under the Triton
+# interpreter, which must be switched on in the environment before Triton is imported.
+
+# %%
+import os
+import time
+
+# %%
+if torch.cuda.is_available():
+    torch.set_default_device("cuda")
+else:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "on a CPU, run this notebook with TRITON_INTERPRET=1 set"
+T0 = time.time()
+
+# %% [markdown]
+# ## The reference: scales, quantization, dequantization
+#
+# For a block with largest magnitude `amax`, the scale is the smallest power of two `s` with `amax / s ≤ 448`. The
+# exponent is clamped to [−126, 126], so both `s` and `1/s` are normal fp32 numbers; an all-zero block gets
+# `s = 2⁻¹²⁶` and quantizes to zeros. Dequantization is `q · s`.
+#
+# `quantize_ref` quantizes the last two dimensions of a tensor in blocks of any shape: `(1, 128)` for activation
+# tiles, `(128, 128)` for weight blocks, `(128, 1)` for the token tiles of the weight gradient. Edge blocks are
+# partial: padding counts as zero and is cut off again. It clamps to ±448 before the cast (torch 2.11's CUDA cast
+# turns values beyond it into NaN), which changes nothing here since `|x/s| ≤ 448` by construction.
+
+# %%
+#| export
+E4M3_MAX = 448.0            # largest finite torch.float8_e4m3fn
+FP8 = torch.float8_e4m3fn
+
+
+def pow2_scale(amax: Tensor) -> Tensor:
+    "fp32 scales `2^ceil(log2(amax/448))`, exponent clamped to [-126, 126] (so an all-zero block gets 2^-126)."
+    return torch.exp2(torch.ceil(torch.log2(amax.double() / E4M3_MAX)).clamp(-126, 126)).float()
+
+
+def quantize_ref(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """E4M3 values (x's shape) and fp32 scales, one per `block` (rows, cols) of the last two dimensions:
+    scale shape `(..., ceil(R/rows), ceil(C/cols))`. Plain torch, the definition the kernels are checked against."""
+    br, bc = block
+    R, C = x.shape[-2:]
+    padded = F.pad(x.float(), (0, -C % bc, 0, -R % br))
+    blocks = padded.unflatten(-1, (-1, bc)).unflatten(-3, (-1, br))        # (..., R/br, br, C/bc, bc)
+    s = pow2_scale(blocks.abs().amax(dim=(-3, -1)))                        # (..., R/br, C/bc)
+    q = (blocks / s[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.flatten(-2).flatten(-3, -2)[..., :R, :C], s
+
+
+def dequantize_ref(q: Tensor, s: Tensor, block: tuple[int, int], dtype=torch.float64) -> Tensor:
+    "`q · s` with each scale spread over its block, in `dtype`."
+    R, C = q.shape[-2:]
+    full = s.to(dtype).repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    return q.to(dtype) * full[..., :R, :C]
+
+
+def fake_quant(x: Tensor, block: tuple[int, int], dtype=torch.float64) -> Tensor:
+    "What the FP8 matmuls see of `x`: quantized in `block`s, then dequantized."
+    return dequantize_ref(*quantize_ref(x, block), block, dtype)
+
+# %% [markdown]
+# Known values first. With a row maximum of 448 the scale is 1 and E4M3 rounding shows directly: 3 mantissa bits,
+# ties to even, subnormals in steps of 2⁻⁹ below 2⁻⁶. A row maximum just above 448 doubles the scale; an all-zero
+# row gets the smallest scale; a row maximum of 1 gets 2⁻⁸ (1/2⁻⁸ = 256 ≤ 448 < 512).
+
+# %%
+def quantized_values(row):
+    "Quantize one row (1x128 tiles) and return (q as floats, scales)."
+    q, s = quantize_ref(torch.tensor([row], device="cpu"), (1, 128))
+    return q.float()[0].tolist(), s[0].tolist()
+
+vals, s = quantized_values([448.0, 31.5, 17.0, 19.0, -400.0, 0.0013, -0.0013, 2.0 ** -10])
+assert s == [1.0] and vals == [448.0, 32.0, 16.0, 20.0, -384.0, 2.0 ** -9, -(2.0 ** -9), 0.0], vals
+assert quantized_values([449.0, 1.0])[1] == [2.0]
+assert quantized_values([0.0] * 5) == ([0.0] * 5, [2.0 ** -126])
+assert quantized_values([1.0, -0.5])[1] == [2.0 ** -8]
+assert quantized_values([1.0] * 130)[1] == [2.0 ** -8, 2.0 ** -8]          # two tiles, the second partial
+
+# %% [markdown]
+# How far is the quantized product from the exact one? A normal E4M3 value is off by at most 2⁻⁴ of itself
+# (half a step of 3 mantissa bits), about 2.5% root-mean-square for Gaussian data. Errors of independent
+# elements add in quadrature along K, and both operands contribute, so the product of two quantized Gaussian
+# matrices is off by about √2 · 2.5% ≈ 3.5–4% in relative Frobenius norm. The checks below assert **under 5%**
+# against the unquantized float64 product, and that the kernels match the quantized reference to fp32 rounding.
+
+# %%
+def rel_err(a, b):
+    "‖a − b‖ / ‖b‖ in float64 (0 when both are zero)."
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+def randn(seed, *shapes):
+    "Standard normal tensors of the given shapes from one seeded CPU generator, on the default device."
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(*s, generator=g, device="cpu").to(torch.get_default_device()) for s in shapes]
+
+x, w = randn(0, (200, 384), (160, 384))
+err = rel_err(fake_quant(x, (1, 128)) @ fake_quant(w, (128, 128)).T, x.double() @ w.double().T)
+print(f"quantized vs exact product: relative error {err:.4f}")
+assert 0.01 < err < 0.05, err
+
+# %% [markdown]
+# ## Rounding onto E4M3 in Triton
+#
+# The interpreter's fp32→E4M3 cast is wrong for about 8% of values (ties away from zero, a lost carry that turns
+# 31.5 into 16, truncated subnormals). A value already on the E4M3 grid casts correctly, so `_to_e4m3` rounds in fp32
+# first: clamp to ±448; for normal values round the fp32 bit pattern to 3 mantissa bits, ties to even (add
+# `0x7FFFF` plus the lowest kept bit, clear the 20 dropped bits); below 2⁻⁶ round to a multiple of 2⁻⁹ by adding
+# and subtracting 1.5·2¹⁴, where fp32's step is exactly 2⁻⁹. The GPU's saturating cast gives the same values for
+# finite input, so the same code runs on both.
+#
+# `_pow2_scale` computes the scale from fp32 bits instead of `log2` and a division (both approximate on the GPU):
+# with `amax = m · 2^e`, `1 ≤ m < 2`, the smallest `s = 2^k` with `amax ≤ 448 · 2^k = 1.75 · 2^(k+8)` is
+# `k = e − 8`, plus one when the mantissa exceeds 1.75's (`0x600000`). It returns `s` and `1/s`, both built from
+# their exponent bits, so `x · (1/s)` is exact.
+
+# %%
+#| export
+@triton.jit
+def _to_e4m3(x):
+    "fp32 → E4M3, round to nearest even, saturating at ±448 (exact under the interpreter too)."
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal).to(tl.float8e4nv)
+
+
+@triton.jit
+def _pow2_scale(amax):
+    "(s, 1/s) for s = 2^ceil(log2(amax/448)), exponent clamped to [-126, 126], from the bits of amax >= 0."
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.minimum(tl.maximum(k, -126), 126)
+    return ((k + 127) << 23).to(tl.float32, bitcast=True), ((127 - k) << 23).to(tl.float32, bitcast=True)
+
+# %% [markdown]
+# ## Quantizing activations: the tile schedule
+#
+# Rows arrive grouped by expert, `counts[e]` rows each (ops/permute), and the counts live on the device. A kernel
+# that works on 128-row tiles of one expert at a time finds its tile without asking the host: with
+# `tile_offs = [0, cumsum(ceil(counts / BM))]` (computed by torch on the device), program `t` belongs to expert
+# `e = #{j : tile_offs[j+1] ≤ t}`, one vector compare over the experts, and covers rows
+# `row_offs[e] + (t − tile_offs[e])·BM + [0, BM)`, masked to the expert's end. The grid is an upper bound,
+# `ceil(M / BM) + E − 1` tiles (each expert wastes at most one partial tile); programs past the last tile return.
+#
+# `_quant_act_kernel` reads a 128×128 tile once and writes what is asked:
+#
+# - **rows** (`ROWS`): 1×128 tiles along K, values in x's layout `(M, K)`, scales `(ceil(K/128), M)` in memory,
+#   handed out as an `(M, ceil(K/128))` view with strides `(1, M)` (M-major, the layout `F.scaled_mm` wants);
+# - **columns** (`COLS`): tiles of 128 tokens per expert, for the weight gradient. These are written transposed,
+#   `(K, 128·T)` with tile `t` in columns `[128t, 128t + 128)`, zero past the expert's last row, and scales
+#   `(T, K)`. Both operands of the weight-gradient GEMM then read whole, aligned, K-contiguous tiles with no mask.
+#   The padding costs at most one tile per expert.
+#
+# Rows past the last expert (a buffer sized by a bound) belong to no tile and are not quantized. With no counts the
+# whole tensor is one group.
+
+# %%
+#| export
+@triton.jit
+def _expert_of_tile(t, tile_offs_ptr, E, E_P2: tl.constexpr):
+    "The expert that tile t belongs to (E when t is past the last tile): #{e : tile_offs[e+1] <= t}."
+    lanes = tl.arange(0, E_P2)
+    ends = tl.load(tile_offs_ptr + 1 + lanes, mask=lanes < E, other=2147483647)
+    return tl.sum((ends <= t).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_offs_ptr, tile_offs_ptr, M, K, E, LDT,
+                      ROWS: tl.constexpr, COLS: tl.constexpr, E_P2: tl.constexpr):
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
+    if e >= E:
+        return
+    r = tl.arange(0, 128)
+    rows = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * 128 + r
+    row_ok = rows < tl.load(row_offs_ptr + e + 1)
+    cols = kb * 128 + r
+    col_ok = cols < K
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if ROWS:
+        s, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))
+        tl.store(q_ptr + offs, _to_e4m3(x * inv[:, None]), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(s_ptr + kb * M + rows, s, mask=row_ok)
+    if COLS:
+        s, inv = _pow2_scale(tl.max(tl.abs(x), axis=0))
+        qt = _to_e4m3(x * inv[None, :])                           # rows past the expert's end are zero
+        tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * 128 + r)[:, None], qt, mask=col_ok[None, :])
+        tl.store(st_ptr + t * K + cols, s, mask=col_ok)
+
+
+def _schedule(counts: Tensor, bm: int) -> tuple[Tensor, Tensor]:
+    "row_offs and tile_offs (both (E+1,) int32, on counts' device, no host sync) for tiles of `bm` rows."
+    row_offs = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    tile_offs = F.pad(((counts + bm - 1) // bm).cumsum(0), (1, 0)).to(torch.int32)
+    return row_offs, tile_offs
+
+
+def _max_tiles(M: int, E: int, bm: int) -> int:
+    "An upper bound on sum(ceil(counts / bm)) when sum(counts) <= M: each expert adds at most one partial tile."
+    return triton.cdiv(M, bm) + E - 1
+
+
+def _e_p2(E: int) -> int:
+    return max(2, triton.next_power_of_2(E))
+
+
+class Fp8Act(NamedTuple):
+    "An activation quantized for the FP8 matmuls; the parts not asked for are None."
+    q: Tensor | None     # (M, K) e4m3, 1x128 tiles along K
+    s: Tensor | None     # (M, ceil(K/128)) fp32 view with strides (1, M)
+    qt: Tensor | None    # (K, 128·T) e4m3: tiles of 128 tokens per expert, transposed, zero-padded
+    st: Tensor | None    # (T, K) fp32, scale of column k in token tile t
+
+
+def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, cols: bool = False) -> Fp8Act:
+    """Quantize `x (M, K)` in one pass: along K in 1x128 tiles (`rows`) and/or along tokens in tiles of 128 rows that
+    start at each expert's first row (`cols`; `counts (E,)` int64 rows per expert, None = one group of all M rows)."""
+    M, K = x.shape
+    x = x.contiguous()
+    counts = x.new_full((1,), M, dtype=torch.int64) if counts is None else counts
+    E, T, KB = counts.numel(), _max_tiles(M, counts.numel(), 128), triton.cdiv(K, 128)
+    row_offs, tile_offs = _schedule(counts, 128)
+    q = torch.empty(M, K, dtype=FP8, device=x.device) if rows else None
+    s = torch.empty(KB, M, dtype=torch.float32, device=x.device) if rows else None
+    qt = torch.empty(K, 128 * T, dtype=FP8, device=x.device) if cols else None
+    st = torch.empty(T, K, dtype=torch.float32, device=x.device) if cols else None
+    if T * KB > 0 and (rows or cols):
+        _quant_act_kernel[(T, KB)](x, q, s, qt, st, row_offs, tile_offs, M, K, E, 128 * T,
+                                   ROWS=rows, COLS=cols, E_P2=_e_p2(E), num_warps=8)
+    return Fp8Act(q, s.t() if rows else None, qt, st)
+
+# %% [markdown]
+# The row quantization must equal the reference exactly, at sizes that are no multiple of 128 (the last tile is
+# partial in both directions). The column quantization must equal the reference applied to each expert's rows
+# separately, laid out in the expert's tiles, and be zero in the padding. The counts have an empty expert, a
+# one-row expert, and rows past the last expert. (Equality is compared on values: the rounding trick gives +0
+# where torch gives −0 for tiny negatives.)
+
+# %%
+def check_quantize_act(counts, M, K, seed):
+    (x,) = randn(seed, (M, K))
+    x = x * torch.logspace(-3, 3, M)[:, None]                           # rows of very different sizes
+    x[3, :] = 0                                                          # an all-zero row: smallest scale, zeros
+    counts = torch.tensor(counts)
+    a = quantize_act(x, counts, rows=True, cols=True)
+    q, s = quantize_ref(x, (1, 128))
+    bounds = [0] + counts.cumsum(0).tolist()
+    n = bounds[-1]                                                       # rows past it are not quantized
+    assert torch.equal(a.q[:n].float(), q[:n].float()) and torch.equal(a.s[:n], s[:n]), "row quantization"
+    assert a.s.stride() == (1, M)
+    whole = quantize_act(x)                                             # no counts: every row
+    assert torch.equal(whole.q.float(), q.float()) and torch.equal(whole.s, s)
+    tile = [0] + ((counts + 127) // 128).cumsum(0).tolist()
+    for e in range(len(counts)):
+        n, t0, t1 = bounds[e + 1] - bounds[e], tile[e], tile[e + 1]
+        q, s = quantize_ref(x[bounds[e]:bounds[e + 1]], (128, 1))
+        assert torch.equal(a.qt[:, 128 * t0:128 * t0 + n].float(), q.float().T), f"expert {e} column values"
+        assert torch.equal(a.st[t0:t1], s), f"expert {e} column scales"
+        assert (a.qt[:, 128 * t0 + n:128 * t1].float() == 0).all(), f"expert {e} padding"
+
+check_quantize_act([70, 0, 1, 131], 212, 200, seed=1)     # 10 rows past the last expert; K = 128 + 72
+check_quantize_act([5], 5, 130, seed=2)
+a = quantize_act(torch.randn(0, 64), rows=True, cols=True)
+assert a.q.shape == (0, 64) and a.qt.shape == (64, 0)
+print("activation quantization (rows, and columns per expert) equals the reference")
+
+# %% [markdown]
+# Single values, as in the known-value check above (a 448 in the row sets the scale to 1): ties, the carry case
+# 31.5, subnormals, and 8192 random values spread over every binade, all against torch's cast.
+
+# %%
+g = torch.Generator(device="cpu").manual_seed(3)
+vals = torch.randn(64, 128, generator=g, device="cpu")
+vals = (vals * torch.exp2(torch.randint(-12, 8, (64, 128), generator=g, device="cpu").float())).clamp(-448, 448)
+vals[:, 0] = 448.0
+vals[0, 1:8] = torch.tensor([31.5, -124.0, -400.0, 0.0013, 2.0 ** -10 * 3, 17.0, 19.0])
+got = quantize_act(vals.to(torch.get_default_device())).q.float().cpu()
+assert torch.equal(got, vals.to(FP8).float()), (got != vals.to(FP8).float()).sum()
+assert got[0, 1:8].tolist() == [32.0, -128.0, -384.0, 2.0 ** -9, 2.0 ** -8, 16.0, 20.0]
+
+# %% [markdown]
+# ## Quantizing weights
+#
+# One program per 128×128 block of one expert's `(N, K)` weight: the block's maximum gives one scale. With
+# `TRANS` the kernel writes the block transposed, so the result is the quantization of `Wᵀ`, `(E, K, N)` with
+# scales `(E, ceil(K/128), ceil(N/128))`, ready as the K-contiguous B operand of the input gradient. A 2-D weight is
+# one expert.
+
+# %%
+#| export
+@triton.jit
+def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, TRANS: tl.constexpr):
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    kb = tl.program_id(2)
+    n = nb * 128 + tl.arange(0, 128)
+    k = kb * 128 + tl.arange(0, 128)
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    base = e.to(tl.int64) * N * K
+    w = tl.load(w_ptr + base + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    s, inv = _pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+    q = _to_e4m3(w * inv)
+    NB, KB = tl.cdiv(N, 128), tl.cdiv(K, 128)
+    if TRANS:
+        tl.store(q_ptr + base + k[None, :] * N + n[:, None], q, mask=mask)
+        tl.store(s_ptr + (e * KB + kb) * NB + nb, s)
+    else:
+        tl.store(q_ptr + base + n[:, None] * K + k[None, :], q, mask=mask)
+        tl.store(s_ptr + (e * NB + nb) * KB + kb, s)
+
+
+def quantize_weight(w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """128x128-block quantization of `w (E, N, K)` or `(N, K)`: e4m3 values of w's shape and scales
+    `(E, ceil(N/128), ceil(K/128))` (no E for 2-D). With `transposed`, those of `wᵀ`: `(E, K, N)`, scales transposed."""
+    w3 = w.contiguous() if w.dim() == 3 else w.contiguous()[None]
+    E, N, K = w3.shape
+    NB, KB = triton.cdiv(N, 128), triton.cdiv(K, 128)
+    shape, sshape = ((E, K, N), (E, KB, NB)) if transposed else ((E, N, K), (E, NB, KB))
+    q = torch.empty(shape, dtype=FP8, device=w.device)
+    s = torch.empty(sshape, dtype=torch.float32, device=w.device)
+    if E * NB * KB > 0:
+        _quant_weight_kernel[(E, NB, KB)](w3, q, s, N, K, TRANS=transposed, num_warps=8)
+    return (q, s) if w.dim() == 3 else (q[0], s[0])
+
+# %% [markdown]
+# Against the reference, at sizes with partial blocks; the transposed layout must hold the same blocks.
+
+# %%
+(w,) = randn(4, (3, 200, 260))
+w = w * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]                # experts of very different sizes
+q, s = quantize_weight(w)
+qr, sr = quantize_ref(w, (128, 128))
+assert torch.equal(q.float(), qr.float()) and torch.equal(s, sr) and s.shape == (3, 2, 3)
+qt, st = quantize_weight(w, transposed=True)
+assert torch.equal(qt.float(), q.float().transpose(1, 2)) and torch.equal(st, s.transpose(1, 2))
+q2, s2 = quantize_weight(w[1])
+assert torch.equal(q2.float(), q[1].float()) and torch.equal(s2, s[1])
+print("weight quantization equals the reference; the transposed layout holds the same blocks")
+
+# %% [markdown]
+# ## The grouped FP8 GEMM
+#
+# `C[rows of e] = A[rows of e] · B[e]ᵀ` for A `(M, K)` in 1×128 tiles and B `(E, N, K)` in 128×128 blocks: the
+# forward with `A = X, B = W`, and the input gradient with `A = dY, B = Wᵀ`. Program `pid` takes output tile
+# `(t, j)` with the N tile `j` varying fastest, so the programs that run together share one tile of A (read once
+# from memory, then from L2) and one expert's B (a few MB, which stays in L2). Each step of the K loop loads a
+# `BM × BK` tile of A and a `BN × BK` tile of B, both K-contiguous (the layout Hopper's FP8 tensor-core instruction
+# takes), their scales (A's per row, B's per 128 columns), multiplies in FP8 and adds `dot · (s_a s_b)` to the fp32
+# accumulator. `BK` divides 128, so a step never straddles two scale blocks.
+#
+# Promotion matters on the GPU: the tensor cores accumulate FP8 products with fewer bits than fp32, and Triton's
+# default on sm90 lets that accumulator run over the whole K. A fresh `tl.dot` per step bounds it to `BK`
+# (DeepGEMM's scheme). K that is no multiple of `BK` is masked (`EVEN_K` drops the masks when it is).
+
+# %%
+#| export
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr,
+                     EVEN_K: tl.constexpr):
+    n_tiles = tl.cdiv(N, BN)
+    t = tl.program_id(0) // n_tiles
+    j = tl.program_id(0) % n_tiles
+    e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
+    if e >= E:
+        return
+    rows = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * BM + tl.arange(0, BM)
+    row_ok = rows < tl.load(row_offs_ptr + e + 1)
+    cols = j * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    kk = tl.arange(0, BK)
+    KB = tl.cdiv(K, 128)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
+    b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
+    sb_ptrs = sb_ptr + (e * tl.cdiv(N, 128) + cols // 128) * KB          # B's scales: (E, ceil(N/128), KB)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + kk < K)[None, :]
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
+        sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)   # A's scales: (KB, M)
+        sb = tl.load(sb_ptrs + k0 // 128, mask=col_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        a_ptrs += BK
+        b_ptrs += BK
+    tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+# %% [markdown]
+# The tile shape is a launch parameter. The default is the best one measured for a dense block-scaled Triton GEMM
+# on the H200 (128×128×128, 8 warps; 4 warps ran at a fraction of its speed, wider tiles spilled registers);
+# `benchmarks/fp8_bench.py` sweeps a few for the grouped kernels. The interpreter ignores warps and stages,
+# and large tiles keep it fast.
+
+# %%
+#| export
+class GemmConfig(NamedTuple):
+    "Tile shape and launch parameters of the FP8 GEMM kernels."
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    warps: int = 8
+    stages: int = 4
+
+
+def _check_config(cfg: GemmConfig) -> GemmConfig:
+    if any(b < 16 or b & (b - 1) for b in cfg[:3]) or 128 % cfg.block_k:
+        raise ValueError(f"GemmConfig blocks must be powers of two >= 16, with block_k dividing 128; got {cfg}")
+    return cfg
+
+
+def _check_fp8(name: str, t: Tensor, shape: tuple) -> None:
+    if t.dtype != FP8 or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be float8_e4m3fn of shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
+
+
+def fp8_grouped_mm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, counts: Tensor, out_dtype: torch.dtype,
+                   config: GemmConfig | None = None) -> Tensor:
+    """`C[rows of e] = (qa·sa)[rows of e] @ (qb[e]·sb[e])ᵀ`: `qa (M, K)` with 1x128 scales `sa (M, ceil(K/128))` as
+    `quantize_act` gives them, `qb (E, N, K)` with 128x128 scales `sb (E, ceil(N/128), ceil(K/128))`, `counts (E,)`
+    rows per expert (sum at most M; later rows of C are left unwritten). Returns C `(M, N)` in `out_dtype`."""
+    cfg = _check_config(config or GemmConfig())
+    (M, K), (E, N) = qa.shape, qb.shape[:2]
+    _check_fp8("qa", qa, (M, K))
+    _check_fp8("qb", qb, (E, N, K))
+    KB = triton.cdiv(K, 128)
+    if sa.shape != (M, KB) or not sa.t().is_contiguous() or sb.shape != (E, triton.cdiv(N, 128), KB):
+        raise ValueError(f"scales: want sa ({M}, {KB}) with strides (1, {M}) and sb ({E}, {triton.cdiv(N, 128)}, "
+                         f"{KB}); got sa {tuple(sa.shape)} strides {sa.stride()}, sb {tuple(sb.shape)}")
+    c = torch.empty(M, N, dtype=out_dtype, device=qa.device)
+    grid = _max_tiles(M, E, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    if grid > 0 and K > 0:
+        row_offs, tile_offs = _schedule(counts, cfg.block_m)
+        _fp8_gemm_kernel[(grid,)](qa, sa.t(), qb, sb.contiguous(), c, row_offs, tile_offs, M, N, K, E,
+                                  BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, E_P2=_e_p2(E),
+                                  EVEN_K=K % cfg.block_k == 0, num_warps=cfg.warps, num_stages=cfg.stages)
+    elif K == 0:
+        c.zero_()
+    return c
+
+# %% [markdown]
+# Check against the quantized reference in float64: each row times its own expert's dequantized weight. The
+# interpreter multiplies FP8 exactly and accumulates in fp32, so the kernel must agree to about 1e-6; the bound is
+# 1e-5. Cases: an empty expert, a one-row expert, experts spanning several 128-row tiles, rows past the last
+# expert, K and N no multiple of 128 (masked K), and a smaller `BK` that promotes every 64.
+
+# %%
+def reference_rows(x, w, counts):
+    "Float64 product of each row's 1x128-quantized x with its expert's 128x128-quantized weight."
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    n = len(expert)
+    return torch.einsum("mk,mnk->mn", fake_quant(x[:n], (1, 128)), fake_quant(w, (128, 128))[expert])
+
+def check_gemm(counts, extra, K, N, cfg=None, seed=0):
+    counts = torch.tensor(counts)
+    n = int(counts.sum())
+    x, w = randn(seed, (n + extra, K), (len(counts), N, K))
+    a = quantize_act(x)
+    y = fp8_grouped_mm(a.q, a.s, *quantize_weight(w), counts, torch.float32, cfg)
+    err = rel_err(y[:n], reference_rows(x, w, counts))
+    assert err < 1e-5, (counts, K, N, err)
+    return err
+
+t = time.time()
+errs = [check_gemm([70, 0, 1, 131], 7, 256, 192),
+        check_gemm([40, 3], 0, 200, 130),                                           # K, N partial
+        check_gemm([0, 150], 5, 256, 64, GemmConfig(block_m=64, block_n=64, block_k=64))]
+print(f"grouped FP8 GEMM vs quantized reference: max rel err {max(errs):.1e} ({time.time() - t:.1f} s)")
+
+# %% [markdown]
+# ## The weight-gradient GEMM
+#
+# `dW[e] = dY_eᵀ X_e`: the reduction runs over expert e's tokens, so this GEMM is grouped along K, not M. Its
+# operands are the column quantizations of dY and X: `(out, 128·T)` and `(in, 128·T)`, each expert's tokens in its
+# own zero-padded tiles `tile_offs[e] … tile_offs[e+1]`. Program `(e, i, j)` loops over exactly those tiles, every
+# load a whole aligned K-contiguous tile with no K mask, every scale pair one per row of each operand per tile. An
+# expert with no rows runs no iteration and stores zeros, which is its exact gradient. Programs are ordered expert
+# first, so the programs that run together read the same expert's tokens.
+
+# %%
+#| export
+@triton.jit
+def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tile_offs_ptr, M, N, LD,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    tm, tn = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    pid = tl.program_id(0)
+    e = pid // (tm * tn)
+    i = pid // tn % tm
+    j = pid % tn
+    rows = i * BM + tl.arange(0, BM)
+    cols = j * BN + tl.arange(0, BN)
+    row_ok, col_ok = rows < M, cols < N
+    kk = tl.arange(0, BK)
+    k_start = tl.load(tile_offs_ptr + e) * 128
+    k_end = tl.load(tile_offs_ptr + e + 1) * 128
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * LD + (k_start + kk)[None, :]
+    b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * LD + (k_start + kk)[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BK):
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+        sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)     # (T, M)
+        sb = tl.load(sb_ptr + (k0 // 128) * N + cols, mask=col_ok, other=0.0)     # (T, N)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        a_ptrs += BK
+        b_ptrs += BK
+    tl.store(c_ptr + e.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_grouped_wgrad(qat: Tensor, sat: Tensor, qbt: Tensor, sbt: Tensor, counts: Tensor, out_dtype: torch.dtype,
+                      config: GemmConfig | None = None) -> Tensor:
+    """`C[e] = A_eᵀ B_e` summed over expert e's tokens, from column quantizations (`quantize_act(..., cols=True)`
+    with the same `counts`): `qat (Ma, 128·T)`, `sat (T, Ma)`, `qbt (Nb, 128·T)`, `sbt (T, Nb)`. Returns `(E, Ma, Nb)`."""
+    cfg = _check_config(config or GemmConfig())
+    (Ma, LD), Nb, E = qat.shape, qbt.shape[0], counts.numel()
+    _check_fp8("qat", qat, (Ma, LD))
+    _check_fp8("qbt", qbt, (Nb, LD))
+    if LD % 128 or sat.shape != (LD // 128, Ma) or sbt.shape != (LD // 128, Nb):
+        raise ValueError(f"want qat (Ma, 128·T), sat (T, Ma), qbt (Nb, 128·T), sbt (T, Nb); got qat {tuple(qat.shape)} "
+                         f"sat {tuple(sat.shape)} qbt {tuple(qbt.shape)} sbt {tuple(sbt.shape)}")
+    c = torch.empty(E, Ma, Nb, dtype=out_dtype, device=qat.device)
+    grid = E * triton.cdiv(Ma, cfg.block_m) * triton.cdiv(Nb, cfg.block_n)
+    if grid > 0:
+        _, tile_offs = _schedule(counts, 128)
+        _fp8_wgrad_kernel[(grid,)](qat, sat.contiguous(), qbt, sbt.contiguous(), c, tile_offs, Ma, Nb, LD,
+                                   BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.warps,
+                                   num_stages=cfg.stages)
+    return c
+
+# %% [markdown]
+# Check against the reference: per expert, both operands quantized in tiles of 128 of that expert's tokens, then
+# multiplied in float64. Experts with 0, 1, 130 and 300 rows (one, two and three tiles, the last partial),
+# rows past the last expert (which must not count), and a `BK` of 64.
+
+# %%
+def fake_quant_cols(x, counts):
+    "Each expert's rows of x quantized in tiles of 128 tokens from its first row, dequantized (float64)."
+    bounds = [0] + counts.cumsum(0).tolist()
+    return [fake_quant(x[a:b], (128, 1)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+def check_wgrad(counts, extra, n_out, n_in, cfg=None, seed=0):
+    counts = torch.tensor(counts)
+    n = int(counts.sum())
+    dy, x = randn(seed, (n + extra, n_out), (n + extra, n_in))
+    ga, xa = quantize_act(dy, counts, rows=False, cols=True), quantize_act(x, counts, rows=False, cols=True)
+    dw = fp8_grouped_wgrad(ga.qt, ga.st, xa.qt, xa.st, counts, torch.float32, cfg)
+    want = torch.stack([a.T @ b for a, b in zip(fake_quant_cols(dy, counts), fake_quant_cols(x, counts))])
+    err = rel_err(dw, want)
+    assert err < 1e-5, (counts, err)
+    assert (dw[counts == 0] == 0).all()
+    return err
+
+t = time.time()
+errs = [check_wgrad([0, 1, 130, 300], 9, 96, 136), check_wgrad([20, 0], 0, 64, 64, GemmConfig(64, 64, 64))]
+print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(errs):.1e} ({time.time() - t:.1f} s)")
+
+# %% [markdown]
+# ## The expert linear layer
+#
+# `fp8_grouped_linear(x, w, counts)` is `grouped_linear` (ops/grouped_linear) in FP8: bf16 (or fp32) in and out,
+# quantizing inside. Forward quantizes X both ways in one pass when the weight needs a gradient and keeps only the
+# FP8 column quantization for the weight gradient (about 1.1 bytes per element instead of bf16's 2), and W in
+# blocks. Backward quantizes dY both ways in one pass and quantizes W again, transposed: W is a parameter that the
+# backward holds anyway (FSDP2 gathers it again for the backward), so the FP8 copy is not kept alive between forward
+# and backward. The weight gradient either runs at once or waits in a `WeightGradQueue`, exactly as in
+# `grouped_linear`: the deferred closure holds the two FP8 column quantizations and hands its result to
+# `torch.autograd.backward(w, dW)`, which accumulates it into the parameter and fires its hooks.
+#
+# Three implementations sit behind the one call, chosen by `impl`:
+#
+# - `"triton"`: the kernels above, block scales (the DeepSeek-V3 recipe). The default on CUDA.
+# - `"rowwise"`: `torch._scaled_grouped_mm` with one scale per row of each operand over the whole K (per row of X
+#   and dY, per output channel of W, and per expert and channel for the weight gradient), quantized in torch. CUDA
+#   only (sm90). Row-wise scales are coarser: one outlier flattens a whole row. It asks for groups of a multiple of
+#   16 rows (`sort_by_expert(..., pad_to=16)`), so that every group starts on a 16-byte boundary of its FP8 rows.
+# - `"torch"`: the reference, the same block quantization in plain torch, multiplied in fp32 one expert at a time
+#   (one host sync for the expert bounds). The default elsewhere, so a CPU run needs no interpreter.
+#
+# Whether the row-wise path stays is for measurement to decide: it keeps its place only if, at the real expert
+# shapes, it is faster than the block-scaled kernels by more than its loss of accuracy costs (`benchmarks/fp8_bench.py`
+# prints both, with `benchmarks/RESULTS.md` holding the numbers).
+
+# %%
+#| export
+def _triton_forward(x, w, counts, keep_cols):
+    a = quantize_act(x, counts, rows=True, cols=keep_cols)
+    y = fp8_grouped_mm(a.q, a.s, *quantize_weight(w), counts, x.dtype)
+    return y, ((a.qt, a.st) if keep_cols else ())
+
+
+def _triton_backward(dy, w, counts, saved, need_dx, need_dw):
+    g = quantize_act(dy, counts, rows=need_dx, cols=need_dw)
+    dx = fp8_grouped_mm(g.q, g.s, *quantize_weight(w, transposed=True), counts, dy.dtype) if need_dx else None
+    wgrad = (lambda: fp8_grouped_wgrad(g.qt, g.st, *saved, counts, w.dtype)) if need_dw else None
+    return dx, wgrad
+
+
+def _torch_forward(x, w, counts, keep_x):
+    bounds = [0] + counts.cumsum(0).tolist()                  # the reference's one host sync
+    y = x.new_zeros(x.shape[0], w.shape[1])
+    for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        y[a:b] = (fake_quant(x[a:b], (1, 128), torch.float32) @ fake_quant(w[e], (128, 128), torch.float32).T).to(y.dtype)
+    return y, ((x,) if keep_x else ())
+
+
+def _torch_backward(dy, w, counts, saved, need_dx, need_dw):
+    bounds = [0] + counts.cumsum(0).tolist()
+    ranges = list(zip(bounds[:-1], bounds[1:]))
+    dx = None
+    if need_dx:
+        dx = dy.new_zeros(dy.shape[0], w.shape[2])
+        for e, (a, b) in enumerate(ranges):
+            dx[a:b] = (fake_quant(dy[a:b], (1, 128), torch.float32)
+                       @ fake_quant(w[e], (128, 128), torch.float32)).to(dx.dtype)
+    def wgrad():
+        (x,) = saved
+        return torch.stack([fake_quant(dy[a:b], (128, 1), torch.float32).T
+                            @ fake_quant(x[a:b], (128, 1), torch.float32) for a, b in ranges]).to(w.dtype)
+    return dx, (wgrad if need_dw else None)
+
+# %% [markdown]
+# The row-wise quantizers: one power-of-two scale per row over the whole K, and, for the weight gradient, one per
+# expert and channel over that expert's tokens (a scatter-max over rows labelled with their expert; rows past the
+# last expert are zeroed). `torch._scaled_grouped_mm` wants the second operand column-major and its row stride a
+# multiple of 16 bytes, so the token dimension of the transposed operands is padded to a multiple of 16.
+
+# %%
+#| export
+def _rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
+    "E4M3 values and one power-of-two scale per row (over the last dimension)."
+    s = pow2_scale(x.abs().amax(dim=-1).float())
+    return (x.float() / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), s
+
+
+def _rowwise_tokens(x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    "x quantized along tokens per expert, transposed: values (C, M rounded up to 16), scales (E·C,) expert-major."
+    M, C = x.shape
+    E = counts.numel()
+    expert = torch.searchsorted(counts.cumsum(0), torch.arange(M, device=x.device), right=True)   # E: past the end
+    xf = torch.where((expert < E)[:, None], x.float(), 0.0)
+    amax = xf.new_zeros(E + 1, C).scatter_reduce_(0, expert[:, None].expand(M, C), xf.abs(), "amax")
+    s = pow2_scale(amax)
+    qt = torch.zeros(C, -(-M // 16) * 16, dtype=FP8, device=x.device)
+    qt[:, :M] = (xf / s[expert]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8).T
+    return qt, s[:E].flatten()
+
+
+def _rowwise_forward(x, w, counts, keep_cols):
+    offs = counts.cumsum(0).to(torch.int32)
+    qx, sx = _rowwise(x)
+    qw, sw = _rowwise(w)
+    y = torch._scaled_grouped_mm(qx, qw.transpose(-2, -1), sx, sw, offs=offs, out_dtype=torch.bfloat16)
+    return y.to(x.dtype), (_rowwise_tokens(x, counts) if keep_cols else ())
+
+
+def _rowwise_backward(dy, w, counts, saved, need_dx, need_dw):
+    offs = counts.cumsum(0).to(torch.int32)
+    dx = None
+    if need_dx:
+        qdy, sdy = _rowwise(dy)
+        qwt, swt = _rowwise(w.transpose(-2, -1).contiguous())              # (E, in, out): per input channel
+        dx = torch._scaled_grouped_mm(qdy, qwt.transpose(-2, -1), sdy, swt, offs=offs,
+                                      out_dtype=torch.bfloat16).to(dy.dtype)
+    def wgrad():
+        qdyt, sdyt = _rowwise_tokens(dy, counts)
+        qxt, sxt = saved
+        return torch._scaled_grouped_mm(qdyt, qxt.t(), sdyt, sxt, offs=offs, out_dtype=torch.bfloat16).to(w.dtype)
+    return dx, (wgrad if need_dw else None)
+
+# %% [markdown]
+# The autograd function picks the implementation with a plain `if`, runs its forward, and in backward hands the
+# weight-gradient closure either to autograd (immediately) or to the queue.
+
+# %%
+#| export
+class _Fp8GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts, wgrad_queue, impl):
+        keep = ctx.needs_input_grad[1]
+        if impl == "triton":
+            y, saved = _triton_forward(x, w, counts, keep)
+        elif impl == "rowwise":
+            y, saved = _rowwise_forward(x, w, counts, keep)
+        else:
+            y, saved = _torch_forward(x, w, counts, keep)
+        ctx.impl, ctx.queue, ctx.n_saved = impl, wgrad_queue, len(saved)
+        ctx.param = w if wgrad_queue is not None else None     # the tensor a deferred closure back-propagates into
+        ctx.save_for_backward(w, counts, *saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w, counts, *saved = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dy = dy.contiguous()
+        if ctx.impl == "triton":
+            dx, wgrad = _triton_backward(dy, w, counts, saved, need_dx, need_dw)
+        elif ctx.impl == "rowwise":
+            dx, wgrad = _rowwise_backward(dy, w, counts, saved, need_dx, need_dw)
+        else:
+            dx, wgrad = _torch_backward(dy, w, counts, saved, need_dx, need_dw)
+        if not need_dw:
+            return dx, None, None, None, None
+        if ctx.queue is None:
+            return dx, wgrad(), None, None, None
+        w_in = ctx.param
+        ctx.queue.push(lambda: torch.autograd.backward(w_in, wgrad()))
+        return dx, None, None, None, None
+
+
+def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
+                       impl: str | None = None) -> Tensor:
+    """Per-expert linear in FP8 on grouped rows: `y[rows of e] ≈ x[rows of e] @ w[e]ᵀ` for `x (N, in)`,
+    `w (E, out, in)`, `counts (E,)` int64 summing to at most N (later rows: outputs and gradients unspecified).
+    Inputs and outputs in x's dtype; quantized inside (1x128 activation tiles, 128x128 weight blocks). With
+    `wgrad_queue` the weight gradient waits for `wgrad_queue.drain()`. `impl`: "triton", "rowwise" (CUDA, groups
+    at multiples of 16 rows), "torch", or None (triton on CUDA, torch elsewhere)."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
+        raise ValueError(f"fp8_grouped_linear wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
+    if counts.dtype != torch.int64:
+        raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
+    if impl not in (None, "triton", "rowwise", "torch"):
+        raise ValueError(f"impl must be 'triton', 'rowwise', 'torch' or None (choose by device), got {impl!r}")
+    impl = impl or ("triton" if x.is_cuda else "torch")
+    if impl == "rowwise":
+        if not x.is_cuda:
+            raise ValueError("impl='rowwise' runs torch._scaled_grouped_mm, which needs a CUDA GPU (sm90); "
+                             "use impl='triton' or 'torch'")
+        if x.shape[1] % 16 or w.shape[1] % 16:
+            raise ValueError(f"impl='rowwise' needs in and out features that are multiples of 16, got "
+                             f"{x.shape[1]} and {w.shape[1]}")
+        torch._assert_async((counts % 16 == 0).all(), "fp8_grouped_linear(impl='rowwise'): every expert's row count "
+                            "must be a multiple of 16 (sort_by_expert(..., pad_to=16))")
+    torch._assert_async(counts.sum() <= x.shape[0],
+                        f"fp8_grouped_linear: counts must sum to at most the {x.shape[0]} rows of x")
+    return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl)
+
+# %% [markdown]
+# ## Checks of the layer
+#
+# Output and both gradients, through autograd, against the quantized float64 reference (`reference_rows` above for
+# the forward; the same quantization of dY, W, and per-expert token tiles for the gradients), for the Triton and the
+# torch implementations: **relative error under 1e-5** in fp32. Against the unquantized float64 product the error is
+# the quantization's, **under 5%**. An expert without rows must get an exactly zero weight gradient. In bf16 the
+# output and gradients are rounded to bf16 as well (the interpreter truncates: up to 2⁻⁷ relative per element), so
+# the bound against the quantized reference is **1e-2**.
+
+# %%
+def reference_grads(x, w, counts, dy):
+    "dx and dw of the FP8 layer in float64: each product from its operands' quantization (see the table at the top)."
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    n = len(expert)
+    wq = fake_quant(w, (128, 128))
+    dx = torch.einsum("mn,mnk->mk", fake_quant(dy[:n], (1, 128)), wq[expert])
+    dw = torch.stack([a.T @ b for a, b in zip(fake_quant_cols(dy, counts), fake_quant_cols(x, counts))])
+    return dx, dw
+
+def check_layer(counts, n_in, n_out, impl, dtype=torch.float32, extra=0, seed=0, tol=None):
+    counts = torch.tensor(counts)
+    n = int(counts.sum())
+    x, w, dy = randn(seed, (n + extra, n_in), (len(counts), n_out, n_in), (n + extra, n_out))
+    x, w, dy = x.to(dtype).requires_grad_(), (w / n_in ** 0.5).to(dtype).requires_grad_(), dy.to(dtype)
+    y = fp8_grouped_linear(x, w, counts, impl=impl)
+    y.backward(dy)
+    assert y.dtype == x.grad.dtype == w.grad.dtype == dtype
+    xd, wd, dyd = x.detach().double(), w.detach().double(), dy.double()
+    dx_ref, dw_ref = reference_grads(xd, wd, counts, dyd)
+    errs = [rel_err(y[:n], reference_rows(xd, wd, counts)), rel_err(x.grad[:n], dx_ref), rel_err(w.grad, dw_ref)]
+    exact = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    quant = rel_err(y[:n], torch.einsum("mk,mnk->mn", xd[:n], wd[exact]))
+    assert max(errs) < (tol or (1e-5 if dtype == torch.float32 else 1e-2)), (impl, dtype, errs)
+    assert quant < 0.05, quant
+    assert (w.grad[counts == 0] == 0).all(), "an expert with no rows got a nonzero weight gradient"
+    return max(errs), quant
+
+t = time.time()
+for impl in ("triton", "torch"):
+    for counts, n_in, n_out, extra in [([70, 0, 1, 131], 256, 192, 6), ([0, 0, 9], 130, 136, 0)]:
+        err, quant = check_layer(counts, n_in, n_out, impl, extra=extra)
+        print(f"{impl:6s} counts {counts}: {err:.1e} vs quantized reference, {quant:.3f} vs exact")
+err, _ = check_layer([70, 0, 1, 131], 256, 192, "triton", torch.bfloat16)
+print(f"bf16: {err:.1e} vs quantized reference ({time.time() - t:.1f} s)")
+
+# %% [markdown]
+# **Deferred equals immediate, bitwise**, as in ops/grouped_linear: two layers, two backward passes accumulating
+# into the same `.grad`. With the queue, the input gradient is there after backward and the weight gradients are
+# not; after `drain()` all equal the immediate run's bit for bit. A weight without `requires_grad` keeps no column
+# quantization and gets no closure.
+
+# %%
+t = time.time()
+counts = torch.tensor([3, 0, 140, 1])
+x, w1, w2 = randn(5, (144, 128), (4, 128, 128), (4, 64, 128))
+x, w1, w2 = x.requires_grad_(), (w1 / 11).requires_grad_(), (w2 / 11).requires_grad_()
+grads = {}
+for queue in (None, WeightGradQueue()):
+    for p in (x, w1, w2):
+        p.grad = None
+    for _ in range(2):
+        h = torch.relu(fp8_grouped_linear(x, w1, counts, queue, "triton"))
+        fp8_grouped_linear(h, w2, counts, queue, "triton").square().sum().backward()
+    if queue is not None:
+        assert len(queue) == 4 and w1.grad is None and w2.grad is None and x.grad is not None
+        queue.drain()
+        assert len(queue) == 0
+    grads[queue is None] = [p.grad.clone() for p in (x, w1, w2)]
+assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+assert (grads[True][1][1] == 0).all() and (grads[True][2][1] == 0).all()
+frozen = w2.detach()
+y = fp8_grouped_linear(x, frozen, counts, impl="triton")
+assert len(y.grad_fn.saved_tensors) == 2                    # w and counts only: no column quantization kept
+print(f"deferred == immediate, bitwise ({time.time() - t:.1f} s)")
+
+# %% [markdown]
+# Rows past the last expert change nothing, and bad input says what to change (CPU tensors: on CUDA the counts
+# check is a device-side assert, fatal to the process).
+
+# %%
+counts = torch.tensor([5, 0, 20])
+x, w, dy = randn(6, (32, 128), (3, 64, 128), (32, 64))
+outs = []
+for rows in (32, 25):
+    xa, wa = x[:rows].clone().requires_grad_(), w.clone().requires_grad_()
+    ya = fp8_grouped_linear(xa, wa, counts, impl="triton")
+    ya.backward(dy[:rows])
+    outs.append((ya[:25], xa.grad[:25], wa.grad))
+assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+cpu = dict(device="cpu")
+for bad, msg in [
+        (lambda: fp8_grouped_linear(torch.zeros(4, 8, **cpu), torch.zeros(2, 16, 8, **cpu),
+                                    torch.tensor([3, 2], **cpu), impl="torch"), "at most the 4"),
+        (lambda: fp8_grouped_linear(torch.zeros(4, 8, **cpu), torch.zeros(2, 16, 8, **cpu),
+                                    torch.tensor([1, 3], dtype=torch.int32, **cpu)), "int64"),
+        (lambda: fp8_grouped_linear(torch.zeros(4, 7, **cpu), torch.zeros(2, 16, 8, **cpu),
+                                    torch.tensor([1, 3], **cpu)), "w (E, out, in)"),
+        (lambda: fp8_grouped_linear(torch.zeros(4, 8, **cpu), torch.zeros(2, 16, 8, **cpu),
+                                    torch.tensor([1, 3], **cpu), impl="blockwise"), "impl must be"),
+        (lambda: fp8_grouped_linear(torch.zeros(4, 8, **cpu), torch.zeros(2, 16, 8, **cpu),
+                                    torch.tensor([1, 3], **cpu), impl="rowwise"), "CUDA GPU"),
+        (lambda: fp8_grouped_mm(torch.zeros(4, 8, **cpu), torch.zeros(4, 1, **cpu), torch.zeros(2, 16, 8, **cpu),
+                                torch.zeros(2, 1, 1, **cpu), torch.tensor([1, 3], **cpu), torch.float32), "float8"),
+        (lambda: fp8_grouped_mm(torch.zeros(4, 8, **cpu).to(FP8), torch.ones(1, 4, **cpu).t(),
+                                torch.zeros(2, 16, 8, **cpu).to(FP8), torch.ones(2, 1, 1, **cpu),
+                                torch.tensor([1, 3], **cpu), torch.float32, GemmConfig(block_k=256)), "block_k")]:
+    try:
+        bad()
+    except (ValueError, RuntimeError) as e:
+        assert msg in str(e), e
+    else:
+        raise AssertionError(f"no error for {msg}")
+
+# %% [markdown]
+# The row-wise path cannot run on a CPU, but its argument conventions can be checked: on the meta device
+# `torch._scaled_grouped_mm` runs only its shape, dtype and stride checks (those of torch on this machine).
+
+# %%
+def rowwise_meta_check(E=4, M=96, n_in=64, n_out=48):
+    x = torch.empty(M, n_in, device="meta")
+    w = torch.empty(E, n_out, n_in, device="meta")
+    dy = torch.empty(M, n_out, device="meta")
+    counts = torch.full((E,), M // E, device="meta", dtype=torch.int64)
+    y, saved = _rowwise_forward(x, w, counts, True)
+    dx, wgrad = _rowwise_backward(dy, w, counts, saved, True, True)
+    assert y.shape == (M, n_out) and dx.shape == (M, n_in) and wgrad().shape == (E, n_out, n_in)
+
+rowwise_meta_check()
+
+# %% [markdown]
+# ## The dense layer
+#
+# `fp8_linear(x, w)` is `x @ wᵀ` for one weight `(out, in)`, the same recipe: on CUDA through cuBLAS's block-scaled
+# FP8 GEMM, `F.scaled_mm` with 1×128 tiles for the activation and 128×128 blocks for the weight, quantized by the
+# kernels above; elsewhere the reference (fake-quantize, multiply in fp32). The three products:
+#
+# - forward: `scaled_mm(X̂, Ŵᵀ, s_x, BlockWise1x128, s_w, BlockWise128x128)`;
+# - input gradient: the same with dY and Wᵀ's quantization (`quantize_weight(w, transposed=True)`);
+# - weight gradient: `scaled_mm(dŶᵀ, X̂ (column-major), s_dy, BlockWise1x128, s_x, BlockWise1x128)` with both
+#   quantized along tokens (`quantize_act(..., cols=True)` with one group, zero-padded to a multiple of 128 tokens).
+#
+# cuBLAS's layout rules, which torch checks: the second operand column-major; the 1×128 scales M-major, strides
+# `(1, M)` (what `quantize_act` returns); the 128×128 scales of the second operand as a `(L4, N/128)` view with
+# strides `(1, L4)`, where `L4` is `K/128` rounded up to a multiple of 4 (padded with zeros). The scaled_mm path
+# needs `in` and `out` to be multiples of 128; the reference takes any size.
+
+# %%
+#| export
+def _scaled_mm_blockwise(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor) -> Tensor:
+    "`(qa·sa) @ (qb·sb)ᵀ` in bf16 via F.scaled_mm: qa (M, K) 1x128 tiles, qb (N, K) with (N/128, K/128) block scales."
+    nb, kb = sb.shape
+    sb_pad = sb.new_zeros(nb, -(-kb // 4) * 4)
+    sb_pad[:, :kb] = sb
+    return F.scaled_mm(qa, qb.t(), sa, F.ScalingType.BlockWise1x128, sb_pad.t(), F.ScalingType.BlockWise128x128,
+                       output_dtype=torch.bfloat16)
+
+
+def _scaled_mm_wgrad(g: Fp8Act, a: Fp8Act) -> Tensor:
+    "`dYᵀ X` in bf16 via F.scaled_mm from both operands' column quantizations (1x128 along tokens)."
+    return F.scaled_mm(g.qt, a.qt.t(), g.st.t(), F.ScalingType.BlockWise1x128, a.st.t(),
+                       F.ScalingType.BlockWise1x128, output_dtype=torch.bfloat16)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, use_scaled_mm):
+        keep = ctx.needs_input_grad[1]
+        if use_scaled_mm:
+            a = quantize_act(x, rows=True, cols=keep)
+            y = _scaled_mm_blockwise(a.q, a.s, *quantize_weight(w)).to(x.dtype)
+            saved = (a.qt, a.st) if keep else ()
+        else:
+            y = (fake_quant(x, (1, 128), torch.float32) @ fake_quant(w, (128, 128), torch.float32).T).to(x.dtype)
+            saved = (x,) if keep else ()
+        ctx.use_scaled_mm = use_scaled_mm
+        ctx.save_for_backward(w, *saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w, *saved = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.use_scaled_mm:
+            g = quantize_act(dy, rows=need_dx, cols=need_dw)
+            if need_dx:
+                dx = _scaled_mm_blockwise(g.q, g.s, *quantize_weight(w, transposed=True)).to(dy.dtype)
+            if need_dw:
+                dw = _scaled_mm_wgrad(g, Fp8Act(None, None, *saved)).to(w.dtype)
+        else:
+            if need_dx:
+                dx = (fake_quant(dy, (1, 128), torch.float32) @ fake_quant(w, (128, 128), torch.float32)).to(dy.dtype)
+            if need_dw:
+                (x,) = saved
+                dw = (fake_quant(dy, (128, 1), torch.float32).T @ fake_quant(x, (128, 1), torch.float32)).to(w.dtype)
+        return dx, dw, None
+
+
+def fp8_linear(x: Tensor, w: Tensor, impl: str | None = None) -> Tensor:
+    """`x @ wᵀ` in FP8 for `x (..., in)`, `w (out, in)`, in x's dtype: 1x128 activation tiles, 128x128 weight blocks.
+    `impl`: "scaled_mm" (CUDA; in and out multiples of 128), "torch" (the reference), or None (by device)."""
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"fp8_linear wants x (..., in) and w (out, in), got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if impl not in (None, "scaled_mm", "torch"):
+        raise ValueError(f"impl must be 'scaled_mm', 'torch' or None (choose by device), got {impl!r}")
+    use_scaled_mm = x.is_cuda if impl is None else impl == "scaled_mm"
+    if use_scaled_mm and (w.shape[0] % 128 or w.shape[1] % 128):
+        raise ValueError(f"fp8_linear through F.scaled_mm needs in and out features that are multiples of 128, got "
+                         f"w {tuple(w.shape)}; use impl='torch' for other sizes")
+    lead = x.shape[:-1]
+    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w, use_scaled_mm)
+    return y.reshape(*lead, w.shape[0])
+
+# %% [markdown]
+# The reference path against float64 (the same quantization, so 1e-5 in fp32), with leading dimensions and sizes
+# that are no multiple of 128; then the scaled_mm path's three calls on meta tensors, which runs torch's layout
+# checks for `F.scaled_mm` (an actual product needs the GPU cell below).
+
+# %%
+x, w, dy = randn(7, (2, 75, 200), (136, 200), (2, 75, 136))
+x, w = x.requires_grad_(), (w / 14).requires_grad_()
+y = fp8_linear(x, w, impl="torch")
+y.backward(dy)
+xd, wd, dyd = x.detach().reshape(150, 200).double(), w.detach().double(), dy.reshape(150, 136).double()
+errs = [rel_err(y.reshape(150, 136), fake_quant(xd, (1, 128)) @ fake_quant(wd, (128, 128)).T),
+        rel_err(x.grad.reshape(150, 200), fake_quant(dyd, (1, 128)) @ fake_quant(wd, (128, 128))),
+        rel_err(w.grad, fake_quant(dyd, (128, 1)).T @ fake_quant(xd, (128, 1)))]
+assert y.shape == (2, 75, 136) and max(errs) < 1e-5, errs
+assert rel_err(y, x.detach().double() @ wd.T) < 0.05
+
+
+def scaled_mm_meta_check(M=200, n_in=384, n_out=256):
+    "The dense path's three F.scaled_mm calls on meta tensors: torch checks shapes, dtypes and scale layouts."
+    meta = lambda *s: torch.empty(*s, device="meta")
+    a = Fp8Act(meta(M, n_in).to(FP8), meta(n_in // 128, M).t(), meta(n_in, 128 * triton.cdiv(M, 128)).to(FP8),
+               meta(triton.cdiv(M, 128), n_in))
+    g = Fp8Act(meta(M, n_out).to(FP8), meta(n_out // 128, M).t(), meta(n_out, 128 * triton.cdiv(M, 128)).to(FP8),
+               meta(triton.cdiv(M, 128), n_out))
+    y = _scaled_mm_blockwise(a.q, a.s, meta(n_out, n_in).to(FP8), meta(n_out // 128, n_in // 128))
+    dx = _scaled_mm_blockwise(g.q, g.s, meta(n_in, n_out).to(FP8), meta(n_in // 128, n_out // 128))
+    dw = _scaled_mm_wgrad(g, a)
+    assert y.shape == (M, n_out) and dx.shape == (M, n_in) and dw.shape == (n_out, n_in)
+
+scaled_mm_meta_check()
+scaled_mm_meta_check(M=1000, n_in=768, n_out=2048)      # K/128 = 6: the weight scales need the padding to 8
+print(f"CPU checks done in {time.time() - T0:.1f} s")
+
+# %% [markdown]
+# ## On the GPU
+#
+# The compiled kernels against the quantized reference at a moderate size, in bf16: the FP8 tensor cores accumulate
+# each 128-deep product with fewer bits than fp32 (about 2e-4 relative) and the output is rounded to bf16 (about
+# 2⁻⁹), so the bound is 1e-2; and the three implementations and the dense path against each other.
+# `benchmarks/fp8_bench.py` measures speed at the real expert shapes.
+
+# %%
+#| cuda
+err, quant = check_layer([300, 0, 1, 1000, 517], 1024, 768, "triton", torch.bfloat16, extra=3)
+print(f"triton bf16 on the GPU: {err:.1e} vs quantized reference, {quant:.3f} vs exact")
+err, quant = check_layer([96, 0, 16, 1024, 512], 1024, 768, "rowwise", torch.bfloat16, tol=0.1)
+print(f"rowwise: {err:.2e} vs the block-quantized reference (a different quantization), {quant:.3f} vs exact")
+x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = (torch.randn(768, 1024, device="cuda") / 32).bfloat16().requires_grad_()
+dy = torch.randn(1000, 768, device="cuda", dtype=torch.bfloat16)
+got = []
+for impl in ("scaled_mm", "torch"):
+    x.grad = w.grad = None
+    y = fp8_linear(x, w, impl=impl)
+    y.backward(dy)
+    got.append((y.detach(), x.grad, w.grad))
+errs = [rel_err(a, b) for a, b in zip(*got)]
+print(f"fp8_linear scaled_mm vs reference: {errs}")
+assert max(errs) < 1e-2, errs

@@ -1,0 +1,289 @@
+"""FP8 quantization, grouped GEMMs and linear layers (pith_lit.ops.fp8) against float64 references, under the Triton
+interpreter.
+
+Each group runs in its own process (`python tests/test_ops_fp8.py <group>`) with TRITON_INTERPRET=1 set before
+Triton is imported. Sizes stay within a few 128-row tiles so each group takes seconds on two CPU cores. The
+references quantize with `quantize_ref` (plain torch) and multiply in float64, one row or one expert at a time.
+"""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, subprocess_env
+
+GROUPS = ["quantize", "gemm", "layer", "dense"]
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_fp8(group):
+    proc = subprocess.run([sys.executable, __file__, group], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"group {group} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+# ---- helpers (run in the child process) ----
+
+def _rel(a, b):
+    "‖a − b‖ / ‖b‖ in float64."
+    a, b = a.double(), b.double()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _randn(seed, *shapes, scale=1.0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) * scale for s in shapes]
+
+
+def _blocky(t, seed):
+    """t times powers of two that vary by 1x128 tile, by 32-row group per column, and by 128x128 block, so that
+    neighbouring scale blocks in every direction get different scales (a misplaced scale then shows)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    R, C = t.shape[-2:]
+    def spread(rows, cols, br, bc):
+        e = torch.randint(-4, 5, (*t.shape[:-2], rows, cols), generator=g).float()
+        return e.repeat_interleave(br, -2).repeat_interleave(bc, -1)[..., :R, :C]
+    n = lambda size, b: -(-size // b)
+    return t * torch.exp2(spread(R, n(C, 128), 1, 128) + spread(n(R, 32), C, 32, 1) + spread(n(R, 128), n(C, 128), 128, 128))
+
+
+def _fq(x, block):
+    from pith_lit.ops.fp8 import dequantize_ref, quantize_ref
+    return dequantize_ref(*quantize_ref(x, block), block)
+
+
+def _bounds(counts):
+    b = [0] + counts.cumsum(0).tolist()
+    return list(zip(b[:-1], b[1:]))
+
+
+def _ref_layer(x, w, counts, dy):
+    """y, dx, dw of the FP8 expert layer in float64, one expert at a time: 1x128 tiles of x and dy, 128x128 blocks of
+    w, tiles of 128 tokens from each expert's first row for the weight gradient. Rows past the experts: zero."""
+    import torch
+    y = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    dx = torch.zeros(x.shape, dtype=torch.float64)
+    dw = torch.zeros(w.shape, dtype=torch.float64)
+    for e, (a, b) in enumerate(_bounds(counts)):
+        wq = _fq(w[e], (128, 128))
+        y[a:b] = _fq(x[a:b], (1, 128)) @ wq.T
+        dx[a:b] = _fq(dy[a:b], (1, 128)) @ wq
+        dw[e] = _fq(dy[a:b], (128, 1)).T @ _fq(x[a:b], (128, 1))
+    return y, dx, dw
+
+
+# ---- groups ----
+
+def group_quantize():
+    """Triton quantizers equal the torch reference value for value; scales are the smallest powers of two that fit."""
+    import torch
+    from pith_lit.ops.fp8 import FP8, pow2_scale, quantize_act, quantize_ref, quantize_weight
+    # the scale rule, at the boundaries: amax = 448·2^k exactly, just above, zero, tiny, huge
+    amax = torch.tensor([448.0, 448.0 * 2 ** -20, 448.00003, 1.0, 0.0, 1e-42, 3e38])
+    s = pow2_scale(amax)
+    assert s.tolist() == [1.0, 2.0 ** -20, 2.0, 2.0 ** -8, 2.0 ** -126, 2.0 ** -126, 2.0 ** 120], s.tolist()
+    assert (amax / s <= 448).all() and ((amax / (s / 2) > 448) | (s == 2.0 ** -126)).all()
+    # every E4M3 value and every midpoint between neighbours (ties to even), with scale 1
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, mids, mids + 1e-7 * mids.abs(), mids - 1e-7 * mids.abs()])
+    vals = torch.cat([vals, torch.zeros(-len(vals) % 127)]).view(-1, 127).clamp(-448, 448)
+    vals = torch.cat([torch.full((len(vals), 1), 448.0), vals], 1)
+    got = quantize_act(vals).q.float()
+    assert torch.equal(got, vals.to(FP8).float()), (got != vals.to(FP8).float()).sum()
+    # random activations: rows and per-expert columns, many expert patterns, K below, at and above 128
+    for seed, (counts, extra, K) in enumerate([([1], 0, 16), ([0, 128, 129], 3, 128), ([257, 0, 0, 2], 1, 300),
+                                               ([0, 0], 5, 64), ([3], 0, 130)]):
+        counts = torch.tensor(counts, dtype=torch.int64)
+        M = int(counts.sum()) + extra
+        (x,) = _randn(100 + seed, (M, K))
+        x = x * torch.logspace(-30, 30, M)[:, None]
+        a = quantize_act(x, counts, rows=True, cols=True)
+        n = int(counts.sum())
+        q, s = quantize_ref(x[:n], (1, 128))
+        assert torch.equal(a.q[:n].float(), q.float()) and torch.equal(a.s[:n], s)
+        tile = [0] + ((counts + 127) // 128).cumsum(0).tolist()
+        assert a.qt.shape == (K, 128 * (-(-M // 128) + len(counts) - 1)) and a.st.shape == (a.qt.shape[1] // 128, K)
+        for e, (lo, hi) in enumerate(_bounds(counts)):
+            q, s = quantize_ref(x[lo:hi], (128, 1))
+            t0, t1 = tile[e], tile[e + 1]
+            assert torch.equal(a.qt[:, 128 * t0:128 * t0 + hi - lo].float(), q.float().T)
+            assert torch.equal(a.st[t0:t1], s) and (a.qt[:, 128 * t0 + hi - lo:128 * t1].float() == 0).all()
+        only_cols = quantize_act(x, counts, rows=False, cols=True)
+        assert only_cols.q is None and torch.equal(only_cols.qt[:, :128 * tile[-1]].float(),
+                                                   a.qt[:, :128 * tile[-1]].float())
+    # bf16 input quantizes like its fp32 value
+    (x,) = _randn(110, (40, 200))
+    xb = x.bfloat16()
+    assert torch.equal(quantize_act(xb).q.float(), quantize_act(xb.float()).q.float())
+    # weights: 2-D and 3-D, partial blocks, both layouts
+    for seed, shape in enumerate([(1, 16, 16), (2, 129, 257), (300, 40)]):
+        (w,) = _randn(120 + seed, shape, scale=3.0)
+        q, s = quantize_weight(w)
+        qr, sr = quantize_ref(w, (128, 128))
+        assert torch.equal(q.float(), qr.float()) and torch.equal(s, sr)
+        qt, st = quantize_weight(w, transposed=True)
+        assert torch.equal(qt.float(), q.float().transpose(-2, -1)) and torch.equal(st, s.transpose(-2, -1))
+
+
+def group_gemm():
+    """The grouped GEMM and the weight-gradient GEMM against float64, over tile configurations and expert patterns."""
+    import torch
+    from pith_lit.ops.fp8 import GemmConfig, fp8_grouped_mm, fp8_grouped_wgrad, quantize_act, quantize_weight
+    configs = [GemmConfig(), GemmConfig(64, 128, 64), GemmConfig(128, 64, 32), GemmConfig(16, 32, 128)]
+    cases = [([70, 0, 1, 131], 4, 256, 192), ([1], 0, 128, 16), ([0, 0, 0], 3, 128, 128), ([33, 200], 0, 96, 130),
+             ([5, 9, 0, 17, 2, 0, 1, 40], 2, 160, 48)]
+    for i, (counts, extra, K, N) in enumerate(cases):
+        cfg = configs[i % len(configs)]
+        counts = torch.tensor(counts, dtype=torch.int64)
+        n = int(counts.sum())
+        x, w, dy = (_blocky(t, 250 + i + j) for j, t in
+                    enumerate(_randn(200 + i, (n + extra, K), (len(counts), N, K), (n + extra, N))))
+        a = quantize_act(x, counts, cols=True)
+        y = fp8_grouped_mm(a.q, a.s, *quantize_weight(w), counts, torch.float32, cfg)
+        g = quantize_act(dy, counts, cols=True)
+        dx = fp8_grouped_mm(g.q, g.s, *quantize_weight(w, transposed=True), counts, torch.float32, cfg)
+        dw = fp8_grouped_wgrad(g.qt, g.st, a.qt, a.st, counts, torch.float32, cfg)
+        y_r, dx_r, dw_r = _ref_layer(x, w, counts, dy)
+        for name, got, want in [("y", y[:n], y_r[:n]), ("dx", dx[:n], dx_r[:n]), ("dw", dw, dw_r)]:
+            assert _rel(got, want) < 1e-5 or (want == 0).all() and (got == 0).all(), (i, name, _rel(got, want))
+        assert (dw[counts == 0] == 0).all()
+    # bf16 output: rounded (truncated by the interpreter) to bf16 only
+    counts = torch.tensor([50, 80])
+    x, w = _randn(210, (130, 256), (2, 64, 256))
+    a = quantize_act(x)
+    y = fp8_grouped_mm(a.q, a.s, *quantize_weight(w), counts, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and _rel(y, _ref_layer(x, w, counts, torch.zeros(130, 64))[0]) < 1e-2
+    # K = 0 gives zeros; no rows gives an empty result
+    z = fp8_grouped_mm(*quantize_act(torch.zeros(3, 0))[:2], *quantize_weight(torch.zeros(2, 8, 0)),
+                       torch.tensor([1, 2]), torch.float32)
+    assert z.shape == (3, 8) and (z == 0).all()
+    e = fp8_grouped_mm(*quantize_act(torch.zeros(0, 64))[:2], *quantize_weight(torch.zeros(2, 8, 64)),
+                       torch.tensor([0, 0]), torch.float32)
+    assert e.shape == (0, 8)
+
+
+def group_layer():
+    """fp8_grouped_linear through autograd: Triton and torch paths against float64; deferred weight gradients."""
+    import torch
+    from pith_lit.ops.fp8 import fp8_grouped_linear
+    from pith_lit.ops.grouped_linear import WeightGradQueue, grouped_linear
+    for i, (counts, extra, n_in, n_out) in enumerate([([70, 0, 1, 131], 3, 256, 192), ([0, 140], 0, 200, 72)]):
+        counts = torch.tensor(counts)
+        n = int(counts.sum())
+        x, w, dy = _randn(300 + i, (n + extra, n_in), (len(counts), n_out, n_in), (n + extra, n_out))
+        w = w / n_in ** 0.5
+        y_r, dx_r, dw_r = _ref_layer(x, w, counts, dy)
+        for impl in ("triton", "torch"):
+            xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = fp8_grouped_linear(xl, wl, counts, impl=impl)
+            y.backward(dy)
+            errs = [_rel(y[:n], y_r[:n]), _rel(xl.grad[:n], dx_r[:n]), _rel(wl.grad, dw_r)]
+            assert max(errs) < 1e-5, (impl, errs)
+            assert (wl.grad[counts == 0] == 0).all()
+        # the FP8 layer is within quantization error of the bf16-free grouped_linear
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y_exact = grouped_linear(xl, wl, counts, impl="loop")
+        y_exact.backward(dy)
+        assert _rel(y[:n], y_exact[:n]) < 0.05 and _rel(wl.grad, dw_r) < 0.05
+    # bf16 in, bf16 out; only one of the gradients asked for
+    counts = torch.tensor([30, 0, 100])
+    x, w, dy = _randn(310, (130, 128), (3, 256, 128), (130, 256))
+    xb, wb = x.bfloat16().requires_grad_(), (w / 11).bfloat16()
+    y = fp8_grouped_linear(xb, wb, counts, impl="triton")
+    (dx,) = torch.autograd.grad(y, xb, dy.bfloat16())
+    y_r, dx_r, _ = _ref_layer(xb.detach().float(), wb.float(), counts, dy.bfloat16().float())
+    assert y.dtype == dx.dtype == torch.bfloat16 and _rel(y, y_r) < 1e-2 and _rel(dx, dx_r) < 1e-2
+    wl = (w / 11).requires_grad_()
+    (dw,) = torch.autograd.grad(fp8_grouped_linear(x, wl, counts, impl="triton"), wl, dy)
+    assert _rel(dw, _ref_layer(x, w / 11, counts, dy)[2]) < 1e-5
+    # deferred == immediate, bitwise, over two micro-batches; x without requires_grad
+    counts = torch.tensor([64, 1, 0, 70])
+    x, w = _randn(320, (135, 256), (4, 128, 256))
+    out = {}
+    for queue in (None, WeightGradQueue()):
+        wl = w.clone().requires_grad_()
+        for mb in range(2):
+            fp8_grouped_linear(x * (mb + 1), wl, counts, queue, "triton").sin().sum().backward()
+        if queue is not None:
+            assert wl.grad is None and len(queue) == 2
+            queue.drain()
+        out[queue is None] = wl.grad
+    assert torch.equal(out[True], out[False]) and (out[True][2] == 0).all()
+    # a weight passed as a view: the deferred gradient reaches the parameter through it
+    base = w.transpose(1, 2).contiguous().requires_grad_()          # (E, in, out), as GPT-OSS stores experts
+    queue = WeightGradQueue()
+    fp8_grouped_linear(x, base.mT, counts, queue, "triton").sum().backward()
+    queue.drain()
+    wl = w.clone().requires_grad_()
+    fp8_grouped_linear(x, wl, counts, impl="triton").sum().backward()
+    assert torch.equal(base.grad, wl.grad.transpose(1, 2))
+    # every row past the experts, and no rows at all
+    y = fp8_grouped_linear(torch.randn(5, 256, requires_grad=True), w, torch.zeros(4, dtype=torch.int64),
+                           impl="triton")
+    y.sum().backward()
+    assert y.shape == (5, 128)
+    # bad input
+    ok = dict(x=torch.zeros(4, 128), w=torch.zeros(2, 64, 128), counts=torch.tensor([1, 3]))
+    for msg, kw in [("w \\(E, out, in\\)", dict(ok, w=torch.zeros(2, 64, 64))),
+                    ("counts \\(E,\\)", dict(ok, counts=torch.tensor([1, 1, 2]))),
+                    ("int64", dict(ok, counts=torch.tensor([1, 3], dtype=torch.int32))),
+                    ("impl must be", dict(ok, impl="fp8")),
+                    ("CUDA GPU", dict(ok, impl="rowwise"))]:
+        with pytest.raises(ValueError, match=msg):
+            fp8_grouped_linear(**kw)
+    with pytest.raises(RuntimeError, match="at most the 4"):
+        fp8_grouped_linear(ok["x"], ok["w"], torch.tensor([4, 1]), impl="triton")
+
+
+def group_dense():
+    """fp8_linear's reference path against float64; the CUDA-only calls' layouts through torch's meta checks."""
+    import torch
+    from pith_lit.ops import fp8
+    x, w, dy = _randn(400, (3, 50, 300), (200, 300), (3, 50, 200))
+    w = w / 17
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8.fp8_linear(xl, wl)                                     # CPU: the reference path
+    y.backward(dy)
+    x2, dy2 = x.reshape(150, 300), dy.reshape(150, 200)
+    y_r, dx_r, dw_r = _ref_layer(x2, w[None], torch.tensor([150]), dy2)
+    assert _rel(y.reshape(150, 200), y_r) < 1e-5 and _rel(xl.grad.reshape(150, 300), dx_r) < 1e-5
+    assert _rel(wl.grad, dw_r[0]) < 1e-5 and _rel(y, x.double() @ w.double().T) < 0.05
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8.fp8_linear(x, w, impl="scaled_mm")
+    with pytest.raises(ValueError, match="impl must be"):
+        fp8.fp8_linear(x, w, impl="cublas")
+    with pytest.raises(ValueError, match="w \\(out, in\\)"):
+        fp8.fp8_linear(x, w.T)
+    # the F.scaled_mm and torch._scaled_grouped_mm calls at the real models' widths, on meta tensors
+    meta = lambda *s: torch.empty(*s, device="meta")
+    for M, n_in, n_out in [(256, 2048, 1536), (1000, 768, 2048), (130, 1408, 2048), (64, 2048, 2816)]:
+        T = -(-M // 128)
+        a = fp8.Fp8Act(meta(M, n_in).to(fp8.FP8), meta(n_in // 128, M).t(), meta(n_in, 128 * T).to(fp8.FP8),
+                       meta(T, n_in))
+        g = fp8.Fp8Act(meta(M, n_out).to(fp8.FP8), meta(n_out // 128, M).t(), meta(n_out, 128 * T).to(fp8.FP8),
+                       meta(T, n_out))
+        assert fp8._scaled_mm_blockwise(a.q, a.s, meta(n_out, n_in).to(fp8.FP8),
+                                        meta(n_out // 128, n_in // 128)).shape == (M, n_out)
+        assert fp8._scaled_mm_blockwise(g.q, g.s, meta(n_in, n_out).to(fp8.FP8),
+                                        meta(n_in // 128, n_out // 128)).shape == (M, n_in)
+        assert fp8._scaled_mm_wgrad(g, a).shape == (n_out, n_in)
+        E = 8
+        counts = torch.full((E,), M // E, dtype=torch.int64, device="meta")
+        y, saved = fp8._rowwise_forward(meta(M, n_in), meta(E, n_out, n_in), counts, True)
+        dx, wgrad = fp8._rowwise_backward(meta(M, n_out), meta(E, n_out, n_in), counts, saved, True, True)
+        assert y.shape == (M, n_out) and dx.shape == (M, n_in) and wgrad().shape == (E, n_out, n_in)
+
+
+if __name__ == "__main__":
+    import os
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (the Triton checks need TRITON_INTERPRET=1)"
+    group = sys.argv[1]
+    if group not in GROUPS:
+        raise SystemExit(f"unknown group {group!r}; use one of {', '.join(GROUPS)}")
+    globals()[f"group_{group}"]()
+    print(f"{group} OK")
