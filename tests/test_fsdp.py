@@ -47,3 +47,14 @@ def test_clip_sharded_grads_one_process():
     assert all(torch.allclose(p.grad, g * 0.25 / total, rtol=1e-5) for p, g in zip(ps, orig))
     clip_sharded_grads(ps, 100.0)
     assert all(torch.allclose(p.grad, g * 0.25 / total, rtol=1e-5) for p, g in zip(ps, orig))
+
+
+@pytest.mark.parametrize("n,pp,dpr,dp,ep", [(2, 1, 1, 2, 1), (2, 1, 1, 1, 2), (2, 2, 1, 1, 1), (4, 1, 1, 2, 2)])
+def test_muon_against_one_process(n, pp, dpr, dp, ep):
+    "Muon gathers each sharded matrix's momentum, orthogonalises it whole and keeps its rows: as one process would."
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m",
+           "pith_lit.testing", "fsdp", "--layout", str(pp), str(dpr), str(dp), str(ep), "--optimizer", "muon"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("rank")]
+    assert len(lines) == 2 * n and all("muon" in l and "2 steps OK" in l for l in lines), proc.stdout

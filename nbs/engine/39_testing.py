@@ -360,19 +360,27 @@ def record_timeline(path: str, M: int, ep: int = 1, device: torch.device = torch
 # %%
 #| export
 def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, family: str = "qwen3_moe", M: int = 4,
-               overlap: bool = False, steps: int = 2, device: torch.device = torch.device("cpu")) -> str:
-    "Worker: FSDP2 training steps against a single-process reference (see above); returns this rank's line."
+               overlap: bool = False, steps: int = 2, device: torch.device = torch.device("cpu"),
+               optimizer: str = "adamw") -> str:
+    """Worker: FSDP2 training steps against a single-process reference (see above); returns this rank's line.
+    `optimizer`: "adamw" (torch's) or "muon" (train/43's, which gathers whole matrices of sharded parameters)."""
     mesh = build_mesh(pp, dp, 1, ep, device.type, 120, dp_replicate=dp_replicate)
     layers, shards, pipelined = max(5, 2 * pp + 1), mesh.batch.size(), pp > 1 or overlap
     ref, model = (tiny_model(family, layers, dtype=torch.float64).to(device) for _ in range(2))
     parts = split_model(model, mesh.pp.rank(), pp) if pipelined else None
     dispatcher = _dispatcher(model, mesh, 4)
     shard_model(model, mesh)
-    aux, adamw = aux_fn(4), dict(lr=1e-2, weight_decay=0.1)
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), **adamw), torch.optim.AdamW(ref.parameters(), **adamw)
+    aux = aux_fn(4)
+    if optimizer == "muon":   # the harness checks every layer; the optimizer is train/43's
+        from pith_lit.train.optim import build_optimizer
+        make = lambda m: build_optimizer(m, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, kind="muon")
+    else:
+        make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    opt, ref_opt = make(model), make(ref)
     loss_fn = (lambda h, labels: head_loss(model, h, labels)) if mesh.pp.rank() == 0 else None
     pipe = DualPipeV(parts, mesh.pp, dispatcher, loss_fn, aux, device) if pipelined else None
-    what, worst = f"rank {dist.get_rank()}: {family} pp={pp} dp_replicate={dp_replicate} dp={dp} ep={ep}", 0.0
+    what = f"rank {dist.get_rank()}: {family} pp={pp} dp_replicate={dp_replicate} dp={dp} ep={ep} {optimizer}"
+    worst = 0.0
     for step in range(steps):
         data = [[(x.to(device), y.to(device)) for x, y in micro_batches(M, 64, 1000 * step + 10 * s)]
                 for s in range(shards)]
@@ -443,6 +451,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layout", type=int, nargs=4, metavar=("PP", "DP_REPLICATE", "DP", "EP"), default=[1, 1, 2, 1],
                     help="fsdp: the mesh (their product = processes)")
     ap.add_argument("--overlap", action="store_true", help="fsdp: run the step through DualPipeV at pp = 1")
+    ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="fsdp: the optimizer checked")
     ap.add_argument("--stage-layers", type=int, nargs="*", help="pipeline: layers of each stage (default: even)")
     ap.add_argument("--timeline", help="pipeline: also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
@@ -456,7 +465,7 @@ def main(argv=None) -> None:
         run_ranked(_ep_main, a, device)
     elif a.check == "fsdp":
         for family in ("qwen3_moe", "deepseek_v2") if a.model == "qwen3_moe" else (a.model,):
-            line = run_ranked(fsdp_check, *a.layout, family, overlap=a.overlap, device=device)
+            line = run_ranked(fsdp_check, *a.layout, family, overlap=a.overlap, device=device, optimizer=a.optimizer)
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, line)
             if dist.get_rank() == 0:

@@ -23,7 +23,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 
 # %%
 import copy
@@ -47,13 +48,23 @@ import matplotlib.pyplot as plt
 # %%
 #| export
 def build_optimizer(model, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float) -> torch.optim.AdamW:
+                    eps: float, kind: str = "adamw", momentum: float = 0.95) -> torch.optim.Optimizer:
     """AdamW over `model.named_parameters()`: weight decay on parameters with ≥ 2 dimensions, none on 1-D ones (norm
-    gains, biases). Fused on CUDA and CPU."""
+    gains, biases); fused on CUDA and CPU. `kind="muon"`: `Muon` (below) for the matrices `muon_param` selects,
+    AdamW for the rest, with the same decay rule."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if kind == "muon":
+        mats = [p for n, p in named if muon_param(n, p)]
+        rest = [(n, p) for n, p in named if not muon_param(n, p)]
+        groups = [{"params": mats, "weight_decay": weight_decay, "muon": True},
+                  {"params": [p for _, p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for _, p in rest if p.dim() < 2], "weight_decay": 0.0}]
+        return Muon([g for g in groups if g["params"]], lr=lr, momentum=momentum, betas=betas, eps=eps)
+    if kind != "adamw":
+        raise ValueError(f"optimizer kind {kind!r}: expected 'adamw' or 'muon' (train.optimizer)")
     decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+    for _, p in named:
+        (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     fused = {p.device.type for p in decay + no_decay} <= {"cuda", "cpu"}
@@ -127,6 +138,151 @@ print(f"distance from fp32 / distance fp32 moved: plain bf16 {plain_err:.3f}, fp
       f"{master_err:.3f}")
 assert master_err < 0.1 and plain_err > 0.5 and plain_err > 10 * master_err
 assert all(p.dtype == torch.float32 for p in mixed.parameters())          # the masters are the parameters
+
+# %% [markdown]
+# ## Muon: orthogonalised momentum for the matrices
+#
+# Muon updates a weight matrix with its momentum *orthogonalised*: the momentum `M = U Σ Vᵀ` is replaced by
+# `U Vᵀ`, every singular value set to one, so that no direction of the update dominates the others. The exact
+# `U Vᵀ` needs an SVD; Muon approximates it with five steps of a quintic Newton–Schulz iteration on `X = M/‖M‖`,
+# `X ← a X + (b A + c A²) X` with `A = X Xᵀ` and `(a, b, c) = (3.4445, −4.7750, 2.0315)`, which pushes every singular
+# value into roughly [0.7, 1.2] using matmuls only. It applies to the 2-D weights inside the layers (attention
+# projections, dense MLPs, shared experts) and to each routed expert's matrix (a stacked `(E, out, in)` tensor is E
+# matrices); the embedding, the head, the router, norms and biases keep AdamW, as in the published Muon setups
+# (the router's rows are per-expert scores, not a feature map).
+#
+# **Learning-rate matching.** An orthogonal `out × in` update has RMS `1/√max(out, in)`; AdamW's updates have an
+# RMS of about 0.2. Scaling the Muon update by `0.2·√max(out, in)` makes the two alike, so one `train.lr` (and the
+# same warmup and decay) serves both groups. Weight decay is decoupled, `p ← p·(1 − lr·wd)`, for both.
+#
+# **Sharded matrices.** Orthogonalisation needs the whole matrix, and under FSDP2 a rank holds some rows of it. So
+# the momentum of each DTensor parameter is gathered along its data-parallel mesh dimensions (an all-gather of one
+# matrix in the parameter dtype, the size of one FSDP gather of it), kept divided along `ep` (a rank orthogonalises
+# the whole matrices of the experts it holds), orthogonalised, and each rank keeps the rows of its own shard.
+# Every rank of a shard group computes the same Newton–Schulz iterations: that repeats work dp × cp times, which
+# the pipeline-and-expert layouts of this project keep small; spreading whole matrices over the shard group's
+# ranks would remove it at the cost of a second exchange.
+
+# %%
+#| export
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
+    """The quintic Newton–Schulz approximation of `U Vᵀ` for each matrix in the last two dims of `m` (bf16 on CUDA,
+    fp32 or wider elsewhere)."""
+    x = m.to(torch.bfloat16 if m.is_cuda else torch.promote_types(m.dtype, torch.float32))
+    wide = x.shape[-2] > x.shape[-1]
+    if wide:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        A = x @ x.mT
+        x = a * x + (b * A + c * A @ A) @ x
+    return (x.mT if wide else x).to(m.dtype)
+
+
+def _whole_matrices(t: Tensor):
+    "(the local tensor of `t` gathered along every mesh dimension but `ep`, how to give back this rank's rows)."
+    if not isinstance(t, DTensor):
+        return t, lambda full: full
+    mesh, names = t.device_mesh, t.device_mesh.mesh_dim_names or ()
+    keep = [pl if i < len(names) and names[i] == "ep" else Replicate() for i, pl in enumerate(t.placements)]
+    full = t.redistribute(mesh, keep).to_local()
+    return full, lambda out: DTensor.from_local(out, mesh, keep, run_check=False).redistribute(
+        mesh, t.placements).to_local()
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the groups marked `muon=True` (matrices: momentum, Nesterov, Newton–Schulz, update scaled by
+    0.2·√max(out, in)), AdamW for the others; decoupled weight decay for both. State per parameter:
+    `momentum_buffer`, or AdamW's `step`, `exp_avg`, `exp_avg_sq`."""
+
+    def __init__(self, groups, lr: float, momentum: float = 0.95, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, ns_steps: int = 5):
+        super().__init__(groups, dict(lr=lr, momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      ns_steps=ns_steps, muon=False))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    (self._muon if g["muon"] else self._adamw)(p, g)
+
+    def _muon(self, p, g):
+        state, grad = self.state[p], p.grad
+        buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
+        buf.mul_(g["momentum"]).add_(grad)
+        update = grad.add(buf, alpha=g["momentum"])          # Nesterov
+        full, mine = _whole_matrices(update)
+        out = orthogonalize(full, g["ns_steps"]) * (0.2 * max(full.shape[-2:]) ** 0.5)
+        local = mine(out)
+        p.mul_(1 - g["lr"] * g["weight_decay"])
+        (p.to_local() if isinstance(p, DTensor) else p).add_(local, alpha=-g["lr"])
+
+    def _adamw(self, p, g):
+        state, grad, (b1, b2) = self.state[p], p.grad, g["betas"]
+        if not state:
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                         exp_avg_sq=torch.zeros_like(p))
+        state["step"] += 1
+        t = state["step"].item()
+        state["exp_avg"].lerp_(grad, 1 - b1)
+        state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        p.mul_(1 - g["lr"] * g["weight_decay"])
+        denom = (state["exp_avg_sq"].sqrt() / (1 - b2 ** t) ** 0.5).add_(g["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-g["lr"] / (1 - b1 ** t))
+
+
+def muon_param(name: str, p: Tensor) -> bool:
+    """Whether Muon updates parameter `name`: matrices inside the decoder layers except the router (`mlp.gate` in
+    Qwen3-MoE and DeepSeek-V2, `mlp.router` in GPT-OSS); not the embedding, the head, norms or biases."""
+    return p.dim() >= 2 and ".layers." in f".{name}" and not name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+
+# %% [markdown]
+# Check: Newton–Schulz against the SVD. For random matrices of several shapes (wide, tall, square, a stack of
+# experts) the iteration's result has the same singular vectors as `U Vᵀ` (its projection on them is diagonal) and
+# singular values within [0.6, 1.25]: an approximation of the orthogonal factor, not the factor itself.
+
+# %%
+g = torch.Generator().manual_seed(0)
+for shape in [(16, 48), (48, 16), (32, 32), (3, 24, 40)]:
+    m = torch.randn(*shape, generator=g, dtype=torch.float64)
+    o = orthogonalize(m)
+    u, sv, vh = torch.linalg.svd(m, full_matrices=False)
+    proj = u.mT @ o @ vh.mT                                      # diagonal when the singular vectors agree
+    off = (proj - torch.diag_embed(torch.diagonal(proj, dim1=-2, dim2=-1))).abs().max().item()
+    s_o = torch.linalg.svdvals(o)
+    assert off < 1e-8 and 0.6 < s_o.min() and s_o.max() < 1.25, (shape, off, s_o.min(), s_o.max())
+    print(shape, f"singular values of the result in [{s_o.min():.3f}, {s_o.max():.3f}], off-diagonal {off:.1e}")
+
+# %% [markdown]
+# Check: one Muon step on a toy model against the update written out by hand (momentum, Nesterov, the iteration,
+# the scale, decoupled decay) for the matrix, and against `torch.optim.AdamW` for the rest.
+
+# %%
+toy = nn.ModuleDict(dict(layers=nn.ModuleDict({"0": nn.Linear(6, 10)}), norm=nn.LayerNorm(10)))
+ref = copy.deepcopy(toy)
+opt = build_optimizer(toy, lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, kind="muon")
+ref_adamw = torch.optim.AdamW([p for n, p in ref.named_parameters() if not muon_param(n, p)], lr=0.02,
+                              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)   # all 1-D here: no decay
+w, buf = ref.layers["0"].weight, torch.zeros(10, 6)
+for step in range(3):
+    x = torch.randn(5, 6, generator=g)
+    for m in (toy, ref):
+        m.zero_grad()
+        m.norm(m.layers["0"](x)).pow(2).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        buf = 0.95 * buf + w.grad
+        nesterov = w.grad + 0.95 * buf
+        w.mul_(1 - 0.02 * 0.1).sub_(0.02 * 0.2 * 10 ** 0.5 * orthogonalize(nesterov))
+    ref_adamw.step()
+worst = max((a - b).abs().max().item() for a, b in zip(toy.parameters(), ref.parameters()))
+assert worst < 1e-6, worst
+print("Muon groups:", [(len(g["params"]), g["muon"]) for g in opt.param_groups], f"worst difference {worst:.1e}")
 
 # %% [markdown]
 # ## Learning-rate schedule
