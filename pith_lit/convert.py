@@ -12,8 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .train import checkpoint
-from .train.config import (Config, ExistingFile, InvalidInput, MissingFile, RunConfig, dump_toml, from_dict,
-                                   run_command, to_dict)
+from .train.config import (Config, DataConfig, ExistingFile, InvalidInput, MissingFile, RunConfig, dump_toml,
+                                   from_dict, run_command, to_dict)
 from .train.hf import empty_model, load_hf, read_hf_config, save_hf
 
 # %% ../nbs/train/47_convert.ipynb #7f8f74ed
@@ -32,7 +32,8 @@ def hf2pith(src, dst) -> Path:
     if dst.exists() and any(dst.iterdir()):
         raise ExistingFile(f"{dst} already holds files; hf2pith makes a new run directory")
     model = load_hf(src, _hf_dtype(read_hf_config(src)))
-    cfg = Config(run=RunConfig(dir=str(dst)), model=model.config)
+    # the data default, a BPE trained here, fits no imported vocabulary: bytes until the user names the tokenizer
+    cfg = Config(run=RunConfig(dir=str(dst)), model=model.config, data=DataConfig(tokenizer="bytes"))
     checkpoint.save_weights(dst, model=model, model_config=to_dict(cfg)["model"])
     (dst / "config.toml").write_text(
         f"# Written by python -m pith_lit.convert hf2pith\n#   {src} -> {dst}\n"

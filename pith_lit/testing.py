@@ -338,7 +338,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="ep: tokens per rank for the traffic measurement")
     ap.add_argument("--micro", type=int, nargs="*", default=[4, 5, 6], help="pipeline: micro-batch counts")
     ap.add_argument("--ep", type=int, default=1, help="pipeline: expert-parallel ranks (pp = processes / ep)")
-    ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"], default="qwen3_moe", help="pipeline: family")
+    ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"],
+                    help="the family checked (pipeline: default qwen3_moe; fsdp: default both)")
     ap.add_argument("--layout", type=int, nargs=4, metavar=("PP", "DP_REPLICATE", "DP", "EP"), default=[1, 1, 2, 1],
                     help="fsdp: the mesh (their product = processes)")
     ap.add_argument("--overlap", action="store_true", help="fsdp: run the step through DualPipeV at pp = 1")
@@ -355,14 +356,14 @@ def main(argv=None) -> None:
     if a.check == "ep":
         run_ranked(_ep_main, a, device)
     elif a.check == "fsdp":
-        for family in ("qwen3_moe", "deepseek_v2") if a.model == "qwen3_moe" else (a.model,):
+        for family in (a.model,) if a.model else ("qwen3_moe", "deepseek_v2"):
             line = run_ranked(fsdp_check, *a.layout, family, overlap=a.overlap, device=device, optimizer=a.optimizer)
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, line)
             if dist.get_rank() == 0:
                 print("\n".join(everyone), flush=True)
     else:
-        run_ranked(pipeline_check, a.micro, a.ep, device, a.model, a.stage_layers)
+        run_ranked(pipeline_check, a.micro, a.ep, device, a.model or "qwen3_moe", a.stage_layers)
         if a.timeline:
             run_ranked(record_timeline, a.timeline, a.timeline_micro, a.ep, device, 2, a.timeline_hidden,
                        a.timeline_seq)

@@ -62,7 +62,7 @@ def test_wrong_type():
 def test_bad_choice():
     assert error(["train.schedule=linear"]) == "train.schedule = 'linear': expected one of 'wsd', 'cosine', 'constant'"
     assert error(["run.device=tpu"]) == "run.device = 'tpu': expected one of 'auto', 'cpu', 'cuda'"
-    assert error(["train.lb_level=batch"]) == "train.lb_level = 'batch': expected one of 'micro', 'global'"
+    assert error(["train.lb_level=batch"]) == "train.lb_level = 'batch': expected one of 'micro', 'global', 'sequence'"
     assert error(["train.dtype=float16"]) == "train.dtype = 'float16': expected one of 'auto', 'bfloat16', 'float32', 'float64'"
 
 
@@ -167,10 +167,10 @@ def test_heads_divisible_by_kv_heads():
 
 
 def test_byte_vocab():
-    assert error(["model.vocab_size=258"]) == (
+    assert error(["model.vocab_size=258", "data.tokenizer=bytes"]) == (
         "model.vocab_size = 258: the byte tokenizer needs at least 259 ids (256 bytes + 3 special tokens); "
         "use vocab_size >= 259 or set data.tokenizer to a tokenizer.json")
-    assert validate(from_dict({}, ["model.vocab_size=259"]))
+    assert validate(from_dict({}, ["model.vocab_size=259", "data.tokenizer=bytes"]))
     assert validate(from_dict({}, ["model.vocab_size=100", "data.tokenizer=tok/tokenizer.json"]))
 
 

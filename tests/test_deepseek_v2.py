@@ -11,6 +11,11 @@ from conftest import assert_close, assert_grads_match, assert_positions_used
 from pith_lit.models.deepseek_v2 import Config, DeepseekV2ForCausalLM, rope_frequencies
 
 
+def hf_keys(state: dict) -> dict:
+    "A state dict without the routers' selection bias, which is ours only (train/42) and has no place in this format."
+    return {k: v for k, v in state.items() if not k.endswith(".e_score_correction_bias")}
+
+
 # Every choice at once: two dense layers, group-limited top-3 of 8 experts in 4 groups (2 groups allowed), two
 # shared experts, a scaled router, the low-rank query path, attention biases, a tied head, YaRN whose cos/sin
 # factor and softmax temperature are both not 1.
@@ -94,8 +99,10 @@ def test_matches_transformers(over):
         for name, p in hf.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
     theirs = hf.state_dict()
-    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == {k: tuple(v.shape) for k, v in theirs.items()}
-    model.load_state_dict(theirs, strict=True)
+    assert {k: tuple(v.shape) for k, v in hf_keys(model.state_dict()).items()} == \
+        {k: tuple(v.shape) for k, v in theirs.items()}
+    missing, unexpected = model.load_state_dict(theirs, strict=False)
+    assert not unexpected and sorted(missing) == sorted(model.state_dict().keys() - hf_keys(model.state_dict()).keys())
     assert model.model.layers["0"].self_attn.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling)
     ids = torch.randint(0, CFG["vocab_size"], (2, 9))
     positions = torch.arange(9) + 5

@@ -62,7 +62,7 @@ def test_training_with_document_mask(tmp_path):
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "docs")
     base = ["train.steps=8", "train.warmup=1", "log.tensorboard=false", "log.sample_tokens=0", "ckpt.every=-1",
-            "train.global_batch=4", "train.seq_len=64", f"data.corpus={tmp_path / 'docs'}"]
+            "train.global_batch=4", "train.seq_len=64", f"data.corpus={tmp_path / 'docs'}", "data.tokenizer=bytes"]
     on = train(load_config(overrides=base + [f"run.dir={tmp_path}/on", "data.document_mask=true"]), quiet=True)
     off = train(load_config(overrides=base + [f"run.dir={tmp_path}/off"]), quiet=True)
     a, b = [r["loss"] for r in on["history"]], [r["loss"] for r in off["history"]]

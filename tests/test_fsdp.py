@@ -8,26 +8,32 @@ import pytest
 
 from conftest import ROOT, subprocess_env
 
-LAYOUTS = [  # (processes, pp, dp_replicate, dp, ep, overlap)
-    (2, 1, 1, 2, 1, False),   # FSDP over two ranks
-    (2, 1, 1, 1, 2, False),   # experts divided over ep, non-expert weights sharded over ep
-    (2, 2, 1, 1, 1, False),   # DualPipeV: deferred weight gradients, one reduction per step
-    (2, 1, 1, 2, 1, True),    # DualPipeV's overlapped schedule at pp 1 with FSDP dp 2
-    (4, 1, 1, 2, 2, False),   # ep 2 × dp 2: experts on a sub-mesh, (Shard(1), Shard(0)) placements
-    (4, 1, 2, 2, 1, False),   # HSDP: replicate across 2 groups, shard within
-    (4, 2, 1, 2, 1, False),   # DualPipeV × FSDP
-    (4, 2, 1, 1, 2, False),   # DualPipeV × expert parallelism
+LAYOUTS = [  # (processes, pp, dp_replicate, dp, ep, overlap, families: "both" = Qwen3-MoE and DeepSeek-V2)
+    (2, 1, 1, 2, 1, False, "both"),        # FSDP over two ranks
+    (2, 1, 1, 1, 2, False, "qwen3_moe"),   # experts divided over ep, non-expert weights sharded over ep
+    (2, 2, 1, 1, 1, False, "qwen3_moe"),   # DualPipeV: deferred weight gradients, one reduction per step
+    (2, 1, 1, 2, 1, True, "qwen3_moe"),    # DualPipeV's overlapped schedule at pp 1 with FSDP dp 2
+    (4, 1, 1, 2, 2, False, "both"),        # ep 2 × dp 2: experts on a sub-mesh, (Shard(1), Shard(0)) placements
+    (4, 1, 2, 2, 1, False, "qwen3_moe"),   # HSDP: replicate across 2 groups, shard within
+    (4, 2, 1, 2, 1, False, "deepseek_v2"), # DualPipeV × FSDP
+    (4, 2, 1, 1, 2, False, "qwen3_moe"),   # DualPipeV × expert parallelism
 ]
 
 
-@pytest.mark.parametrize("n,pp,dpr,dp,ep,overlap", LAYOUTS)
-def test_fsdp_against_one_process(n, pp, dpr, dp, ep, overlap):
+def fsdp_check(n, layout, *extra, families="both"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m",
-           "pith_lit.testing", "fsdp", "--layout", str(pp), str(dpr), str(dp), str(ep)] + (["--overlap"] if overlap else [])
+           "pith_lit.testing", "fsdp", "--layout", *map(str, layout), *extra]
+    cmd += [] if families == "both" else ["--model", families]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [l for l in proc.stdout.splitlines() if l.startswith("rank")]
-    assert len(lines) == 2 * n and all("2 steps OK" in l for l in lines), proc.stdout
+    assert len(lines) == (2 if families == "both" else 1) * n and all("2 steps OK" in l for l in lines), proc.stdout
+    return lines
+
+
+@pytest.mark.parametrize("n,pp,dpr,dp,ep,overlap,families", LAYOUTS)
+def test_fsdp_against_one_process(n, pp, dpr, dp, ep, overlap, families):
+    fsdp_check(n, (pp, dpr, dp, ep), *(["--overlap"] if overlap else []), families=families)
 
 
 def test_clip_sharded_grads_one_process():
@@ -52,9 +58,5 @@ def test_clip_sharded_grads_one_process():
 @pytest.mark.parametrize("n,pp,dpr,dp,ep", [(2, 1, 1, 2, 1), (2, 1, 1, 1, 2), (2, 2, 1, 1, 1), (4, 1, 1, 2, 2)])
 def test_muon_against_one_process(n, pp, dpr, dp, ep):
     "Muon gathers each sharded matrix's momentum, orthogonalises it whole and keeps its rows: as one process would."
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m",
-           "pith_lit.testing", "fsdp", "--layout", str(pp), str(dpr), str(dp), str(ep), "--optimizer", "muon"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("rank")]
-    assert len(lines) == 2 * n and all("muon" in l and "2 steps OK" in l for l in lines), proc.stdout
+    lines = fsdp_check(n, (pp, dpr, dp, ep), "--optimizer", "muon", families="qwen3_moe")
+    assert all("muon" in l for l in lines)

@@ -91,7 +91,7 @@ def test_stats_mean_over_layers_and_coef_zero():
 
 
 def test_load_balance_errors():
-    with pytest.raises(ValueError, match="must be 'micro' or 'global', got 'step'"):
+    with pytest.raises(ValueError, match="must be 'micro', 'global' or 'sequence', got 'step'"):
         LoadBalance(4, 1.0, "step")
     with pytest.raises(ValueError, match="must be >= 0"):
         LoadBalance(4, -0.1, "micro")

@@ -82,8 +82,9 @@ def test_expert_parallel_matches_single_process(tmp_path, variant):
     process with all experts and the whole batch: the same loss curve; plain, and under the overlapped schedule
     with the sync-free and the counted dispatcher. The load-balance term
     is off: its running global statistic depends on the order in which micro-batches are seen, which differs
-    between the two runs."""
-    over = ["train.steps=6", "train.warmup=1", "train.lb_coef=0", "ckpt.every=-1", *QUIET]
+    between the two runs. float64: in float32 the two layouts' different summation orders change the gradient norm
+    by up to 5e-4 relative within six steps, more than a real error would need to hide."""
+    over = ["train.steps=6", "train.warmup=1", "train.lb_coef=0", "ckpt.every=-1", "train.dtype=float64", *QUIET]
     single = train(load_config(overrides=over + [f"run.dir={tmp_path}/one"]), quiet=True)["history"]
     ep_over = over + [f"run.dir={tmp_path}/ep2", "parallel.ep=2", *variant]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
@@ -129,7 +130,7 @@ def test_pipeline_matches_single_process(tmp_path):
     assert [r["step"] for r in pp2] == [r["step"] for r in single] == list(range(1, 7))
     fresh = train(load_config(overrides=over + [f"run.dir={tmp_path}/fresh", "train.steps=1", "train.warmup=0"]),
                   quiet=True)["history"][0]["loss"]
-    assert abs(single[0]["loss"] - fresh) > 1e-3, "the runs should start from the saved weights, not the seed's"
+    assert abs(single[0]["loss"] - fresh) > 1e-4, "the runs should start from the saved weights, not the seed's"
     for a, b in zip(pp2, single):
         for key, rel in (("loss", 1e-5), ("grad_norm", 1e-4), ("lb_loss", 1e-5), ("balance", 1e-5)):
             assert a[key] == pytest.approx(b[key], rel=rel), (a["step"], key, a[key], b[key])
@@ -221,3 +222,13 @@ def test_checkpoint_loads_at_another_layout(tmp_path, saved, loaded):
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for a, b in zip(resumed, straight[3:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-9), (a, b)
+
+
+def test_muon_run_resumes_exactly(tmp_path):
+    "train.optimizer = muon: the loss falls, and a run split at step 3 repeats the straight run (Muon's state resumes)."
+    over = ["train.steps=6", "train.warmup=1", "train.optimizer=muon", "train.seq_len=32", *QUIET]
+    straight = train(load_config(overrides=over + [f"run.dir={tmp_path}/a", "ckpt.every=-1"]), quiet=True)["history"]
+    split_cfg = load_config(overrides=over + [f"run.dir={tmp_path}/b", "ckpt.every=3"])
+    split = train(split_cfg, until=3, quiet=True)["history"] + train(split_cfg, quiet=True)["history"]
+    assert [r["loss"] for r in split] == [r["loss"] for r in straight]
+    assert straight[-1]["loss"] < straight[0]["loss"] - 0.3

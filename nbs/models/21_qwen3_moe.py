@@ -41,7 +41,8 @@ from pith_lit.ops.swiglu import swiglu
 class Config:
     "Qwen3-MoE hyper-parameters. Field names are those of Hugging Face's `Qwen3MoeConfig`."
     model_type: str = cfg("qwen3_moe", "model family; selects the model module")
-    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)", gt=0)
+    vocab_size: int = cfg(4096, "vocabulary size (the default tokenizer, stdlib-bpe-4096, needs at least 4096; the byte "
+                                 "tokenizer 259)", gt=0)
     hidden_size: int = cfg(128, "model width", gt=0)
     moe_intermediate_size: int = cfg(128, "FFN width of one routed expert", gt=0)
     intermediate_size: int = cfg(512, "FFN width of a dense MLP layer (layers listed in mlp_only_layers)", gt=0)
@@ -258,6 +259,14 @@ with torch.no_grad():
 # the k chosen probabilities are rescaled to sum to 1 (Qwen3-30B-A3B sets it). The full probabilities go into
 # `Routing.probs` for the load-balance loss. Its weight is `mlp.gate.weight` (E, H), as in transformers.
 # A dense layer's MLP is the same SwiGLU with three separate projections.
+#
+# Two things steer the choice without touching the weights (train/42 explains both):
+# `e_score_correction_bias` (E,), DeepSeek-V3's name for it, is added to the probabilities for the top-k only;
+# the chosen experts are weighted by their unbiased probabilities. It is a buffer, not a parameter: model state
+# that checkpoints keep, moved by the trainer after each step (`train.lb_bias_rate`), never by a gradient; zero
+# leaves the router as transformers has it. `round_robin` (`train.route`) replaces the top-k by a fixed
+# assignment, token t to experts t·k … t·k+k−1 mod E, so that every expert receives the same number of tokens
+# while the router's matmul and softmax still run.
 
 # %%
 #| export
@@ -266,11 +275,18 @@ class Router(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
+        self.round_robin = False
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        weights, ids = probs.topk(self.top_k, -1)
+        if self.round_robin:
+            T, E = probs.shape
+            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
+        else:
+            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        weights = probs.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return Routing(ids, weights.to(x.dtype), probs)
@@ -302,6 +318,29 @@ r = router(torch.randn(10, 16))
 assert r.ids.shape == r.weights.shape == (10, 3) and r.probs.shape == (10, 6) and r.probs.dtype == torch.float32
 assert torch.allclose(r.weights.sum(-1), torch.ones(10))
 assert torch.equal(r.probs.gather(1, r.ids), r.probs.sort(-1, descending=True).values[:, :3])
+
+# %% [markdown]
+# With a bias, each token's experts are the three best by probability plus bias, found here by sorting each
+# token's list in Python, and their weights are the unbiased probabilities; round-robin gives every expert
+# T·k/E = 5 of the 30 assignments.
+
+# %%
+with torch.no_grad():
+    router.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1, -0.3, 0.2]))
+xb = torch.randn(10, 16)
+rb, plain = router(xb), Router(cr)
+plain.load_state_dict({"weight": router.weight, "e_score_correction_bias": torch.zeros(6)})
+for t in range(10):
+    p, b = rb.probs[t].tolist(), router.e_score_correction_bias.tolist()
+    chosen = sorted(range(6), key=lambda e: -(p[e] + b[e]))[:3]
+    assert rb.ids[t].tolist() == chosen
+    assert torch.allclose(rb.weights[t], rb.probs[t, chosen] / rb.probs[t, chosen].sum())
+assert torch.equal(rb.probs, plain(xb).probs) and (rb.ids != plain(xb).ids).any()
+router.round_robin = True
+rr = router(xb)
+assert rr.ids.flatten().tolist() == [i % 6 for i in range(30)] and torch.equal(rr.probs, rb.probs)
+assert torch.bincount(rr.ids.flatten(), minlength=6).tolist() == [5] * 6
+assert torch.allclose(rr.weights, rr.probs.gather(1, rr.ids) / rr.probs.gather(1, rr.ids).sum(-1, keepdim=True))
 
 # %% [markdown]
 # ## The decoder layer in five stages
@@ -389,6 +428,7 @@ class Qwen3MoeForCausalLM(nn.Module):
                 init.normal_(layer.mlp.down_proj.weight, out_std)
             else:
                 init.normal_(layer.mlp.gate.weight, std)
+                layer.mlp.gate.e_score_correction_bias.zero_()
                 init.normal_(layer.mlp.experts.gate_up_proj, std)
                 init.normal_(layer.mlp.experts.down_proj, out_std)
 

@@ -59,7 +59,8 @@ YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", 
 class Config:
     "DeepSeek-V2 hyper-parameters. Field names are those of Hugging Face's `DeepseekV2Config`."
     model_type: str = cfg("deepseek_v2", "model family; selects the model module")
-    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)", gt=0)
+    vocab_size: int = cfg(4096, "vocabulary size (the default tokenizer, stdlib-bpe-4096, needs at least 4096; the byte "
+                                 "tokenizer 259)", gt=0)
     hidden_size: int = cfg(128, "model width", gt=0)
     intermediate_size: int = cfg(384, "FFN width of the dense MLP in the first first_k_dense_replace layers", gt=0)
     moe_intermediate_size: int = cfg(64, "FFN width of one routed expert (and of one shared expert)", gt=0)
@@ -401,6 +402,14 @@ with torch.no_grad():
 # the full probabilities go into `Routing.probs` for the load-balance loss. The router's weight is
 # `mlp.gate.weight` (E, H), as in transformers.
 #
+# As in the other families (train/42 explains both), `e_score_correction_bias` (E,), a buffer the trainer moves
+# after each step, is added to the probabilities for choosing only: the groups are scored by their best biased
+# probability and the top-k taken among the biased probabilities of the kept groups, while the weights are the
+# unbiased probabilities times `routed_scaling_factor`. (DeepSeek-V3, where the name comes from, scores a group by
+# the sum of its two best biased sigmoid scores; V2's max rule stays here.) Experts outside the kept groups are
+# masked with −∞, since a biased score may be negative. `round_robin` (`train.route`) assigns token t the experts
+# t·k … t·k+k−1 mod E instead, group limit ignored, while the router still runs.
+#
 # The shared experts are one dense SwiGLU MLP of width `n_shared_experts · moe_intermediate_size`
 # (`mlp.shared_experts`), and the dense layers' MLP is the same SwiGLU of width `intermediate_size`.
 
@@ -412,19 +421,25 @@ class Router(nn.Module):
         self.top_k, self.method, self.scale = c.num_experts_per_tok, c.topk_method, c.routed_scaling_factor
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
+        self.round_robin = False
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         ct = _compute_dtype(x.dtype)
         probs = F.linear(x.to(ct), self.weight.to(ct)).softmax(-1)
-        scores = probs
-        if self.method == "group_limited_greedy":
-            groups = probs.unflatten(-1, (self.n_group, -1))                         # (T, G, E/G)
-            best = groups.amax(-1).topk(self.topk_group, -1).indices                 # (T, topk_group)
-            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(-1, best, True)
-            scores = groups.masked_fill(~keep.unsqueeze(-1), 0.0).flatten(-2)
-        weights, ids = scores.topk(self.top_k, -1)
-        return Routing(ids, (weights * self.scale).to(x.dtype), probs)
+        if self.round_robin:
+            T, E = probs.shape
+            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
+        else:
+            scores = probs + self.e_score_correction_bias
+            if self.method == "group_limited_greedy":
+                groups = scores.unflatten(-1, (self.n_group, -1))                    # (T, G, E/G)
+                best = groups.amax(-1).topk(self.topk_group, -1).indices             # (T, topk_group)
+                keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(-1, best, True)
+                scores = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+            ids = scores.topk(self.top_k, -1).indices
+        return Routing(ids, (probs.gather(-1, ids) * self.scale).to(x.dtype), probs)
 
 
 class MLP(nn.Module):
@@ -472,6 +487,29 @@ greedy.load_state_dict(router.state_dict())
 differs = (greedy(xg).ids.sort(-1).values != r.ids.sort(-1).values).any(-1).sum().item()
 assert differs > 0
 print(f"group limit changed the choice of {differs} of 40 tokens")
+
+# %% [markdown]
+# The same loop with a bias, negative for some experts: groups and experts are chosen by probability plus bias,
+# the weights are the unbiased probabilities. Round-robin gives every expert T·k/E = 10 of the 120 assignments.
+
+# %%
+bias = torch.linspace(-0.2, 0.2, 12)[torch.randperm(12, generator=torch.Generator().manual_seed(0))]
+with torch.no_grad():
+    router.e_score_correction_bias.copy_(bias)
+rb = router(xg)
+changed = (rb.ids.sort(-1).values != r.ids.sort(-1).values).any(-1).sum().item()
+for t in range(40):
+    s = (rb.probs[t] + bias).tolist()
+    groups = sorted(range(4), key=lambda g: -max(s[3 * g:3 * g + 3]))[:2]
+    chosen = sorted([e for g in groups for e in range(3 * g, 3 * g + 3)], key=lambda e: -s[e])[:3]
+    assert sorted(rb.ids[t].tolist()) == sorted(chosen)
+    assert torch.allclose(rb.weights[t], 2.5 * rb.probs[t, rb.ids[t]])
+assert changed > 0 and torch.equal(rb.probs, r.probs)
+router.round_robin = True
+rr = router(xg)
+assert rr.ids.flatten().tolist() == [i % 12 for i in range(120)]
+assert torch.allclose(rr.weights, 2.5 * rr.probs.gather(1, rr.ids))
+print(f"the bias changed the choice of {changed} of 40 tokens")
 
 # %% [markdown]
 # ## The decoder layer in five stages
@@ -566,6 +604,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             init.normal_(mlp.down_proj.weight, out_std)
             if moe:
                 init.normal_(layer.mlp.gate.weight, std)
+                layer.mlp.gate.e_score_correction_bias.zero_()
                 init.normal_(layer.mlp.experts.gate_up_proj, std)
                 init.normal_(layer.mlp.experts.down_proj, out_std)
 

@@ -67,7 +67,8 @@ ROPE_KEYS = ("rope_type", "rope_theta", "factor", "beta_fast", "beta_slow", "tru
 class Config:
     "GPT-OSS hyper-parameters. Field names are those of Hugging Face's `GptOssConfig` (transformers 5.x)."
     model_type: str = cfg("gpt_oss", "model family; selects the model module")
-    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)", gt=0)
+    vocab_size: int = cfg(4096, "vocabulary size (the default tokenizer, stdlib-bpe-4096, needs at least 4096; the byte "
+                                 "tokenizer 259)", gt=0)
     hidden_size: int = cfg(128, "model width", gt=0)
     intermediate_size: int = cfg(128, "FFN width of one routed expert", gt=0)
     num_hidden_layers: int = cfg(4, "number of decoder layers", gt=0)
@@ -489,12 +490,18 @@ class Router(nn.Module):
         self.top_k = c.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(c.num_local_experts, c.hidden_size))
         self.bias = nn.Parameter(torch.empty(c.num_local_experts))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.num_local_experts))
+        self.round_robin = False
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
         logits = F.linear(x, self.weight, self.bias).to(_compute_dtype(x.dtype))
-        top, ids = logits.topk(self.top_k, -1)
-        return Routing(ids, top.softmax(-1).to(x.dtype), logits.softmax(-1))
+        if self.round_robin:
+            T, E = logits.shape
+            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
+        else:
+            ids = (logits + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        return Routing(ids, logits.gather(-1, ids).softmax(-1).to(x.dtype), logits.softmax(-1))
 
 
 class MLP(nn.Module):
@@ -514,6 +521,24 @@ logits = xr @ router.weight.T + router.bias
 assert r.ids.shape == r.weights.shape == (10, 3) and r.probs.shape == (10, 6) and r.probs.dtype == torch.float32
 assert torch.equal(r.ids, logits.sort(-1, descending=True).indices[:, :3])
 assert torch.allclose(r.weights, logits.gather(1, r.ids).softmax(-1)) and torch.allclose(r.probs, logits.softmax(-1))
+
+# %% [markdown]
+# With a selection bias (`e_score_correction_bias`, train/42), the experts are the top-k of logits plus bias, and
+# the weights the softmax of their unbiased logits. This bias is not the router's own `bias`, a trained
+# parameter inside the logits that shifts the weights too: it only moves the choice. Round-robin (`train.route`)
+# assigns token t the experts t·k … t·k+k−1 mod E.
+
+# %%
+with torch.no_grad():
+    router.e_score_correction_bias.copy_(torch.tensor([1.0, -1.0, 0.5, 0.0, -0.5, 0.2]))
+rb = router(xr)
+biased = logits + router.e_score_correction_bias
+assert torch.equal(rb.ids, biased.sort(-1, descending=True).indices[:, :3]) and not torch.equal(rb.ids, r.ids)
+assert torch.allclose(rb.weights, logits.gather(1, rb.ids).softmax(-1)) and torch.allclose(rb.probs, r.probs)
+router.round_robin = True
+rr = router(xr)
+assert rr.ids.flatten().tolist() == [i % 6 for i in range(30)]
+assert torch.allclose(rr.weights, logits.gather(1, rr.ids).softmax(-1))
 
 # %% [markdown]
 # ## The decoder layer in five stages
@@ -597,7 +622,7 @@ class GptOssForCausalLM(nn.Module):
                 init.normal_(p, std)
             init.normal_(a.o_proj.weight, out_std)
             init.normal_(ex.down_proj, out_std)
-            for p in (router.bias, ex.gate_up_proj_bias, ex.down_proj_bias):
+            for p in (router.bias, router.e_score_correction_bias, ex.gate_up_proj_bias, ex.down_proj_bias):
                 p.zero_()
 
     def prolog(self, input_ids: Tensor) -> Tensor:

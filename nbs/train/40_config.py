@@ -111,10 +111,21 @@ class TrainConfig:
     beta1: float = cfg(0.9, "AdamW β1", ge=0, lt=1)
     beta2: float = cfg(0.95, "AdamW β2", ge=0, lt=1)
     eps: float = cfg(1e-8, "AdamW ε", gt=0)
+    optimizer: Literal["adamw", "muon"] = cfg(
+        "adamw", "adamw, or muon: orthogonalised momentum for the matrices inside the layers (experts each on their "
+        "own), AdamW for the embedding, head, router, norms and biases, one lr for both (train/43_optim)")
+    muon_momentum: float = cfg(0.95, "Muon's momentum (Nesterov)", ge=0, lt=1)
     grad_clip: float = cfg(1.0, "clip the global gradient norm to this (0 disables)", ge=0)
     lb_coef: float = cfg(0.01, "load-balance loss coefficient (0 disables)", ge=0)
-    lb_level: Literal["micro", "global"] = cfg(
-        "global", "load-balance expert counts per micro-batch, or over the whole step on all ranks")
+    lb_level: Literal["micro", "global", "sequence"] = cfg(
+        "global", "load-balance loss with expert counts per micro-batch, over the whole step on all ranks, or per "
+        "sequence (averaged over the sequences; train/42)")
+    lb_bias_rate: float = cfg(0.0, "aux-loss-free balancing: after each step every router's per-expert selection bias "
+                                   "moves by this much toward the experts that received fewer than the mean "
+                                   "(DeepSeek-V3); 0 disables (train/42)", ge=0)
+    route: Literal["learned", "round_robin"] = cfg(
+        "learned", "learned = the router's top-k; round_robin = token t of a micro-batch goes to experts t·k..t·k+k-1 "
+        "mod E, for benchmarks that state the perfectly balanced case (the router still runs; train/42)")
     dtype: Literal["auto", "bfloat16", "float32", "float64"] = cfg(
         "auto", "compute dtype: auto = bfloat16 on CUDA, float32 on CPU; float64 is for exact checks on a CPU")
     optim_dtype: Literal["float32", "bfloat16"] = cfg(
@@ -132,7 +143,9 @@ class DataConfig:
     "What the model reads."
     corpus: str = cfg("stdlib", "stdlib = the embedded corpus (the Python standard library's source), "
                                 "or the path of a packed token file made by `python -m pith_lit.tokenize`")
-    tokenizer: str = cfg("bytes", "bytes = the byte-level tokenizer, or the path of a Hugging Face tokenizer.json")
+    tokenizer: str = cfg("stdlib-bpe-4096", "stdlib-bpe-N = a byte-level BPE of N ids trained on the embedded corpus "
+                                            "(cached in run.dir/cache), bytes = the byte-level tokenizer, or the path "
+                                            "of a Hugging Face tokenizer.json")
     val_frac: float = cfg(0.01, "fraction of the corpus held out for validation", ge=0, lt=1)
     document_mask: bool = cfg(False, "attend within documents: in a window of packed text, positions restart after "
                                      "each end-of-document token and no token attends to another document "
@@ -476,7 +489,8 @@ print(raises(from_dict, {}, ["model.num_key_value_heads=3"]))
 #   is no longer than the model's `max_position_embeddings`;
 # - the byte tokenizer uses ids 0..255 for bytes and three more for special tokens, so it needs a vocabulary of
 #   at least `BYTE_VOCAB = 259` (`ByteTokenizer.vocab_size` in `train.data`, a later notebook that this one may
-#   not import; tests/test_config.py checks that the two agree).
+#   not import; tests/test_config.py checks that the two agree), and `stdlib-bpe-N`, a BPE trained on the embedded
+#   corpus, needs `vocab_size` ≥ N.
 #
 # Every model family names its expert count differently; `routed_experts`, a property each family's `Config`
 # has, gives it under one name.
@@ -484,6 +498,18 @@ print(raises(from_dict, {}, ["model.num_key_value_heads=3"]))
 # %%
 #| export
 BYTE_VOCAB = 259  # the byte tokenizer: 256 byte values + 3 special tokens
+STDLIB_BPE = "stdlib-bpe-"   # data.tokenizer = "stdlib-bpe-N": a BPE of N ids trained on the embedded corpus
+
+
+def stdlib_bpe_vocab(spec: str) -> int | None:
+    "N for the tokenizer spec 'stdlib-bpe-N' (N ≥ 257: the 256 bytes and the end-of-document token), else None."
+    n = spec.removeprefix(STDLIB_BPE)
+    if n == spec:
+        return None
+    if not (n.isdigit() and int(n) >= 257):
+        raise ConfigError(f"data.tokenizer = {spec!r}: the number of ids of a trained BPE must be an integer >= 257 "
+                          "(256 bytes + the end-of-document token), e.g. 'stdlib-bpe-4096'")
+    return int(n)
 
 
 def _need(ok: bool, message: str):
@@ -585,6 +611,12 @@ def _check_model(cfg: Config) -> None:
         _need(m.vocab_size >= BYTE_VOCAB,
               f"model.vocab_size = {m.vocab_size}: the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes + "
               f"3 special tokens); use vocab_size >= {BYTE_VOCAB} or set data.tokenizer to a tokenizer.json")
+    bpe = stdlib_bpe_vocab(cfg.data.tokenizer)
+    if bpe is not None:
+        _need(m.vocab_size >= bpe,
+              f"model.vocab_size = {m.vocab_size}: data.tokenizer = {cfg.data.tokenizer!r} has {bpe} ids; use "
+              f"vocab_size >= {bpe}, or a smaller tokenizer (e.g. data.tokenizer = '{STDLIB_BPE}{m.vocab_size}' if "
+              f"{m.vocab_size} >= 257, or 'bytes')")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
@@ -619,7 +651,9 @@ cases = {
     "seq_len vs positions": ["train.seq_len=5000"],
     "top-k": ["model.num_experts_per_tok=9"],
     "heads": ["model.num_attention_heads=6", "model.num_key_value_heads=4"],
-    "byte vocab": ["model.vocab_size=256"],
+    "byte vocab": ["model.vocab_size=256", "data.tokenizer=bytes"],
+    "trained BPE vocab": ["model.vocab_size=1000"],
+    "trained BPE size": ["data.tokenizer=stdlib-bpe-100"],
     "warmup vs steps": ["train.steps=10", "train.warmup=20"],
     "warmup vs wsd decay": ["train.steps=100", "train.warmup=90"],
     "unknown model family": ["model.model_type=llama"],

@@ -11,8 +11,8 @@
 #
 # Pretraining data takes four steps here, each in one section below:
 #
-# 1. a **tokenizer** turns text into integer ids: a byte tokenizer that needs no download, or any Hugging Face
-#    `tokenizer.json`;
+# 1. a **tokenizer** turns text into integer ids: a byte tokenizer, any Hugging Face `tokenizer.json`, or a BPE
+#    trained here on the embedded corpus (the default), none of which needs a download;
 # 2. an **embedded corpus**, the Python standard library's own source, so that training works offline;
 # 3. a **packed file** holds a whole corpus as one flat array of token ids, read through a memory map, so a
 #    corpus larger than RAM costs nothing to open;
@@ -39,8 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pith_lit.train.config import InvalidInput, MissingFile
+from pith_lit.train.config import InvalidInput, MissingFile, stdlib_bpe_vocab
 
 # %%
 import time
@@ -102,10 +103,11 @@ EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<｜end▁of�
 
 
 class HFTokenizer:
-    "A Hugging Face `tokenizers` tokenizer read from a local tokenizer.json, behind the same small interface."
-    def __init__(self, path):
+    """A Hugging Face `tokenizers` tokenizer read from a local tokenizer.json, behind the same small interface.
+    `spec` is what it was asked for by (default: the path)."""
+    def __init__(self, path, spec: str | None = None):
         path = Path(path)
-        self.spec = str(path)
+        self.spec = str(path) if spec is None else spec
         self.fingerprint = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
         self.tok = tokenizers.Tokenizer.from_file(str(path))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
@@ -121,24 +123,11 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-# %%
-#| export
-def load_tokenizer(spec: str):
-    "`'bytes'` for the byte tokenizer, otherwise the path of a Hugging Face tokenizer.json."
-    if spec == "bytes":
-        return ByteTokenizer()
-    if not Path(spec).is_file():
-        raise MissingFile(f"tokenizer {spec!r}: no such file; pass 'bytes' for the built-in byte "
-                                "tokenizer or the path of a Hugging Face tokenizer.json")
-    return HFTokenizer(spec)
-
 # %% [markdown]
 # To check the wrapper without a download, train a tiny byte-level BPE on some text, save it, load it back
-# through `load_tokenizer`, and compare with the `tokenizers` object we trained.
+# through `HFTokenizer`, and compare with the `tokenizers` object we trained.
 
 # %%
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
 scratch = Path(tempfile.mkdtemp())
 sample_text = (Path(sysconfig.get_paths()["stdlib"]) / "json" / "encoder.py").read_text()
 bpe = tokenizers.Tokenizer(models.BPE())
@@ -148,7 +137,7 @@ bpe.train_from_iterator([sample_text], trainers.BpeTrainer(
     vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
 bpe.save(str(scratch / "tokenizer.json"))
 
-hf = load_tokenizer(str(scratch / "tokenizer.json"))
+hf = HFTokenizer(scratch / "tokenizer.json")
 line = "def encode(self, o):  # naïve"
 assert hf.encode(line) == bpe.encode(line).ids and hf.decode(hf.encode(line)) == line
 assert hf.eos_id == bpe.token_to_id("<|endoftext|>") and hf.vocab_size == bpe.get_vocab_size()
@@ -211,6 +200,116 @@ nbytes = sum(len(t.encode()) for t in texts)
 assert nbytes <= 200_000 and all("site-packages" not in n for n in names)
 print(f"Python {platform.python_version()}: {len(paths)} files, {nbytes:,} bytes, first {names[:3]}, "
       f"last {names[-1]} ({time.perf_counter() - t0:.2f} s)")
+
+# %% [markdown]
+# ## A tokenizer trained on the embedded corpus
+#
+# Bytes are a poor default for an MoE: with 259 distinct ids the router sees 259 distinct embeddings at the
+# first layer, much of its input is the same few letters, and routing collapses onto a few experts. A
+# byte-level BPE trained on the corpus itself gives ids that look like a real model's (keywords, identifiers,
+# indentation runs) and needs no download: `tokenizers` trains one of 4096 ids on the 4 MB corpus in about a
+# second on two cores. It is the GPT-2 recipe: the text is split by GPT-2's pattern into words, each word's
+# UTF-8 bytes are mapped to 256 printable characters (the `ByteLevel` alphabet, all in the initial vocabulary, so
+# every string is encodable), and merges of the most frequent adjacent pairs are added until the vocabulary
+# holds N ids. One special token, `<|endoftext|>`, ends each document. The result is an ordinary
+# `tokenizer.json` that transformers' `PreTrainedTokenizerFast` loads.
+#
+# `data.tokenizer = "stdlib-bpe-N"` names it. `stdlib_bpe` trains it into `cache_dir` once: the folder's name is
+# a hash of what determines the merges (the corpus's files and bytes, N, the `tokenizers` version), the file is
+# written under a temporary name and renamed, and training is deterministic, so several ranks that build it at
+# once write the same bytes. `python -m pith_lit.tokenize --train-tokenizer N` (notebook 48) writes one where you
+# choose.
+
+# %%
+#| export
+EOS_TOKEN = "<|endoftext|>"   # the end-of-document token of the tokenizers trained here (first of EOS_NAMES)
+
+
+def train_bpe(texts, vocab_size: int) -> tokenizers.Tokenizer:
+    "A byte-level BPE of at most `vocab_size` ids (the 256 byte symbols and `<|endoftext|>` among them) trained on `texts`."
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return bpe
+
+
+def _source(paths, texts) -> dict:
+    "What identifies the embedded corpus's content: Python version, file count, bytes, and a hash of names and texts."
+    root = Path(sysconfig.get_paths()["stdlib"])
+    digest = hashlib.sha256()
+    for p, t in zip(paths, texts):
+        digest.update(p.relative_to(root).as_posix().encode() + b"\0" + t.encode() + b"\0")
+    return dict(corpus="stdlib", python=platform.python_version(), files=len(paths),
+                bytes=sum(len(t.encode()) for t in texts), sha256=digest.hexdigest())
+
+
+def stdlib_bpe(vocab_size: int, cache_dir, max_bytes: int = STDLIB_BYTES) -> Path:
+    "The tokenizer.json of a BPE of `vocab_size` ids trained on the embedded corpus, trained into `cache_dir` unless there."
+    paths, texts = stdlib_corpus(max_bytes)
+    key = json.dumps([vocab_size, tokenizers.__version__, _source(paths, texts)], sort_keys=True)
+    path = Path(cache_dir) / f"stdlib-bpe-{vocab_size}-{hashlib.sha256(key.encode()).hexdigest()[:16]}" / "tokenizer.json"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tokenizer.json.")
+        os.close(fd)
+        train_bpe(texts, vocab_size).save(tmp)
+        os.replace(tmp, path)
+    return path
+
+# %% [markdown]
+# Train the default, 4096 ids, into the scratch folder and check it: a second call reuses the file; training
+# again gives the same bytes (so concurrent ranks agree); the vocabulary has N ids with the byte alphabet and the
+# end-of-document token in it; every document of the corpus round-trips through encode and decode; and the
+# tokenizer is a real one, about 3.6 bytes per token instead of 1.
+
+# %%
+t0 = time.perf_counter()
+bpe_path = stdlib_bpe(4096, scratch / "tok")
+trained_s = time.perf_counter() - t0
+stamp = bpe_path.stat().st_mtime_ns
+assert stdlib_bpe(4096, scratch / "tok") == bpe_path and bpe_path.stat().st_mtime_ns == stamp
+assert train_bpe(stdlib_corpus()[1], 4096).to_str() == tokenizers.Tokenizer.from_file(str(bpe_path)).to_str()
+tok = HFTokenizer(bpe_path, spec="stdlib-bpe-4096")
+assert tok.vocab_size == 4096 and tok.eos_id == tok.tok.token_to_id(EOS_TOKEN)
+assert set(pre_tokenizers.ByteLevel.alphabet()) <= set(tok.tok.get_vocab())
+all_texts = stdlib_corpus()[1]
+n_tokens = sum(len(ids) for ids in (tok.encode(t) for t in all_texts))
+assert all(tok.decode(tok.encode(t)) == t for t in all_texts[::10]) and tok.decode(tok.encode(text)) == text
+ratio = sum(len(t.encode()) for t in all_texts) / n_tokens
+assert ratio > 3
+print(f"trained in {trained_s:.1f} s: {n_tokens:,} tokens for the corpus, {ratio:.2f} bytes per token;",
+      [tok.decode([i]) for i in tok.encode("    def __init__(self, path):")])
+
+# %% [markdown]
+# `load_tokenizer` turns a spec into a tokenizer: `bytes`, `stdlib-bpe-N` (trained into `cache_dir` when it is
+# not there yet), or the path of a tokenizer.json.
+
+# %%
+#| export
+def load_tokenizer(spec: str, cache_dir=None):
+    """`'bytes'` for the byte tokenizer, `'stdlib-bpe-N'` for the BPE of N ids trained on the embedded corpus (kept
+    in `cache_dir`, default a folder in the system's temporary directory), otherwise the path of a Hugging Face
+    tokenizer.json."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    n = stdlib_bpe_vocab(spec)
+    if n is not None:
+        cache_dir = Path(tempfile.gettempdir()) / "pith_lit" if cache_dir is None else cache_dir
+        return HFTokenizer(stdlib_bpe(n, cache_dir), spec=spec)
+    if not Path(spec).is_file():
+        raise MissingFile(f"tokenizer {spec!r}: no such file; pass 'bytes' for the built-in byte tokenizer, "
+                          "'stdlib-bpe-N' for a BPE of N ids trained on the embedded corpus, or the path of a Hugging "
+                          "Face tokenizer.json")
+    return HFTokenizer(spec)
+
+# %%
+assert isinstance(load_tokenizer("bytes"), ByteTokenizer)
+same = load_tokenizer("stdlib-bpe-4096", scratch / "tok")
+assert same.fingerprint == tok.fingerprint and same.spec == "stdlib-bpe-4096"
+assert load_tokenizer(str(scratch / "tokenizer.json")).encode(line) == hf.encode(line)
 
 # %% [markdown]
 # ## The packed format
@@ -566,12 +665,7 @@ assert not np.array_equal(TokenWindows(toks, 16, seed=6).window_ids(7, 0, 4, 1),
 def stdlib_packed(tokenizer, cache_dir, max_bytes: int = STDLIB_BYTES) -> Path:
     "The embedded corpus tokenized by `tokenizer`, built into `cache_dir` unless already there: its base path."
     paths, texts = stdlib_corpus(max_bytes)
-    root = Path(sysconfig.get_paths()["stdlib"])
-    digest = hashlib.sha256()
-    for p, t in zip(paths, texts):
-        digest.update(p.relative_to(root).as_posix().encode() + b"\0" + t.encode() + b"\0")
-    source = dict(corpus="stdlib", python=platform.python_version(), files=len(paths),
-                  bytes=sum(len(t.encode()) for t in texts), sha256=digest.hexdigest())
+    source = _source(paths, texts)
     key = json.dumps([FORMAT_VERSION, tokenizer.fingerprint, source], sort_keys=True)
     base = Path(cache_dir) / f"stdlib-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if base.with_suffix(".json").exists():
@@ -598,7 +692,7 @@ def stdlib_packed(tokenizer, cache_dir, max_bytes: int = STDLIB_BYTES) -> Path:
 def build_dataset(corpus: str, tokenizer_spec: str, cache_dir, seq_len: int, seed: int, rank: int, world: int,
                   model_vocab_size: int, val_frac: float = 0.0):
     "(train, val) TokenWindows of `corpus` ('stdlib' or a packed path); val is None when val_frac is 0."
-    tokenizer = load_tokenizer(tokenizer_spec)
+    tokenizer = load_tokenizer(tokenizer_spec, cache_dir)
     base = stdlib_packed(tokenizer, cache_dir) if corpus == "stdlib" else packed_base(corpus)
     data = open_packed(base)
     if data.header["tokenizer_fingerprint"] != tokenizer.fingerprint:
@@ -639,6 +733,13 @@ assert x.max() < 259 and set(val.window_ids(0, 0, 2, 1).tolist()) <= set(val.win
 print(f"{len(train.tokens):,} tokens: {len(train)} train + {len(val)} val windows of 128 "
       f"(built in {built:.1f} s, reopened in {time.perf_counter() - t0:.2f} s)")
 print(repr(bt.decode(x[0][:80].tolist())))
+
+# the default tokenizer: the BPE trained above (the same cache), its ids below 4096
+bpe_train, _ = build_dataset("stdlib", "stdlib-bpe-4096", scratch / "tok", 128, 0, 0, 1, 4096, 0.01)
+xb, _ = bpe_train.batch(0, 0, 2, 1)
+assert xb.max() < 4096 and len(bpe_train.tokens) == n_tokens + len(all_texts)   # + one eos per document
+print(f"stdlib-bpe-4096: {len(bpe_train.tokens):,} tokens, {len(bpe_train)} train windows of 128:",
+      repr(tok.decode(xb[0][:24].tolist())))
 
 # %% [markdown]
 # A model whose vocabulary is smaller than the data's is refused before training starts:

@@ -37,15 +37,20 @@
 # rank of the group. The last micro-batch sees the exact step-level $f$; the first sees only itself, summed
 # over ranks. `start_step()` resets the counts.
 #
+# **Sequence.** `level="sequence"` asks each sequence to be balanced on its own (DeepSeek-V3's complementary
+# sequence-wise loss): $f$ and $P$ are taken per sequence of the micro-batch, and the loss is the mean over its
+# $B$ sequences of $E \sum_i f_{b,i} P_{b,i}$. It is the strictest of the three; DeepSeek-V3 pairs it, with a tiny
+# weight, with the bias below, to stop a single sequence from sending everything to a few experts.
+#
 # The class keeps per-layer state keyed by the caller's layer key (the absolute layer index), so a pipeline
 # stage that holds any subset of layers works unchanged.
 #
-# **Scale.** `loss` returns `coef` times the auxiliary loss of one layer and one micro-batch. The trainer adds it
-# to that micro-batch's language-model loss and scales it the same way: since the token-weighted loss of
-# `43_optim` makes gradients add up over micro-batches and data-parallel ranks, the auxiliary term is divided by
-# the number of micro-batches times ranks so the step sees its mean, and averaged over the MoE layers. Hugging Face's Qwen3-MoE divides the counts
-# by $T$ rather than $T k$, so its loss is $k$ times this one: its `router_aux_loss_coef` corresponds to
-# `lb_coef = k · router_aux_loss_coef` here.
+# **Scale.** `loss` returns `coef` times the auxiliary loss of one layer and one micro-batch. The trainer adds it to
+# that micro-batch's language-model loss and scales it the same way: since the token-weighted loss of `43_optim` makes
+# gradients add up over micro-batches and data-parallel ranks, the auxiliary term is divided by the number of
+# micro-batches times ranks so the step sees its mean, and averaged over the MoE layers. Hugging Face's Qwen3-MoE
+# divides the counts by $T$ rather than $T k$, so its loss is $k$ times this one: its `router_aux_loss_coef`
+# corresponds to `lb_coef = k · router_aux_loss_coef` here.
 
 # %%
 #| default_exp train.load_balance
@@ -54,6 +59,7 @@
 #| export
 import torch
 import torch.distributed as dist
+from torch import nn
 
 # %%
 #| export
@@ -93,8 +99,9 @@ class LoadBalance:
     """The auxiliary load-balance loss `coef · E · Σ_i f_i P_i` for every MoE layer, plus step-level statistics.
 
     `level="micro"`: f from this micro-batch. `level="global"`: f from the counts of all micro-batches of the
-    current optimizer step so far (this one included), all-reduced over `group` when one is given. P is always
-    this micro-batch's mean router probability. Call `start_step()` before the first micro-batch of each step,
+    current optimizer step so far (this one included), all-reduced over `group` when one is given. P is this
+    micro-batch's mean router probability. `level="sequence"`: f and P of each sequence of `seq_len` tokens
+    (the rows of `probs` are B sequences one after the other), the loss averaged over the sequences. Call `start_step()` before the first micro-batch of each step,
     `loss(layer_key, probs, ids)` once per MoE layer per micro-batch (the key is the absolute layer index), and
     `stats()` after the last one.
     With a group, every rank of the group must make the same `loss` and `stats` calls in the same order
@@ -106,15 +113,18 @@ class LoadBalance:
     """
 
     def __init__(self, num_experts: int, coef: float, level: str, group: dist.ProcessGroup | None = None,
-                 deferred: bool = False):
-        if level not in ("micro", "global"):
-            raise ValueError(f"load-balance level must be 'micro' or 'global', got {level!r} (set train.lb_level)")
+                 deferred: bool = False, seq_len: int | None = None):
+        if level not in ("micro", "global", "sequence"):
+            raise ValueError(f"load-balance level must be 'micro', 'global' or 'sequence', got {level!r} (set "
+                             "train.lb_level)")
+        if level == "sequence" and not (seq_len and seq_len > 0):
+            raise ValueError(f"load-balance level 'sequence' needs the sequence length, got seq_len={seq_len}")
         if coef < 0:
             raise ValueError(f"load-balance coefficient must be >= 0 (0 disables the loss), got {coef} "
                              "(set train.lb_coef)")
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-        self.num_experts, self.coef, self.level = num_experts, coef, level
+        self.num_experts, self.coef, self.level, self.seq_len = num_experts, coef, level, seq_len
         self.group = group if group is not None and group.size() > 1 else None   # a group of one sums nothing
         self.deferred = deferred and level == "global"
         self.pending: list[_Pending] = []
@@ -143,6 +153,14 @@ class LoadBalance:
             self.counts[layer_key], self.prob_sum[layer_key] = counts, psum
         if self.coef == 0:
             return torch.zeros((), dtype=probs.dtype, device=probs.device)
+        if self.level == "sequence":
+            S, k = self.seq_len, ids.shape[1]
+            if T % S:
+                raise ValueError(f"level 'sequence': {T} routed tokens are not whole sequences of {S}")
+            per_seq = torch.zeros(T // S, E, dtype=probs.dtype, device=ids.device)
+            per_seq.scatter_add_(1, ids.reshape(T // S, S * k), per_seq.new_ones(()).expand(T // S, S * k))
+            f = per_seq / (S * k)                                             # (B, E), no gradient
+            return self.coef * E * (f * probs.reshape(T // S, S, E).mean(1)).sum(-1).mean()
         if self.level == "global":
             counts = self.counts[layer_key].clone()
             work = None
@@ -162,17 +180,28 @@ class LoadBalance:
         self.pending = []
         return torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64)
 
-    def stats(self) -> dict:
-        """The step's balance `E · Σ_i f_i P_i` per layer from the whole step's counts and mean probabilities
-        (over the group when one is given), and their mean. 1.0 is perfectly balanced. For logging only."""
-        if not self.counts:
-            raise RuntimeError("LoadBalance.stats() found no routing this step: call loss() for every MoE layer "
-                               "of every micro-batch before stats(), and start_step() only at the start of a step")
+    def totals(self) -> dict:
+        """Per layer key, a (2, E) float64 tensor: the step's assignment counts and sums of router probabilities so
+        far, summed over the group when one is given (one collective for all layers; {} before any `loss`)."""
         keys = sorted(self.counts)   # the same order on every rank of the group
-        # One (layers, 2, E) tensor, one collective. A token's probabilities sum to 1, so Σ_i prob_sum = #tokens.
+        if not keys:
+            return {}
         both = torch.stack([torch.stack([self.counts[k], self.prob_sum[k]]) for k in keys])
         if self.group is not None:
             dist.all_reduce(both, group=self.group)
+        return dict(zip(keys, both))
+
+    def stats(self, totals: dict | None = None) -> dict:
+        """The step's balance `E · Σ_i f_i P_i` per layer from the whole step's counts and mean probabilities
+        (over the group when one is given), and their mean. 1.0 is perfectly balanced. For logging only.
+        `totals`: what `totals()` returned this step, to save its collective."""
+        totals = self.totals() if totals is None else totals
+        if not totals:
+            raise RuntimeError("LoadBalance.stats() found no routing this step: call loss() for every MoE layer "
+                               "of every micro-batch before stats(), and start_step() only at the start of a step")
+        keys = list(totals)
+        # A token's probabilities sum to 1, so Σ_i prob_sum = #tokens.
+        both = torch.stack([totals[k] for k in keys])
         f = both[:, 0] / both[:, 0].sum(-1, keepdim=True)
         P = both[:, 1] / both[:, 1].sum(-1, keepdim=True)
         balance = (self.num_experts * (f * P).sum(-1)).tolist()
@@ -250,6 +279,29 @@ glob.start_step()
 assert glob.loss(0, *half(2)).item() == 2.0
 
 # %% [markdown]
+# **Sequence level** against its definition, computed independently: a micro-batch of three sequences is the
+# mean of three `micro` losses, one per sequence; and the gradient, by
+# finite differences (`gradcheck`). The two halves of the example above, as two sequences of one micro-batch,
+# show the difference: the batch is balanced, each sequence is not, and `sequence` says 2.0 where `micro`
+# says 1.0.
+
+# %%
+torch.manual_seed(2)
+B, S, Es, ks, c = 3, 5, 6, 2, 0.1
+probs = torch.randn(B * S, Es, dtype=torch.float64).softmax(-1).requires_grad_()
+ids = probs.detach().topk(ks, -1).indices
+seq = LoadBalance(Es, c, "sequence", seq_len=S).loss(0, probs, ids)
+per_seq = [LoadBalance(Es, c, "micro").loss(0, probs[b * S:(b + 1) * S], ids[b * S:(b + 1) * S]) for b in range(B)]
+assert torch.allclose(seq, sum(per_seq) / B, rtol=1e-12)
+assert torch.autograd.gradcheck(lambda p: LoadBalance(Es, c, "sequence", seq_len=S).loss(0, p, ids),
+                                (probs.detach().clone().requires_grad_(),))
+(p0, i0), (p2, i2) = half(0), half(2)
+two = torch.cat([p0, p2]).detach().requires_grad_(), torch.cat([i0, i2])
+assert LoadBalance(4, 1.0, "sequence", seq_len=8).loss(0, *two).item() == 2.0
+assert LoadBalance(4, 1.0, "micro").loss(0, *two).item() == 1.0
+seq.item()
+
+# %% [markdown]
 # `coef = 0` turns the loss off: it returns a zero that is not connected to the graph (no backward work),
 # while the counts are still kept so the statistic can be logged.
 
@@ -296,12 +348,143 @@ sum(values)
 # Bad arguments name the setting to change.
 
 # %%
-for args, msg in [((E, 1.0, "batch"), "must be 'micro' or 'global'"), ((E, -1.0, "micro"), "must be >= 0")]:
+for args, msg in [((E, 1.0, "batch"), "must be 'micro', 'global' or 'sequence'"), ((E, -1.0, "micro"), "must be >= 0"),
+                  ((E, 1.0, "sequence"), "needs the sequence length")]:
     try:
         LoadBalance(*args)
         raise AssertionError("no error")
     except ValueError as e:
         assert msg in str(e), e
+
+# %% [markdown]
+# ## Balancing without a loss: a bias on the choice
+#
+# An auxiliary loss balances by changing what the router computes, so it trades against the language-model loss
+# (too small a coefficient does not balance, too large one hurts the model). DeepSeek-V3 balances without one
+# (Wang et al. 2024, "Auxiliary-loss-free load balancing"): each MoE layer keeps a per-expert bias $b_i$ that is
+# added to the router's scores **for choosing the top-k only**; the weights that multiply the chosen experts'
+# outputs stay the unbiased scores, so the bias changes where tokens go, never how much an expert's output
+# counts, and no gradient flows through it. After each optimizer step the bias moves by a fixed amount $\gamma$
+# (`train.lb_bias_rate`) against the step's load:
+#
+# $$b_i \leftarrow b_i + \gamma \,\operatorname{sign}(\bar c - c_i), \qquad \bar c = \tfrac{1}{E}\sum_j c_j,$$
+#
+# where $c_i$ counts the (token, expert) assignments of expert $i$ over the whole step on every rank: an
+# overloaded expert becomes less attractive, an idle one more. The sign makes the step size independent of how
+# skewed the load is; the bias settles where each expert hovers around its share.
+#
+# The bias is model state, not a parameter: a buffer named `e_score_correction_bias` (DeepSeek-V3's name) in each
+# router (models/21–23, which say what "scores" are there: probabilities for Qwen3-MoE and DeepSeek-V2, logits
+# for GPT-OSS, so $\gamma$ is in those units). As a buffer it is in the model's `state_dict`, so checkpoints
+# keep it and DCP reshards it like any replicated tensor, and FSDP2 leaves it whole on every rank (it shards
+# parameters only); the optimizer never sees it.
+#
+# **Under parallelism.** Every rank that holds a layer must apply the same update, or the copies of the router
+# drift apart. `LoadBalance.totals()` sums the step's counts over its group, the ranks that see different
+# tokens through the same layers (data and expert parallel ranks; the trainer passes its `dense` group): each of
+# them gets the same $c$ and computes the same new bias. A pipeline rank updates the layers it holds, from counts
+# that its own stages gathered, which are the same on every rank of its group. `routers(model)` finds this
+# rank's routers, by layer key, as the modules that hold that buffer.
+
+# %%
+#| export
+def routers(model: nn.Module) -> dict:
+    "This rank's MoE routers by layer key: in each layer, the module that holds the buffer `e_score_correction_bias`."
+    out = {}
+    for key, layer in model.model.layers.items():
+        for name, _ in layer.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                out[key] = layer.get_submodule(name.rpartition(".")[0])
+    return out
+
+
+@torch.no_grad()
+def update_bias(routers: dict, totals: dict, rate: float) -> None:
+    """After an optimizer step: each router's `e_score_correction_bias += rate · sign(mean count − count)`, with the
+    counts of the whole step from `LoadBalance.totals()` (the same on every rank that holds the layer)."""
+    for key, router in routers.items():
+        counts = totals[key][0]
+        bias = router.e_score_correction_bias
+        bias += (rate * torch.sign(counts.mean() - counts)).to(bias.dtype)
+
+# %% [markdown]
+# The update against its definition written out expert by expert: above the mean, down by γ; below, up by γ; at
+# the mean, unchanged.
+
+# %%
+from pith_lit.models.qwen3_moe import Config as QwenConfig, Router
+
+qr = Router(QwenConfig(hidden_size=8, num_experts=5, num_experts_per_tok=2))
+counts = torch.tensor([9.0, 1.0, 4.0, 2.0, 4.0], dtype=torch.float64)      # mean 4
+before = torch.tensor([0.1, -0.2, 0.0, 0.3, 0.05])
+qr.e_score_correction_bias.copy_(before)
+update_bias({"0": qr}, {"0": torch.stack([counts, torch.zeros(5, dtype=torch.float64)])}, rate=0.01)
+expect = [b - 0.01 if c > 4 else b + 0.01 if c < 4 else b for b, c in zip(before.tolist(), counts.tolist())]
+assert torch.allclose(qr.e_score_correction_bias, torch.tensor(expect)), qr.e_score_correction_bias
+
+# %% [markdown]
+# What it does: a Qwen3 router whose weights favour two of eight experts, on a fixed set of 512 tokens. Each
+# round routes the tokens, counts, and updates the bias with γ = 10⁻³; the weights never change. The balance
+# statistic starts far from 1 and ends near it, and the combine weights are still the unbiased probabilities.
+
+# %%
+torch.manual_seed(0)
+qc = QwenConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2)
+qr = Router(qc)
+nn.init.normal_(qr.weight, std=0.3)
+xq = torch.randn(512, 16)
+xq[:, 0] += 2.0
+with torch.no_grad():
+    qr.weight[:2, 0] += 1.0                      # experts 0 and 1 score high for every token
+history = []
+for _ in range(300):
+    with torch.no_grad():
+        rq = qr(xq)
+    lbq = LoadBalance(8, 0.0, "global")
+    lbq.loss("0", rq.probs, rq.ids)
+    totals = lbq.totals()
+    history.append(lbq.stats(totals)["lb/mean"])
+    update_bias({"0": qr}, totals, rate=1e-3)
+w = rq.probs.gather(1, rq.ids)
+assert torch.allclose(rq.weights, w / w.sum(-1, keepdim=True))
+print(f"balance {history[0]:.2f} -> {history[-1]:.3f}; bias {[round(b, 3) for b in qr.e_score_correction_bias.tolist()]}")
+assert history[0] > 1.3 and history[-1] < 1.01
+
+# %% [markdown]
+# ## Forced balance: round-robin routing
+#
+# A benchmark of the MoE step needs its routing stated, since the slowest expert rank sets the pace. Measured
+# with a learned router, a number mixes the system's speed with how balanced the router happened to be.
+# `train.route = "round_robin"` removes that: each router (`round_robin = True`) assigns token t of a
+# micro-batch to experts t·k, …, t·k + k − 1 (mod E). Every expert then gets exactly T·k/E assignments when E
+# divides T·k, on every rank, so the balance statistic is 1, and the router's matmul and softmax still run, so
+# the compute is that of a learned router. The weights are the router's probabilities of the assigned experts,
+# so gradients still flow. `set_route` sets the mode on this rank's routers.
+
+# %%
+#| export
+def set_route(model: nn.Module, route: str) -> None:
+    "`train.route`: 'learned' (each router's top-k) or 'round_robin' (token t to experts t·k … t·k+k−1 mod E)."
+    if route not in ("learned", "round_robin"):
+        raise ValueError(f"route must be 'learned' or 'round_robin', got {route!r} (set train.route)")
+    for router in routers(model).values():
+        router.round_robin = route == "round_robin"
+
+# %%
+from pith_lit.models.qwen3_moe import Qwen3MoeForCausalLM
+
+tiny = Qwen3MoeForCausalLM(QwenConfig(vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4))
+assert sorted(routers(tiny)) == ["0", "1"]
+set_route(tiny, "round_robin")
+with torch.no_grad():
+    routing = routers(tiny)["1"](torch.randn(6, 16))
+assert routing.ids.flatten().tolist() == [0, 1, 2, 3] * 3
+lbr = LoadBalance(4, 0.0, "global")
+lbr.loss("1", routing.probs, routing.ids)
+assert lbr.stats()["lb/mean"] == 1.0
+set_route(tiny, "learned")
+assert not any(r.round_robin for r in routers(tiny).values())
 
 # %% [markdown]
 # ### Across ranks

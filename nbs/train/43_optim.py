@@ -9,10 +9,10 @@
 # %% [markdown]
 # # Optimizer, schedule and the loss
 #
-# Everything one optimizer step needs besides the model: AdamW with the right parameters decayed, why the master
+# Everything one optimizer step needs besides the model: AdamW with the right parameters decayed, Muon, why the master
 # weights are fp32, the learning-rate schedule, and a cross-entropy whose gradient accumulation is exact (gradient
-# clipping of sharded gradients is in engine/36_fsdp). Each function takes plain arguments (the trainer passes `cfg.train.*`), so
-# this notebook does not depend on the config.
+# clipping of sharded gradients is in engine/36_fsdp). Each function takes plain arguments (the trainer passes
+# `cfg.train.*`), so this notebook does not depend on the config.
 
 # %%
 #| default_exp train.optim
@@ -205,11 +205,16 @@ class Muon(torch.optim.Optimizer):
                                       ns_steps=ns_steps, muon=False))
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:   # torch's optimizer protocol (DCP calls step to create empty states)
+            with torch.enable_grad():
+                loss = closure()
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
                     (self._muon if g["muon"] else self._adamw)(p, g)
+        return loss
 
     def _muon(self, p, g):
         state, grad = self.state[p], p.grad

@@ -31,6 +31,14 @@
 #    stacked everywhere (its hub checkpoint is quantized: see below).
 # 3. **Sharding.** Reading follows the index; writing cuts shards at about 5 GB.
 #
+# One more tensor per MoE layer has no parameter behind it: the routers' selection bias of aux-loss-free
+# balancing (train/42), a buffer named as DeepSeek-V3's checkpoints name it, `…mlp.gate.e_score_correction_bias`
+# (`…mlp.router.…` for GPT-OSS). None of the three formats converted here has a place for it: transformers'
+# Qwen3-MoE, DeepSeek-V2 and GPT-OSS routers take the plain top-k (its DeepSeek-V3 is the one that reads the
+# tensor). `save_hf` therefore writes it only when it is not zero, and then warns that transformers reads past it
+# and routes without it, so its top-k may differ from ours; `load_hf` reads it back when it is there (our own round
+# trip keeps it) and sets it to zero when it is not.
+#
 # The tensors are read with the `safetensors` package; transformers is not needed here (tests/test_hf.py uses
 # it as the reference: same logits and gradients as `transformers`' own models, and its `from_pretrained` of
 # what `save_hf` writes).
@@ -404,6 +412,11 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return where
 
 
+def _routing_biases(model: nn.Module) -> dict[str, torch.Tensor]:
+    "The routers' selection biases (aux-loss-free balancing, train/42) by their checkpoint names."
+    return {name: b for name, b in model.named_buffers() if name.endswith(".e_score_correction_bias")}
+
+
 @torch.no_grad()
 def _fill(model: nn.Module, path: Path):
     "Copy every parameter of `model` from the checkpoint files in `path`."
@@ -431,6 +444,12 @@ def _fill(model: nn.Module, path: Path):
                                      f"config.json describes needs {list(p[index].shape)}")
                 p[index].copy_(t)
                 used.add(n)
+        for name, b in _routing_biases(model).items():   # absent: zero, the format's plain top-k
+            if name in where:
+                b.copy_(read(name))
+                used.add(name)
+            else:
+                b.zero_()
     if model.config.tie_word_embeddings:
         used.add("lm_head.weight")  # a stored copy of the tied head is not needed
     unexpected = sorted(where.keys() - used)
@@ -475,6 +494,12 @@ def save_hf(model: nn.Module, path, max_shard_bytes: int = 5_000_000_000) -> Pat
     if path.exists() and any(path.iterdir()):
         raise ExistingFile(f"{path} already holds files; write the checkpoint to a new directory")
     tensors = hub_tensors(model)
+    biased = {name: (b, ()) for name, b in _routing_biases(model).items() if b.any()}
+    if biased:
+        print(f"save_hf: {len(biased)} router(s) have a selection bias (train.lb_bias_rate); it is written as "
+              f"{next(iter(biased))} and so on, which pith_lit reads back, but transformers' {model.config.model_type} "
+              "has no place for it: it reads past the tensor and routes on the plain top-k")
+        tensors |= biased
     shards, size = [[]], 0
     for name, (p, index) in tensors.items():
         nbytes = p[index].numel() * p.element_size()
@@ -537,6 +562,26 @@ with tempfile.TemporaryDirectory() as d:
     assert json.loads(Path(d, "config.json").read_text())["torch_dtype"] == "bfloat16"
 mq = mq.float()
 len(files), index["metadata"]
+
+# %% [markdown]
+# A selection bias: zero, it is not written; set, it is written and read back, and a checkpoint without it loads
+# with a zero bias.
+
+# %%
+bias_name = "model.layers.0.mlp.gate.e_score_correction_bias"
+with tempfile.TemporaryDirectory() as d:
+    save_hf(mq, f"{d}/zero")
+    with safe_open(f"{d}/zero/model.safetensors", "pt") as f:
+        assert bias_name not in f.keys()
+    with torch.no_grad():
+        mq.model.layers["0"].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.01, -0.02, 0.0, 0.01]))
+    save_hf(mq, f"{d}/biased")
+    with safe_open(f"{d}/biased/model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor(bias_name), mq.model.layers["0"].mlp.gate.e_score_correction_bias)
+    assert torch.equal(load_hf(f"{d}/biased").get_buffer(bias_name), mq.get_buffer(bias_name))
+    assert not load_hf(f"{d}/zero").get_buffer(bias_name).any()
+    with torch.no_grad():
+        mq.model.layers["0"].mlp.gate.e_score_correction_bias.zero_()
 
 # %% [markdown]
 # transformers 5.x's own layout reads too: the stacked expert tensors under our names, here a DeepSeek-V2 with

@@ -48,8 +48,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pith_lit.train import checkpoint
-from pith_lit.train.config import (Config, ExistingFile, InvalidInput, MissingFile, RunConfig, dump_toml, from_dict,
-                                   run_command, to_dict)
+from pith_lit.train.config import (Config, DataConfig, ExistingFile, InvalidInput, MissingFile, RunConfig, dump_toml,
+                                   from_dict, run_command, to_dict)
 from pith_lit.train.hf import empty_model, load_hf, read_hf_config, save_hf
 
 # %%
@@ -82,7 +82,8 @@ def hf2pith(src, dst) -> Path:
     if dst.exists() and any(dst.iterdir()):
         raise ExistingFile(f"{dst} already holds files; hf2pith makes a new run directory")
     model = load_hf(src, _hf_dtype(read_hf_config(src)))
-    cfg = Config(run=RunConfig(dir=str(dst)), model=model.config)
+    # the data default, a BPE trained here, fits no imported vocabulary: bytes until the user names the tokenizer
+    cfg = Config(run=RunConfig(dir=str(dst)), model=model.config, data=DataConfig(tokenizer="bytes"))
     checkpoint.save_weights(dst, model=model, model_config=to_dict(cfg)["model"])
     (dst / "config.toml").write_text(
         f"# Written by python -m pith_lit.convert hf2pith\n#   {src} -> {dst}\n"

@@ -10,7 +10,8 @@
 # # `python -m pith_lit.tokenize`: your own text as packed tokens
 #
 # ```
-# python -m pith_lit.tokenize INPUT... --out PATH [--tokenizer bytes|tokenizer.json] [--field text]
+# python -m pith_lit.tokenize INPUT... --out PATH [--tokenizer bytes|stdlib-bpe-N|tokenizer.json] [--field text]
+# python -m pith_lit.tokenize --train-tokenizer VOCAB [--out PATH]
 # ```
 #
 # turns text files into the packed format of notebook 41 (`PATH.bin`, `PATH.idx`, `PATH.json`), which
@@ -18,6 +19,9 @@
 # **resumable**: after each input file it records how far it got, and a re-run of the same command after a
 # kill, a crash or a bad input continues from there instead of starting over. The header, which marks the
 # output as usable, is written only at the very end.
+#
+# The second form trains a byte-level BPE of VOCAB ids on the embedded corpus (notebook 41) and writes its
+# `tokenizer.json`, for use with any Hugging Face tool or as `--tokenizer PATH` here.
 
 # %%
 #| default_exp tokenize
@@ -27,13 +31,15 @@
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from pith_lit.train.config import ExistingFile, InvalidInput, MissingFile, run_command
 from pith_lit.train.data import (
-    PackedWriter, TokenWindows, load_tokenizer, open_packed, packed_base, stdlib_packed, write_json_atomic)
+    PackedWriter, TokenWindows, load_tokenizer, open_packed, packed_base, stdlib_corpus, stdlib_packed, train_bpe,
+    write_json_atomic)
 
 # %%
 import shutil
@@ -235,6 +241,50 @@ def summarize(corpus: str = "stdlib", tokenizer: str = "bytes", cache_dir=None, 
 summarize(str(out), seq_len=16)
 
 # %% [markdown]
+# ## Training a tokenizer
+#
+# `train_tokenizer` trains the BPE of notebook 41 on the embedded corpus and writes it to a path of your choice
+# (an existing file is refused, not overwritten). The check loads the file with transformers'
+# `PreTrainedTokenizerFast`, an independent reader of the format, and compares its ids with ours.
+
+# %%
+#| export
+def train_tokenizer(vocab_size: int, out="tokenizer.json") -> Path:
+    "Train a byte-level BPE of `vocab_size` ids on the embedded corpus and write its tokenizer.json to `out`."
+    out = Path(out)
+    if vocab_size < 257:
+        raise InvalidInput(f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least 257 ids (256 bytes and "
+                           "the end-of-document token)")
+    if out.exists():
+        raise ExistingFile(f"{out} already exists; choose another --out or delete it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    paths, texts = stdlib_corpus()
+    bpe = train_bpe(texts, vocab_size)
+    tmp = out.with_name(out.name + ".tmp")
+    bpe.save(str(tmp))
+    tmp.replace(out)
+    print(f"wrote {out}: a byte-level BPE of {bpe.get_vocab_size()} ids trained on {len(paths)} files of the "
+          f"embedded corpus in {time.perf_counter() - t0:.1f} s; use it with --set data.tokenizer={out}")
+    return out
+
+# %%
+import transformers
+
+path = train_tokenizer(1024, scratch / "trained" / "tokenizer.json")
+fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+mine = load_tokenizer(str(path))
+sample = "naïve → ∑\n    def main(argv=None) -> int:\n        return 0\n"
+assert fast(sample, add_special_tokens=False)["input_ids"] == mine.encode(sample)
+assert fast.decode(mine.encode(sample)) == sample and len(fast) == mine.vocab_size == 1024
+assert fast.convert_tokens_to_ids("<|endoftext|>") == mine.eos_id
+try:
+    train_tokenizer(1024, path)
+    raise AssertionError("an existing file was overwritten")
+except FileExistsError as e:
+    print(e)
+
+# %% [markdown]
 # ## The command line
 
 # %%
@@ -247,15 +297,20 @@ def main(argv=None) -> int:
     p.add_argument("inputs", nargs="*", help=".txt files (one document each), .jsonl files (one document per "
                    "line) or folders of them")
     p.add_argument("--out", metavar="PATH", help="output path without extension")
-    p.add_argument("--tokenizer", default="bytes", help="'bytes' or the path of a Hugging Face tokenizer.json")
+    p.add_argument("--tokenizer", default="bytes", help="'bytes', 'stdlib-bpe-N' (a BPE of N ids trained on the "
+                   "embedded corpus) or the path of a Hugging Face tokenizer.json")
     p.add_argument("--field", default="text", help="the field of a .jsonl line that holds its text")
     p.add_argument("--summary", action="store_true", help="print a summary of the embedded corpus and exit")
+    p.add_argument("--train-tokenizer", type=int, metavar="VOCAB", help="train a byte-level BPE of VOCAB ids on the "
+                   "embedded corpus and write its tokenizer.json to --out (default tokenizer.json)")
     p.add_argument("--debug", action="store_true", help="show the whole traceback of an error (also PITH_DEBUG=1)")
     args = p.parse_args(argv)
-    if not args.summary and (not args.inputs or not args.out):
-        p.error("give the INPUT files or folders and --out PATH (or --summary)")
+    if args.train_tokenizer is None and not args.summary and (not args.inputs or not args.out):
+        p.error("give the INPUT files or folders and --out PATH (or --summary, or --train-tokenizer VOCAB)")
 
     def run():
+        if args.train_tokenizer is not None:
+            return train_tokenizer(args.train_tokenizer, args.out or "tokenizer.json")
         if args.summary:
             return summarize("stdlib", args.tokenizer)
         h = tokenize_files(args.inputs, args.out, args.tokenizer, args.field)

@@ -27,7 +27,8 @@ YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", 
 class Config:
     "DeepSeek-V2 hyper-parameters. Field names are those of Hugging Face's `DeepseekV2Config`."
     model_type: str = cfg("deepseek_v2", "model family; selects the model module")
-    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)", gt=0)
+    vocab_size: int = cfg(4096, "vocabulary size (the default tokenizer, stdlib-bpe-4096, needs at least 4096; the byte "
+                                 "tokenizer 259)", gt=0)
     hidden_size: int = cfg(128, "model width", gt=0)
     intermediate_size: int = cfg(384, "FFN width of the dense MLP in the first first_k_dense_replace layers", gt=0)
     moe_intermediate_size: int = cfg(64, "FFN width of one routed expert (and of one shared expert)", gt=0)
@@ -225,19 +226,25 @@ class Router(nn.Module):
         self.top_k, self.method, self.scale = c.num_experts_per_tok, c.topk_method, c.routed_scaling_factor
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
+        self.round_robin = False
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         ct = _compute_dtype(x.dtype)
         probs = F.linear(x.to(ct), self.weight.to(ct)).softmax(-1)
-        scores = probs
-        if self.method == "group_limited_greedy":
-            groups = probs.unflatten(-1, (self.n_group, -1))                         # (T, G, E/G)
-            best = groups.amax(-1).topk(self.topk_group, -1).indices                 # (T, topk_group)
-            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(-1, best, True)
-            scores = groups.masked_fill(~keep.unsqueeze(-1), 0.0).flatten(-2)
-        weights, ids = scores.topk(self.top_k, -1)
-        return Routing(ids, (weights * self.scale).to(x.dtype), probs)
+        if self.round_robin:
+            T, E = probs.shape
+            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
+        else:
+            scores = probs + self.e_score_correction_bias
+            if self.method == "group_limited_greedy":
+                groups = scores.unflatten(-1, (self.n_group, -1))                    # (T, G, E/G)
+                best = groups.amax(-1).topk(self.topk_group, -1).indices             # (T, topk_group)
+                keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(-1, best, True)
+                scores = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+            ids = scores.topk(self.top_k, -1).indices
+        return Routing(ids, (probs.gather(-1, ids) * self.scale).to(x.dtype), probs)
 
 
 class MLP(nn.Module):
@@ -322,6 +329,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             init.normal_(mlp.down_proj.weight, out_std)
             if moe:
                 init.normal_(layer.mlp.gate.weight, std)
+                layer.mlp.gate.e_score_correction_bias.zero_()
                 init.normal_(layer.mlp.experts.gate_up_proj, std)
                 init.normal_(layer.mlp.experts.down_proj, out_std)
 

@@ -28,7 +28,8 @@ ROPE_KEYS = ("rope_type", "rope_theta", "factor", "beta_fast", "beta_slow", "tru
 class Config:
     "GPT-OSS hyper-parameters. Field names are those of Hugging Face's `GptOssConfig` (transformers 5.x)."
     model_type: str = cfg("gpt_oss", "model family; selects the model module")
-    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)", gt=0)
+    vocab_size: int = cfg(4096, "vocabulary size (the default tokenizer, stdlib-bpe-4096, needs at least 4096; the byte "
+                                 "tokenizer 259)", gt=0)
     hidden_size: int = cfg(128, "model width", gt=0)
     intermediate_size: int = cfg(128, "FFN width of one routed expert", gt=0)
     num_hidden_layers: int = cfg(4, "number of decoder layers", gt=0)
@@ -227,12 +228,18 @@ class Router(nn.Module):
         self.top_k = c.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(c.num_local_experts, c.hidden_size))
         self.bias = nn.Parameter(torch.empty(c.num_local_experts))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.num_local_experts))
+        self.round_robin = False
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
         logits = F.linear(x, self.weight, self.bias).to(_compute_dtype(x.dtype))
-        top, ids = logits.topk(self.top_k, -1)
-        return Routing(ids, top.softmax(-1).to(x.dtype), logits.softmax(-1))
+        if self.round_robin:
+            T, E = logits.shape
+            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
+        else:
+            ids = (logits + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        return Routing(ids, logits.gather(-1, ids).softmax(-1).to(x.dtype), logits.softmax(-1))
 
 
 class MLP(nn.Module):
@@ -295,7 +302,7 @@ class GptOssForCausalLM(nn.Module):
                 init.normal_(p, std)
             init.normal_(a.o_proj.weight, out_std)
             init.normal_(ex.down_proj, out_std)
-            for p in (router.bias, ex.gate_up_proj_bias, ex.down_proj_bias):
+            for p in (router.bias, router.e_score_correction_bias, ex.gate_up_proj_bias, ex.down_proj_bias):
                 p.zero_()
 
     def prolog(self, input_ids: Tensor) -> Tensor:

@@ -21,7 +21,8 @@ from ..ops.swiglu import swiglu
 class Config:
     "Qwen3-MoE hyper-parameters. Field names are those of Hugging Face's `Qwen3MoeConfig`."
     model_type: str = cfg("qwen3_moe", "model family; selects the model module")
-    vocab_size: int = cfg(384, "vocabulary size (the byte tokenizer needs at least 259)", gt=0)
+    vocab_size: int = cfg(4096, "vocabulary size (the default tokenizer, stdlib-bpe-4096, needs at least 4096; the byte "
+                                 "tokenizer 259)", gt=0)
     hidden_size: int = cfg(128, "model width", gt=0)
     moe_intermediate_size: int = cfg(128, "FFN width of one routed expert", gt=0)
     intermediate_size: int = cfg(512, "FFN width of a dense MLP layer (layers listed in mlp_only_layers)", gt=0)
@@ -148,11 +149,18 @@ class Router(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
+        self.round_robin = False
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        weights, ids = probs.topk(self.top_k, -1)
+        if self.round_robin:
+            T, E = probs.shape
+            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
+        else:
+            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        weights = probs.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return Routing(ids, weights.to(x.dtype), probs)
@@ -235,6 +243,7 @@ class Qwen3MoeForCausalLM(nn.Module):
                 init.normal_(layer.mlp.down_proj.weight, out_std)
             else:
                 init.normal_(layer.mlp.gate.weight, std)
+                layer.mlp.gate.e_score_correction_bias.zero_()
                 init.normal_(layer.mlp.experts.gate_up_proj, std)
                 init.normal_(layer.mlp.experts.down_proj, out_std)
 

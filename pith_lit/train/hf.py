@@ -202,6 +202,11 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return where
 
 
+def _routing_biases(model: nn.Module) -> dict[str, torch.Tensor]:
+    "The routers' selection biases (aux-loss-free balancing, train/42) by their checkpoint names."
+    return {name: b for name, b in model.named_buffers() if name.endswith(".e_score_correction_bias")}
+
+
 @torch.no_grad()
 def _fill(model: nn.Module, path: Path):
     "Copy every parameter of `model` from the checkpoint files in `path`."
@@ -229,6 +234,12 @@ def _fill(model: nn.Module, path: Path):
                                      f"config.json describes needs {list(p[index].shape)}")
                 p[index].copy_(t)
                 used.add(n)
+        for name, b in _routing_biases(model).items():   # absent: zero, the format's plain top-k
+            if name in where:
+                b.copy_(read(name))
+                used.add(name)
+            else:
+                b.zero_()
     if model.config.tie_word_embeddings:
         used.add("lm_head.weight")  # a stored copy of the tied head is not needed
     unexpected = sorted(where.keys() - used)
@@ -263,6 +274,12 @@ def save_hf(model: nn.Module, path, max_shard_bytes: int = 5_000_000_000) -> Pat
     if path.exists() and any(path.iterdir()):
         raise ExistingFile(f"{path} already holds files; write the checkpoint to a new directory")
     tensors = hub_tensors(model)
+    biased = {name: (b, ()) for name, b in _routing_biases(model).items() if b.any()}
+    if biased:
+        print(f"save_hf: {len(biased)} router(s) have a selection bias (train.lb_bias_rate); it is written as "
+              f"{next(iter(biased))} and so on, which pith_lit reads back, but transformers' {model.config.model_type} "
+              "has no place for it: it reads past the tensor and routes on the plain top-k")
+        tensors |= biased
     shards, size = [[]], 0
     for name, (p, index) in tensors.items():
         nbytes = p[index].numel() * p.element_size()

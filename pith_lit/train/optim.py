@@ -76,11 +76,16 @@ class Muon(torch.optim.Optimizer):
                                       ns_steps=ns_steps, muon=False))
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:   # torch's optimizer protocol (DCP calls step to create empty states)
+            with torch.enable_grad():
+                loss = closure()
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
                     (self._muon if g["muon"] else self._adamw)(p, g)
+        return loss
 
     def _muon(self, p, g):
         state, grad = self.state[p], p.grad

@@ -28,7 +28,7 @@ from ..ops.attention import doc_positions
 from . import checkpoint
 from .config import Config, ConfigError, UserError, dump_toml, read_toml, to_dict
 from .data import build_dataset, load_tokenizer
-from .load_balance import LoadBalance
+from .load_balance import LoadBalance, routers, set_route, update_bias
 from .optim import build_optimizer, count_tokens, lr_at
 
 # %% ../../nbs/train/45_trainer.ipynb #8734241e
@@ -160,7 +160,11 @@ def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.n
             layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
             layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
     kept = cfg.param_dtype   # what the optimizer steps: fp32 masters, or the compute dtype itself
-    shard_model(model.to(kept), mesh, cfg.torch_dtype if cfg.torch_dtype != kept else None)
+    model.to(kept)
+    for router in routers(model).values():   # the selection bias adds up small steps: never below fp32 (train/42)
+        bias = router.e_score_correction_bias
+        bias.data = bias.data.to(torch.promote_types(bias.dtype, torch.float32))
+    shard_model(model, mesh, cfg.torch_dtype if cfg.torch_dtype != kept else None)
     return model, parts, sizes
 
 
@@ -194,13 +198,18 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     "`build_run` once the process group is up: model, optimizer, data, dispatcher, pipeline, resume."
     model, parts, sizes = _place_model(cfg, mesh, device)
     t = cfg.train
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps)
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps,
+                                kind=t.optimizer, momentum=t.muon_momentum)
     data, val = build_dataset(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.run.dir) / "cache", t.seq_len,
                               cfg.run.seed, mesh.batch.rank(), mesh.batch.size(), cfg.model.vocab_size,
                               cfg.data.val_frac)
     # deferred: the forward does not wait for the global counts (train/42); their values are settled per step
-    lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=mesh.dense, deferred=True)
-    run = Run(cfg, device, mesh, started, model, optimizer, data, lb, _dispatcher(cfg, mesh, device), None, sizes, val, load_tokenizer(cfg.data.tokenizer).eos_id if cfg.data.document_mask else None)
+    lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=mesh.dense, deferred=True,
+                     seq_len=t.seq_len)
+    set_route(model, t.route)   # learned top-k, or round-robin for benchmarks (train/42)
+    eos = load_tokenizer(cfg.data.tokenizer, Path(cfg.run.dir) / "cache").eos_id if cfg.data.document_mask else None
+    run = Run(cfg, device, mesh, started, model, optimizer, data, lb, _dispatcher(cfg, mesh, device), None, sizes,
+              val, eos)
     if parts is not None:
         run.pipe = build_pipeline(run, parts)
     last = checkpoint.latest(run.run_dir) if cfg.ckpt.resume else None
@@ -279,7 +288,10 @@ def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
     grad_norm = clip_sharded_grads(list(run.model.parameters()), t.grad_clip, run.mesh.replicate.size())
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    balance = [v for k, v in run.lb.stats().items() if k != "lb/mean"] if run.lb.counts else []  # this rank's layers
+    totals = run.lb.totals()   # this rank's MoE layers: the step's expert counts, summed over the dense group
+    if t.lb_bias_rate:         # aux-loss-free balancing: every rank holding a layer applies the same update
+        update_bias(routers(run.model), totals, t.lb_bias_rate)
+    balance = [v for k, v in run.lb.stats(totals).items() if k != "lb/mean"] if totals else []
     stats = torch.cat([torch.stack([ce_sum, aux_sum]).double(), torch.tensor(
         [sum(balance), len(balance), float(stop is not None and stop.set)], dtype=torch.float64, device=run.device)])
     _sum(stats, dist.group.WORLD)
@@ -537,7 +549,8 @@ def _sample(run: Run, report: Reporter) -> str:
             report.say(f"no sample: greedy_sample needs the whole model, and pp = {pp}, ep = {ep} split it among "
                        "the ranks")
         return ""
-    sample = greedy_sample(run.model, load_tokenizer(run.cfg.data.tokenizer), run.data, n, run.device)
+    sample = greedy_sample(run.model, load_tokenizer(run.cfg.data.tokenizer, run.run_dir / "cache"), run.data, n,
+                           run.device)
     if run.rank != 0:
         return ""
     report.say("sample: " + repr(sample))
