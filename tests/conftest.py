@@ -30,6 +30,27 @@ def env():
     return subprocess_env()
 
 
+# Triton kernel tests under the interpreter: each group of checks runs in its own process (`python FILE GROUP`), since
+# TRITON_INTERPRET=1 must be set before Triton is imported (test_ops_attention, test_ops_fp8, test_ops_gated_delta_rule).
+
+def run_group(file: str, group: str, timeout: int = 300) -> None:
+    "Run `group_<group>()` of test file `file` in a child process under the interpreter; fail with its output."
+    import subprocess
+    proc = subprocess.run([sys.executable, file, group], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"group {group} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+def group_main(namespace: dict, groups: list[str]) -> None:
+    "The child's side of `run_group`: call `group_<argv[1]>` from the test file's `namespace`."
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (the Triton checks need TRITON_INTERPRET=1)"
+    group = sys.argv[1]
+    if group not in groups:
+        raise SystemExit(f"unknown group {group!r}; use one of {', '.join(groups)}")
+    namespace[f"group_{group}"]()
+    print(f"{group} OK")
+
+
 # Checks shared by the model families' tests (test_qwen3_moe, test_deepseek_v2, test_gpt_oss).
 def assert_close(a, b, rel, what=""):
     "max |a - b| within `rel` of max |b|: a tolerance that does not depend on the size of the values."

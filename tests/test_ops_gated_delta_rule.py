@@ -5,21 +5,16 @@ Each group runs in its own process (`python tests/test_ops_gated_delta_rule.py <
 set before Triton is imported. Sizes are small (T up to 80, head dims 16-32, chunks of 16) so that sequences span
 several chunks and each group takes seconds on two CPU cores.
 """
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT, subprocess_env
+from conftest import group_main, run_group
 
 GROUPS = ["forward", "backward", "api"]
 
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_gated_delta_rule(group):
-    proc = subprocess.run([sys.executable, __file__, group], cwd=ROOT, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"group {group} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    run_group(__file__, group)
 
 
 # ---- helpers (run in the child process) ----
@@ -209,10 +204,4 @@ def group_api():
 
 
 if __name__ == "__main__":
-    import os
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (the Triton checks need TRITON_INTERPRET=1)"
-    group = sys.argv[1]
-    if group not in GROUPS:
-        raise SystemExit(f"unknown group {group!r}; use one of {', '.join(GROUPS)}")
-    globals()[f"group_{group}"]()
-    print(f"{group} OK")
+    group_main(globals(), GROUPS)

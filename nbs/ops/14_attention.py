@@ -300,7 +300,7 @@ assert [_split_dim(d) for d in (8, 16, 24, 64, 128, 192, 40, 96)] == \
 #
 # On Hopper the tiles trade reuse against registers. A forward or `dq` program reuses every key tile it loads for
 # `BLOCK_M` query rows, and a `dk, dv` program every query tile for `BLOCK_N` keys, so bigger is better until the
-# fp32 accumulators and the resident tiles no longer fit in 255 registers per thread and spill to local memory.
+# fp32 accumulators and the resident tiles exceed 255 registers per thread and spill to local memory.
 # The tiles were chosen in two steps. First by compiling every kernel for sm_90 without a GPU (`triton.compile`
 # with `GPUTarget("cuda", 90, 32)`) over a grid of tiles and reading ptxas's register and spill counts, keeping
 # tiles with no spill stores (MLA's 192/128 `dq` still spills 80–136 bytes). Then by timing the candidates on one

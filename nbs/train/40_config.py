@@ -267,10 +267,15 @@ class Config:
         return p.pp * p.dp_replicate * p.dp * p.cp * p.ep
 
     @property
-    def layout(self) -> str:
-        "The parallel sizes as 'pp × dp_replicate × dp × cp × ep', for messages."
+    def layout(self) -> dict:
+        "The parallel sizes, {pp, dp_replicate, dp, cp, ep} (checkpoints record them; `layout_text` for messages)."
         p = self.parallel
-        return f"{p.pp} × {p.dp_replicate} × {p.dp} × {p.cp} × {p.ep}"
+        return dict(pp=p.pp, dp_replicate=p.dp_replicate, dp=p.dp, cp=p.cp, ep=p.ep)
+
+    @property
+    def layout_text(self) -> str:
+        "The parallel sizes as 'pp × dp_replicate × dp × cp × ep' values, e.g. '1 × 1 × 2 × 1 × 1'."
+        return " × ".join(map(str, self.layout.values()))
 
     @property
     def data_ranks(self) -> int:
@@ -555,7 +560,7 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
           "run.device = 'cuda', but torch sees no CUDA GPU here; set run.device = cpu (or auto)")
     if world_size is not None:
         _need(cfg.world_size == world_size,
-              f"parallel: pp × dp_replicate × dp × cp × ep = {cfg.layout} = {cfg.world_size}, "
+              f"parallel: pp × dp_replicate × dp × cp × ep = {cfg.layout_text} = {cfg.world_size}, "
               f"but the world size is {world_size}; choose sizes whose product is {world_size}")
     _need(m.routed_experts % p.ep == 0,  # 0 experts (dense) also passes
           f"parallel.ep = {p.ep}: the model's {m.routed_experts} routed experts are not divisible by it; use one of "

@@ -129,7 +129,7 @@ def start_distributed(cfg: Config) -> tuple[torch.device, Mesh, bool]:
     "(device, mesh, whether this call started the process group), for the processes the launcher started."
     p, world = cfg.parallel, launch_env()["world"]
     if world != cfg.world_size:
-        raise ConfigError(f"parallel: pp × dp_replicate × dp × cp × ep = {cfg.layout} = {cfg.world_size}, but "
+        raise ConfigError(f"parallel: pp × dp_replicate × dp × cp × ep = {cfg.layout_text} = {cfg.world_size}, but "
                           f"{world} process(es) were launched; launch {cfg.world_size} (torchrun --nproc-per-node) "
                           "or choose sizes whose product is the number of processes")
     started = not dist.is_initialized()
@@ -231,12 +231,6 @@ class Run:
         "The keyword arguments of `checkpoint.save` and `checkpoint.load` for this run."
         return dict(model=self.model, optimizer=self.optimizer, model_config=to_dict(self.cfg)["model"])
 
-    @property
-    def layout(self) -> dict:
-        "The parallel sizes of this run, as checkpoints record them."
-        p = self.cfg.parallel
-        return dict(pp=p.pp, dp_replicate=p.dp_replicate, dp=p.dp, cp=p.cp, ep=p.ep)
-
 
 def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.nn.Module, tuple | None, dict]:
     "This rank's share of the model, initialised, compiled and sharded; its pipeline parts; the whole model's sizes."
@@ -314,7 +308,7 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     if last is not None:
         run.start, run.resumed_from = checkpoint.load(last, **run.ckpt_args()), last
         saved = checkpoint.saved_layout(last)
-        run.resharded_from = saved if saved not in (None, run.layout) else None
+        run.resharded_from = saved if saved not in (None, cfg.layout) else None
     return run
 
 # %% [markdown]
@@ -746,7 +740,7 @@ def _opening(run: Run, end: int) -> str:
              f"from the weights of {run.resumed_from}" if run.resumed_from else "from scratch")
     if run.resharded_from:
         sizes = lambda d: " × ".join(f"{k} {v}" for k, v in d.items())
-        where += f", resharded from {sizes(run.resharded_from)} to {sizes(run.layout)}"
+        where += f", resharded from {sizes(run.resharded_from)} to {sizes(cfg.layout)}"
     pipe = f", DualPipeV over {run.mesh.pp.size()} pipeline rank(s)" if run.pipe else ""
     val = "" if run.val is not None and run.mesh.pp.size() == 1 else (
         ", no validation loss (pp > 1 splits the layers)" if run.val is not None else ", no held-out data")
@@ -786,7 +780,7 @@ def _loop(run: Run, report: Reporter, end: int) -> tuple[list[dict], bool]:
                                     f"the latest checkpoint in {run.run_dir / 'ckpt'} is the last good one. Lower "
                                     "train.lr, raise train.warmup or check the data, then rerun to resume from it.")
             if cfg.ckpt.every >= 0 and (last or (cfg.ckpt.every and (step + 1) % cfg.ckpt.every == 0)):
-                checkpoint.save(run.run_dir, step + 1, keep=cfg.ckpt.keep, layout=run.layout, **run.ckpt_args())
+                checkpoint.save(run.run_dir, step + 1, keep=cfg.ckpt.keep, layout=cfg.layout, **run.ckpt_args())
             if stopped:
                 report.say(f"stopped by signal after step {step + 1}; checkpoint saved, rerun to resume")
                 return history, True
