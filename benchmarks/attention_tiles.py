@@ -1,10 +1,11 @@
-"""The tile sweep behind ops/14_attention's CUDA_CONFIGS (benchmarks/RESULTS.md, "Attention kernel"): for the
-GPT-OSS shapes (head dim 64, window 128 and full causal, sinks) and the Qwen3 shape (head dim 128, causal), each
+"""The tile sweep behind ops/14_attention's CUDA_CONFIGS (benchmarks/RESULTS.md, "Attention kernel" and "Attention
+backward"): for the GPT-OSS shapes (head dim 64, window 128 and full causal, sinks), the Qwen3 shape (head dim 128,
+causal) and DeepSeek's MLA shape (192/128, causal), each
 kernel's candidate tiles in turn, the others at the table's entries; forward times for the forward kernel,
 forward+backward for the backward kernels. Run on a GPU from the repository root:
     PYTHONPATH=. OUT=/tmp python3 benchmarks/attention_tiles.py
 It writes $OUT/attention_tiles.json and prints one line per candidate."""
-import json, os
+import itertools, json, os
 import torch
 from triton.testing import do_bench
 import pith_lit.ops.attention as A
@@ -22,15 +23,15 @@ def inputs(B, S, Hq, Hkv, dqk, dv, sinks):
 C = A._Config
 cands = {"fwd": [C(128, 64, 4, 3), C(128, 64, 8, 3), C(128, 128, 8, 3), C(64, 64, 4, 3), C(128, 32, 4, 3),
                  C(128, 64, 8, 4), C(64, 128, 4, 3)],
-         "dq": [C(64, 32, 4, 2), C(64, 64, 4, 2), C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 64, 8, 3), C(64, 32, 8, 2)],
-         "dkdv": [C(32, 64, 4, 2), C(32, 128, 8, 2), C(64, 64, 8, 2), C(64, 128, 8, 2), C(32, 64, 8, 3), C(64, 32, 4, 2),
-                  C(32, 64, 8, 2)]}
+         "dq": [C(*c) for c in itertools.product((64, 128), (32, 64), (4, 8), (2, 3))],
+         "dkdv": [C(*c) for c in itertools.product((32, 64), (64, 128), (4, 8), (2, 3))]}
 shapes = {"gptoss_win": ((2, 4096, 64, 8, 64, 64, True), 128), "gptoss_full": ((2, 4096, 64, 8, 64, 64, True), None),
-          "qwen3": ((2, 4096, 32, 4, 128, 128, False), None)}
+          "qwen3": ((2, 4096, 32, 4, 128, 128, False), None), "mla": ((4, 2048, 16, 16, 192, 128, False), None)}
 sweep = {}
 for name, (shape, window) in shapes.items():
     q, k, v, s = inputs(*shape)
-    width = 64 if shape[4] <= 64 else 128
+    dqk, dv = shape[4], shape[5]
+    width = 64 if max(dqk, dv) <= 64 else 128 if max(dqk, dv) <= 128 and dqk + dv <= 256 else 256
     table = A.CUDA_CONFIGS[width]
     default = dict(table)
     leaves = [q, k, v] + ([s] if s is not None else [])

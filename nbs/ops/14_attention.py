@@ -301,12 +301,10 @@ assert [_split_dim(d) for d in (8, 16, 24, 64, 128, 192, 40, 96)] == \
 # On Hopper the tiles trade reuse against registers. A forward or `dq` program reuses every key tile it loads for
 # `BLOCK_M` query rows, and a `dk, dv` program every query tile for `BLOCK_N` keys, so bigger is better until the
 # fp32 accumulators and the resident tiles exceed 255 registers per thread and spill to local memory.
-# The tiles were chosen in two steps. First by compiling every kernel for sm_90 without a GPU (`triton.compile`
-# with `GPUTarget("cuda", 90, 32)`) over a grid of tiles and reading ptxas's register and spill counts, keeping
-# tiles with no spill stores (MLA's 192/128 `dq` still spills 80–136 bytes). Then by timing the candidates on one
-# H200 at the GPT-OSS (head dim 64, window 128 and full causal, sinks) and Qwen3 (head dim 128, causal) shapes:
-# the entries for head dims 64 and 128 are the fastest measured (benchmarks/RESULTS.md, "Attention kernel"); the
-# MLA class keeps the spill-count choice.
+# Each entry is the fastest of a timed sweep on one H200 at the GPT-OSS (head dim 64, window 128 and full causal,
+# sinks), Qwen3 (head dim 128, causal) and DeepSeek MLA (192/128) shapes; `triton.compile` with
+# `GPUTarget("cuda", 90, 32)` reports ptxas's register and spill counts without a GPU, to see why a tile is slow
+# (benchmarks/RESULTS.md, "Attention kernel" and "Attention backward").
 #
 # Two scheduling choices go with them: the forward and `dq` programs take their query blocks last-first, so that
 # under a causal mask the longest programs start first and the short ones fill the tail; and when `B · Hkv` is
@@ -325,11 +323,11 @@ class _Config(NamedTuple):
 
 CUDA_CONFIGS = {  # widest head dim class -> kernel -> config (bf16/fp16 on sm_90)
     64: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(64, 64, 4, 3), "dq": _Config(64, 64, 4, 2),
-         "dkdv": _Config(64, 32, 4, 2)},
+         "dkdv": _Config(64, 64, 4, 3)},
     128: {"fwd": _Config(128, 128, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(64, 64, 4, 2),
-          "dkdv": _Config(64, 32, 4, 2)},
-    256: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(64, 32, 8, 2),
-          "dkdv": _Config(32, 64, 8, 2)},
+          "dkdv": _Config(32, 64, 4, 3)},
+    256: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(128, 64, 8, 3),
+          "dkdv": _Config(64, 128, 8, 3)},
 }
 FP32_CONFIG = _Config(64, 32, 4, 1)  # fp32 tiles take twice the shared memory
 
@@ -788,12 +786,11 @@ def _attn_bwd_pre_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, st
 
 
 # %% [markdown]
-# The `dq` kernel walks the same key blocks as the forward. The `dk, dv` kernel computes the tiles in the same
-# orientation, `S = Q Kᵀ` with queries along rows, and transposes `P` and `dS` in registers for `dV += Pᵀ dO` and
-# `dK += dSᵀ Q`. Computing `Sᵀ = K Qᵀ` directly would avoid the transposes, but it makes the resident `K` and `V`
-# the left operands of the products, which on Hopper live in registers; as right operands they stay in shared
-# memory. Compiled for sm_90 at head dim 128, the transposing form uses no spill stores where the other spills
-# 56–472 bytes (at most 16 bytes against 456–1136 for MLA's 192/128).
+# The `dq` kernel walks the same key blocks as the forward. The `dk, dv` kernel computes its tiles key-major,
+# `Sᵀ = K Qᵀ` with the program's keys along rows, so `Pᵀ` and `dSᵀ` are already the left operands of `dV += Pᵀ dO`
+# and `dK += dSᵀ Q` and nothing is transposed in registers; `Qᵀ` and `dOᵀ` are transposed views of tiles just
+# loaded. The tile sizes of `CUDA_CONFIGS` are the fastest of a sweep on the H200 (RESULTS.md, "Attention
+# backward").
 
 # %%
 #| export
@@ -892,14 +889,14 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m
                 DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr,
                 PREC: tl.constexpr):
-    "One query block of dk, dv for a fixed key block: P and dS as (queries, keys), used transposed."
+    "One query block of dk, dv for a fixed key block: Pᵀ and dSᵀ as (keys, queries)."
     rows = m0 + tl.arange(0, BLOCK_M)
     qa = _tile(Qh, rows, stride_qm, stride_qd, Sq, 0, DQK, DA, MASK).to(DOT)
-    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
+    st = tl.dot(ka, tl.trans(qa), input_precision=PREC)
     qb = qa
     if DB > 0:
         qb = _tile(Qh, rows, stride_qm, stride_qd, Sq, DA, DQK, DB, MASK).to(DOT)
-        s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
+        st = tl.dot(kb, tl.trans(qb), st, input_precision=PREC)
     if MASK:
         lse = tl.load(LSEh + rows, mask=rows < Sq, other=float("inf"))
         dd = tl.load(DDh + rows, mask=rows < Sq, other=0.0)
@@ -907,21 +904,21 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m
         lse = tl.load(LSEh + rows)
         dd = tl.load(DDh + rows)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-    p = tl.exp2(s * qk_scale - lse2[:, None])
+    pt = tl.exp2(st * qk_scale - lse2[None, :])
     if MASK:
         qdoc = rows
         if HAS_DOC:
             qdoc = tl.load(QDOC + rows, mask=rows < Sq, other=-2)
-        keep = _visible((rows < Sq)[:, None], rows[:, None], cols[None, :], qdoc[:, None], kdoc[None, :], delta,
+        keep = _visible((rows < Sq)[None, :], rows[None, :], cols[:, None], qdoc[None, :], kdoc[:, None], delta,
                         window, CAUSAL, HAS_WINDOW, HAS_DOC)
-        p = tl.where(keep, p, 0.0)
+        pt = tl.where(keep, pt, 0.0)
     do = _tile(DOh, rows, stride_dm, stride_dd, Sq, 0, DV, BDV, MASK).to(DOT)
-    dv = tl.dot(tl.trans(p.to(DOT)), do, dv, input_precision=PREC)
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds_t = tl.trans((p * (dp - dd[:, None])).to(DOT))
-    dka = tl.dot(ds_t, qa, dka, input_precision=PREC)
+    dv = tl.dot(pt.to(DOT), do, dv, input_precision=PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = (pt * (dpt - dd[None, :])).to(DOT)
+    dka = tl.dot(dst, qa, dka, input_precision=PREC)
     if DB > 0:
-        dkb = tl.dot(ds_t, qb, dkb, input_precision=PREC)
+        dkb = tl.dot(dst, qb, dkb, input_precision=PREC)
     return dka, dkb, dv
 
 

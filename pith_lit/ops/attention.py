@@ -154,11 +154,11 @@ class _Config(NamedTuple):
 
 CUDA_CONFIGS = {  # widest head dim class -> kernel -> config (bf16/fp16 on sm_90)
     64: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(64, 64, 4, 3), "dq": _Config(64, 64, 4, 2),
-         "dkdv": _Config(64, 32, 4, 2)},
+         "dkdv": _Config(64, 64, 4, 3)},
     128: {"fwd": _Config(128, 128, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(64, 64, 4, 2),
-          "dkdv": _Config(64, 32, 4, 2)},
-    256: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(64, 32, 8, 2),
-          "dkdv": _Config(32, 64, 8, 2)},
+          "dkdv": _Config(32, 64, 4, 3)},
+    256: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(128, 64, 8, 3),
+          "dkdv": _Config(64, 128, 8, 3)},
 }
 FP32_CONFIG = _Config(64, 32, 4, 1)  # fp32 tiles take twice the shared memory
 
@@ -511,14 +511,14 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m
                 DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr,
                 PREC: tl.constexpr):
-    "One query block of dk, dv for a fixed key block: P and dS as (queries, keys), used transposed."
+    "One query block of dk, dv for a fixed key block: Pᵀ and dSᵀ as (keys, queries)."
     rows = m0 + tl.arange(0, BLOCK_M)
     qa = _tile(Qh, rows, stride_qm, stride_qd, Sq, 0, DQK, DA, MASK).to(DOT)
-    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
+    st = tl.dot(ka, tl.trans(qa), input_precision=PREC)
     qb = qa
     if DB > 0:
         qb = _tile(Qh, rows, stride_qm, stride_qd, Sq, DA, DQK, DB, MASK).to(DOT)
-        s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
+        st = tl.dot(kb, tl.trans(qb), st, input_precision=PREC)
     if MASK:
         lse = tl.load(LSEh + rows, mask=rows < Sq, other=float("inf"))
         dd = tl.load(DDh + rows, mask=rows < Sq, other=0.0)
@@ -526,21 +526,21 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m
         lse = tl.load(LSEh + rows)
         dd = tl.load(DDh + rows)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-    p = tl.exp2(s * qk_scale - lse2[:, None])
+    pt = tl.exp2(st * qk_scale - lse2[None, :])
     if MASK:
         qdoc = rows
         if HAS_DOC:
             qdoc = tl.load(QDOC + rows, mask=rows < Sq, other=-2)
-        keep = _visible((rows < Sq)[:, None], rows[:, None], cols[None, :], qdoc[:, None], kdoc[None, :], delta,
+        keep = _visible((rows < Sq)[None, :], rows[None, :], cols[:, None], qdoc[None, :], kdoc[:, None], delta,
                         window, CAUSAL, HAS_WINDOW, HAS_DOC)
-        p = tl.where(keep, p, 0.0)
+        pt = tl.where(keep, pt, 0.0)
     do = _tile(DOh, rows, stride_dm, stride_dd, Sq, 0, DV, BDV, MASK).to(DOT)
-    dv = tl.dot(tl.trans(p.to(DOT)), do, dv, input_precision=PREC)
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds_t = tl.trans((p * (dp - dd[:, None])).to(DOT))
-    dka = tl.dot(ds_t, qa, dka, input_precision=PREC)
+    dv = tl.dot(pt.to(DOT), do, dv, input_precision=PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = (pt * (dpt - dd[None, :])).to(DOT)
+    dka = tl.dot(dst, qa, dka, input_precision=PREC)
     if DB > 0:
-        dkb = tl.dot(ds_t, qb, dkb, input_precision=PREC)
+        dkb = tl.dot(dst, qb, dkb, input_precision=PREC)
     return dka, dkb, dv
 
 
