@@ -31,7 +31,8 @@ def repo_path(*parts: str) -> Path:
 # %% ../nbs/engine/39_testing.ipynb #bebf0533
 def tiny_model(family: str = "qwen3_moe", layers: int = 5, seed: int = 0, dtype=torch.float32, experts: int = 4,
                top_k: int = 2, dense: int = 2):
-    "The tiny model of the checks: `layers` layers, `experts` routed experts top-`top_k`, layer `dense` dense."
+    """The tiny model of the checks: `layers` layers, `experts` routed experts top-`top_k`, layer `dense` dense
+    (Qwen3-MoE; DeepSeek-V2's first layer is dense, Qwen3.5-MoE has none)."""
     match family:
         case "qwen3_moe":
             from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM as Model
@@ -44,8 +45,14 @@ def tiny_model(family: str = "qwen3_moe", layers: int = 5, seed: int = 0, dtype=
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
                          n_routed_experts=experts, num_experts_per_tok=top_k, first_k_dense_replace=1,
                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+        case "qwen3_5_moe":
+            from pith_lit.models.qwen3_5_moe import Config, Qwen3_5MoeForCausalLM as Model
+            cfg = Config(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=8, linear_value_head_dim=8, num_experts=experts, num_experts_per_tok=top_k,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=24)
         case other:
-            raise ValueError(f"family {other!r}: use 'qwen3_moe' or 'deepseek_v2'")
+            raise ValueError(f"family {other!r}: use 'qwen3_moe', 'deepseek_v2' or 'qwen3_5_moe'")
     torch.manual_seed(seed)
     return Model(cfg).to(dtype)
 
@@ -338,8 +345,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="ep: tokens per rank for the traffic measurement")
     ap.add_argument("--micro", type=int, nargs="*", default=[4, 5, 6], help="pipeline: micro-batch counts")
     ap.add_argument("--ep", type=int, default=1, help="pipeline: expert-parallel ranks (pp = processes / ep)")
-    ap.add_argument("--model", choices=["qwen3_moe", "deepseek_v2"],
-                    help="the family checked (pipeline: default qwen3_moe; fsdp: default both)")
+    ap.add_argument("--model", nargs="*", choices=["qwen3_moe", "deepseek_v2", "qwen3_5_moe"],
+                    help="the families checked, one after the other (pipeline: default qwen3_moe; fsdp: default "
+                         "qwen3_moe and deepseek_v2)")
     ap.add_argument("--layout", type=int, nargs=4, metavar=("PP", "DP_REPLICATE", "DP", "EP"), default=[1, 1, 2, 1],
                     help="fsdp: the mesh (their product = processes)")
     ap.add_argument("--overlap", action="store_true", help="fsdp: run the step through DualPipeV at pp = 1")
@@ -356,14 +364,15 @@ def main(argv=None) -> None:
     if a.check == "ep":
         run_ranked(_ep_main, a, device)
     elif a.check == "fsdp":
-        for family in (a.model,) if a.model else ("qwen3_moe", "deepseek_v2"):
+        for family in a.model or ("qwen3_moe", "deepseek_v2"):
             line = run_ranked(fsdp_check, *a.layout, family, overlap=a.overlap, device=device, optimizer=a.optimizer)
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, line)
             if dist.get_rank() == 0:
                 print("\n".join(everyone), flush=True)
     else:
-        run_ranked(pipeline_check, a.micro, a.ep, device, a.model or "qwen3_moe", a.stage_layers)
+        for family in a.model or ("qwen3_moe",):
+            run_ranked(pipeline_check, a.micro, a.ep, device, family, a.stage_layers)
         if a.timeline:
             run_ranked(record_timeline, a.timeline, a.timeline_micro, a.ep, device, 2, a.timeline_hidden,
                        a.timeline_seq)

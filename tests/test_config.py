@@ -40,7 +40,7 @@ def test_unknown_field_suggests_closest():
 
 
 def test_unknown_model_type_names_valid_ones():
-    assert error(["model.model_type=llama"]) == "model.model_type = 'llama': unknown model family; valid: 'qwen3_moe', 'deepseek_v2', 'gpt_oss'"
+    assert error(["model.model_type=llama"]) == "model.model_type = 'llama': unknown model family; valid: 'qwen3_moe', 'deepseek_v2', 'gpt_oss', 'qwen3_5_moe'"
     assert error([], data={"model": {"model_type": "gpt2"}}).startswith("model.model_type = 'gpt2'")
     for t in MODEL_TYPES:  # every listed name is a case of the match, and its dataclass agrees
         assert model_class(t)().model_type == t
@@ -123,6 +123,13 @@ def test_cp_is_refused_until_implemented():
     assert error(["parallel.cp=2"], world_size=2) == (
         "parallel.cp = 2: context parallelism is not implemented yet; set parallel.cp = 1")
     assert validate(from_dict({}, ["train.seq_len=127"]), 1)
+
+
+def test_cp_is_refused_for_linear_attention():
+    "Qwen3.5-MoE's message names the family's reason, whatever context parallelism can do for the others."
+    msg = error(["model.model_type=qwen3_5_moe", "parallel.cp=2"], world_size=2)
+    assert msg.startswith("parallel.cp = 2: model.model_type = 'qwen3_5_moe' has linear-attention layers")
+    assert msg.endswith("set parallel.cp = 1 (use dp or ep for more GPUs)")
 
 
 def test_seq_len_within_positions():

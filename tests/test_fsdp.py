@@ -1,5 +1,5 @@
 """Sharded data parallelism (engine/36_fsdp) on 2 and 4 CPU processes (gloo) against one process: two AdamW steps
-of the tiny Qwen3-MoE and DeepSeek-V2 in float64, every gradient, the clipped norm and every parameter compared
+of the tiny Qwen3-MoE, DeepSeek-V2 and Qwen3.5-MoE in float64, every gradient, the clipped norm and every parameter compared
 (`python -m pith_lit.testing fsdp`)."""
 import subprocess
 import sys
@@ -8,26 +8,27 @@ import pytest
 
 from conftest import ROOT, subprocess_env
 
-LAYOUTS = [  # (processes, pp, dp_replicate, dp, ep, overlap, families: "both" = Qwen3-MoE and DeepSeek-V2)
-    (2, 1, 1, 2, 1, False, "both"),        # FSDP over two ranks
+BOTH = "qwen3_moe deepseek_v2"
+LAYOUTS = [  # (processes, pp, dp_replicate, dp, ep, overlap, families, checked one after the other in one launch)
+    (2, 1, 1, 2, 1, False, BOTH + " qwen3_5_moe"),  # FSDP over two ranks
     (2, 1, 1, 1, 2, False, "qwen3_moe"),   # experts divided over ep, non-expert weights sharded over ep
     (2, 2, 1, 1, 1, False, "qwen3_moe"),   # DualPipeV: deferred weight gradients, one reduction per step
     (2, 1, 1, 2, 1, True, "qwen3_moe"),    # DualPipeV's overlapped schedule at pp 1 with FSDP dp 2
-    (4, 1, 1, 2, 2, False, "both"),        # ep 2 × dp 2: experts on a sub-mesh, (Shard(1), Shard(0)) placements
+    (4, 1, 1, 2, 2, False, BOTH),          # ep 2 × dp 2: experts on a sub-mesh, (Shard(1), Shard(0)) placements
     (4, 1, 2, 2, 1, False, "qwen3_moe"),   # HSDP: replicate across 2 groups, shard within
     (4, 2, 1, 2, 1, False, "deepseek_v2"), # DualPipeV × FSDP
     (4, 2, 1, 1, 2, False, "qwen3_moe"),   # DualPipeV × expert parallelism
 ]
 
 
-def fsdp_check(n, layout, *extra, families="both"):
+def fsdp_check(n, layout, *extra, families=BOTH):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m",
-           "pith_lit.testing", "fsdp", "--layout", *map(str, layout), *extra]
-    cmd += [] if families == "both" else ["--model", families]
+           "pith_lit.testing", "fsdp", "--layout", *map(str, layout), *extra, "--model", *families.split()]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [l for l in proc.stdout.splitlines() if l.startswith("rank")]
-    assert len(lines) == (2 if families == "both" else 1) * n and all("2 steps OK" in l for l in lines), proc.stdout
+    assert len(lines) == len(families.split()) * n and all("2 steps OK" in l for l in lines), proc.stdout
+    assert {l.split()[2] for l in lines} == set(families.split()), proc.stdout
     return lines
 
 

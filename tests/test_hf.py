@@ -22,7 +22,7 @@ from pith_lit.tokenize import tokenize_files
 from pith_lit.train import checkpoint
 from pith_lit.train.config import load_config, to_dict
 from pith_lit.train.data import build_dataset
-from pith_lit.train.hf import config_from_hf
+from pith_lit.train.hf import config_from_hf, config_to_hf
 from pith_lit.train.trainer import build_model, train
 
 transformers = pytest.importorskip("transformers")
@@ -66,8 +66,18 @@ def gpt_oss():
                                      num_experts_per_tok=2, sliding_window=4, **EAGER)
 
 
+def qwen3_5_moe(**over):
+    "Linear and full attention layers, partial RoPE, two value heads per key head, a shared expert, a tied head."
+    return transformers.Qwen3_5MoeTextConfig(**{**dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+        "linear_attention"], num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24, tie_word_embeddings=True), **over}, **EAGER)
+
+
 CASES = {"qwen3_moe": (qwen3_moe, 5_000_000_000), "deepseek_v2-greedy": (lambda: deepseek_v2(False), 5_000_000_000),
-         "deepseek_v2-grouped": (lambda: deepseek_v2(True), 40_000), "gpt_oss": (gpt_oss, 40_000)}
+         "deepseek_v2-grouped": (lambda: deepseek_v2(True), 40_000), "gpt_oss": (gpt_oss, 40_000),
+         "qwen3_5_moe-text": (qwen3_5_moe, 40_000)}
 
 
 def hf_model(hf_cfg, seed=0):
@@ -94,7 +104,7 @@ def test_matches_transformers(case, tmp_path):
     # to float32's rounding (measured: logits within 8e-7, gradients within 1.1e-6 of the largest, both dtypes)
     for dtype, rel, grel in ((torch.float32, 1e-5, 1e-4), (torch.float64, 4e-6, 1e-5)):
         ours, theirs = load_hf(tmp_path / "hf", dtype), hf.to(dtype)
-        assert ours.config.model_type == theirs.config.model_type
+        assert config_to_hf(ours.config)["model_type"] == theirs.config.model_type
         logits, ref = ours(ids)[0], theirs(input_ids=ids).logits
         assert logits.dtype == dtype
         assert_close(logits, ref, rel, f"{dtype} logits")
@@ -116,6 +126,46 @@ def test_matches_transformers(case, tmp_path):
     assert theirs.keys() == again.keys() and all(torch.equal(theirs[k], again[k]) for k in theirs)
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids).logits, hf(input_ids=ids).logits)
+
+
+def test_matches_transformers_qwen3_5_moe_multimodal(tmp_path, capsys):
+    """The published Qwen3.5-MoE checkpoints are the multimodal model: its language model is read (keys under
+    model.language_model.), the vision tower and a multi-token-prediction tensor are read past with one line, the
+    logits and gradients are transformers' own on text, and save_hf writes the text model."""
+    from safetensors.torch import save_file
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    cfg = transformers.Qwen3_5MoeConfig(text_config=qwen3_5_moe(tie_word_embeddings=False).to_dict(),
+                                        vision_config=vision, tie_word_embeddings=False, **EAGER)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5MoeForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "hf")
+    save_file({"mtp.fc.weight": torch.zeros(2, 2)}, tmp_path / "hf/mtp.safetensors")
+    ours = load_hf(tmp_path / "hf")
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and "vision tower (model.visual.*)" in said and "mtp.*), 1 tensors" in said
+    assert ours.config.model_type == "qwen3_5_moe" and not ours.config.tie_word_embeddings
+    ids = torch.randint(0, 64, (2, 9))
+    logits, ref = ours(ids)[0], hf(input_ids=ids).logits
+    assert_close(logits, ref, 1e-5, "logits")
+    hf_params = dict(hf.named_parameters())
+    params = {n: p for n, p in ours.named_parameters()}
+    theirs = [hf_params[n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n]
+              for n in params]
+    g = torch.autograd.grad(weighted_sum(logits), list(params.values()))
+    g_hf = torch.autograd.grad(weighted_sum(ref), theirs)
+    for name, a, b in zip(params, g, g_hf):
+        assert_close(a, b, 1e-4, f"grad of {name}")
+    save_hf(ours, tmp_path / "ours")
+    written = json.loads((tmp_path / "ours/config.json").read_text())
+    assert written["model_type"] == "qwen3_5_moe_text" and written["architectures"] == ["Qwen3_5MoeForCausalLM"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", **EAGER)
+    assert type(back) is transformers.Qwen3_5MoeForCausalLM
+    with torch.no_grad():
+        assert_close(back(input_ids=ids).logits, ref, 1e-6, "text model written by save_hf")
 
 
 def test_config_json_of_transformers(tmp_path):

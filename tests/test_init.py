@@ -9,7 +9,7 @@ from pith_lit.engine.ep import is_expert_param, shard_experts
 from pith_lit.train.config import load_config
 from pith_lit.train.trainer import build_model
 
-CONFIGS = ["tiny.toml", "tiny-deepseek-v2.toml", "tiny-gpt-oss.toml"]
+CONFIGS = ["tiny.toml", "tiny-deepseek-v2.toml", "tiny-gpt-oss.toml", "tiny-qwen3-5-moe.toml"]
 # (pp rank, pp, ep rank, ep): an expert shard alone, a pipeline stage alone, both at once
 CUTS = [(0, 1, 1, 2), (1, 2, 0, 1), (0, 2, 3, 4)]
 

@@ -142,8 +142,10 @@ def test_two_ranks_against_single_process():
 
 
 def test_overlap_with_expert_parallelism():
-    "pp = 1 × ep = 2: the F&B pairs interleave the all-to-alls of two micro-batches; each ep rank has its own data."
-    assert len(torchrun(2, "--micro", "2", "3", "--ep", "2")) == 4
+    """pp = 1 × ep = 2: the F&B pairs interleave the all-to-alls of two micro-batches; each ep rank has its own data.
+    Qwen3-MoE and Qwen3.5-MoE (linear attention, shared expert): expert parallelism against one process."""
+    lines = torchrun(2, "--micro", "2", "3", "--ep", "2", "--model", "qwen3_moe", "qwen3_5_moe")
+    assert len(lines) == 8 and sum("qwen3_5_moe" in l for l in lines) == 4
 
 
 def test_pipeline_with_expert_parallelism():
@@ -161,6 +163,8 @@ def test_empty_edge_stages():
     assert len(torchrun(2, "--micro", "4", "5", "--stage-layers", "0", "3", "2", "0")) == 4
 
 
-def test_deepseek_v2_pipeline():
-    "pp = 2 with DeepSeek-V2 (dense first layer on rank 0's first stage, shared experts, latent attention)."
-    assert len(torchrun(2, "--micro", "4", "5", "--model", "deepseek_v2")) == 4
+def test_other_families_pipeline():
+    """pp = 2 with DeepSeek-V2 (dense first layer on rank 0's first stage, shared experts, latent attention) and
+    Qwen3.5-MoE (linear and full attention layers on different stages)."""
+    lines = torchrun(2, "--micro", "4", "5", "--model", "deepseek_v2", "qwen3_5_moe")
+    assert len(lines) == 8 and sum("qwen3_5_moe" in l for l in lines) == 4

@@ -303,7 +303,7 @@ print("all tokens on one expert:", r.counts.tolist())
 # %%
 #| export
 class SeededInit:
-    "N(0, σ) draws keyed by (seed, parameter name[, global expert index]), the same however the model is cut."
+    "N(0, σ) or U(a, b) draws keyed by (seed, parameter name[, global expert index]), the same however the model is cut."
 
     def __init__(self, model: torch.nn.Module, seed: int):
         self.seed = seed
@@ -327,6 +327,13 @@ class SeededInit:
                 p[e].normal_(0, std, generator=self._generator(p, name, self.first[id(p)] + e))
         else:
             p.normal_(0, std, generator=self._generator(p, name))
+        return p
+
+    @torch.no_grad()
+    def uniform_(self, p: Tensor, low: float, high: float) -> Tensor:
+        "Fill `p` (not a stacked expert tensor) with U(low, high) draws of its own; a no-op on the meta device."
+        if not p.is_meta:
+            p.uniform_(low, high, generator=self._generator(p, self.names[id(p)]))
         return p
 
 # %% [markdown]

@@ -39,7 +39,7 @@ from typing import Literal, Sequence, get_args, get_origin, get_type_hints
 import torch
 
 from pith_lit.engine.mesh import stage_layers
-from pith_lit.models import deepseek_v2, gpt_oss, qwen3_moe
+from pith_lit.models import deepseek_v2, gpt_oss, qwen3_5_moe, qwen3_moe
 from pith_lit.models.protocol import cfg
 
 # %%
@@ -206,7 +206,7 @@ class ExistingFile(UserError, FileExistsError):
     "A file that would be overwritten; the message says where to write instead."
 
 
-MODEL_TYPES = ("qwen3_moe", "deepseek_v2", "gpt_oss")  # the cases of `model_class`, for its error message
+MODEL_TYPES = ("qwen3_moe", "deepseek_v2", "gpt_oss", "qwen3_5_moe")  # the cases of `model_class`, for its error message
 
 
 def model_class(model_type: str) -> type:
@@ -218,6 +218,8 @@ def model_class(model_type: str) -> type:
             return deepseek_v2.Config
         case "gpt_oss":
             return gpt_oss.Config
+        case "qwen3_5_moe":
+            return qwen3_5_moe.Config
         case _:
             raise ConfigError(f"model.model_type = {model_type!r}: unknown model family; "
                               f"valid: {', '.join(map(repr, MODEL_TYPES))}")
@@ -252,7 +254,8 @@ print(raises(model_class, "llama"))
 class Config:
     "A whole run: defaults ← TOML file ← `--set` overrides. Build it with `load_config` or `parse_args`."
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": RunConfig.__doc__})
-    model: qwen3_moe.Config | deepseek_v2.Config | gpt_oss.Config = field(default_factory=qwen3_moe.Config,
+    model: qwen3_moe.Config | deepseek_v2.Config | gpt_oss.Config | qwen3_5_moe.Config = field(
+                                    default_factory=qwen3_moe.Config,
                                     metadata={"help": "the model family's own config, chosen by model_type"})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": ParallelConfig.__doc__})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": TrainConfig.__doc__})
@@ -555,6 +558,10 @@ def _check_fields(cfg: Config) -> None:
 def _check_layout(cfg: Config, world_size: int | None) -> None:
     "The parallel sizes against the world, the model and the batch; the device and what it must offer."
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    _need(p.cp == 1 or m.model_type != "qwen3_5_moe",
+          f"parallel.cp = {p.cp}: model.model_type = 'qwen3_5_moe' has linear-attention layers whose recurrent state "
+          "would have to pass from each rank's piece of a sequence to the next, which the ring does not do; set "
+          "parallel.cp = 1 (use dp or ep for more GPUs)")
     _need(p.cp == 1, f"parallel.cp = {p.cp}: context parallelism is not implemented yet; set parallel.cp = 1")
     _need(cfg.run.device != "cuda" or torch.cuda.is_available(),
           "run.device = 'cuda', but torch sees no CUDA GPU here; set run.device = cpu (or auto)")
@@ -653,6 +660,7 @@ cases = {
     "DualPipeV micro-batches": ["parallel.pp=2", "train.global_batch=8"],
     "overlap at pp 1": ["parallel.overlap=true", "train.global_batch=4"],
     "cp not implemented": ["parallel.cp=2"],
+    "cp with linear attention": ["parallel.cp=2", "model.model_type=qwen3_5_moe"],
     "seq_len vs positions": ["train.seq_len=5000"],
     "top-k": ["model.num_experts_per_tok=9"],
     "heads": ["model.num_attention_heads=6", "model.num_key_value_heads=4"],
@@ -665,7 +673,8 @@ cases = {
     "profile step": ["train.steps=10", "log.profile_step=11"],
     "pipeline vs layers": ["parallel.pp=2", "model.num_hidden_layers=3", "train.global_batch=16"],
 }
-worlds = {"ep vs experts": 3, "DualPipeV micro-batches": 2, "cp not implemented": 2, "pipeline vs layers": 2}
+worlds = {"ep vs experts": 3, "DualPipeV micro-batches": 2, "cp not implemented": 2, "cp with linear attention": 2,
+          "pipeline vs layers": 2}
 for name, over in cases.items():
     print(f"{name:>24}: {raises(check, over, worlds.get(name, 1))}")
 for name, value in [("num_experts_per_tok", 9), ("num_attention_heads", 5), ("num_hidden_layers", True)]:

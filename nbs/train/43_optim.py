@@ -243,8 +243,11 @@ class Muon(torch.optim.Optimizer):
 
 def muon_param(name: str, p: Tensor) -> bool:
     """Whether Muon updates parameter `name`: matrices inside the decoder layers except the router (`mlp.gate` in
-    Qwen3-MoE and DeepSeek-V2, `mlp.router` in GPT-OSS); not the embedding, the head, norms or biases."""
-    return p.dim() >= 2 and ".layers." in f".{name}" and not name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+    Qwen3-MoE, DeepSeek-V2 and Qwen3.5-MoE, `mlp.router` in GPT-OSS) and Qwen3.5-MoE's shared-expert gate (one row
+    of per-token scores) and depthwise convolution (one short kernel per channel, not a matrix); not the embedding,
+    the head, norms or biases."""
+    return p.dim() >= 2 and ".layers." in f".{name}" and not name.endswith(
+        ("mlp.gate.weight", "mlp.router.weight", "mlp.shared_expert_gate.weight", "linear_attn.conv1d.weight"))
 
 # %% [markdown]
 # Check: Newton–Schulz against the SVD. For random matrices of several shapes (wide, tall, square, a stack of

@@ -82,6 +82,9 @@ def build_model(model_cfg) -> torch.nn.Module:
         case "gpt_oss":
             from pith_lit.models.gpt_oss import GptOssForCausalLM
             return GptOssForCausalLM(model_cfg)
+        case "qwen3_5_moe":
+            from pith_lit.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+            return Qwen3_5MoeForCausalLM(model_cfg)
         case other:
             raise ConfigError(f"model.model_type = {other!r}: no model class for it")
 

@@ -28,14 +28,15 @@
 #    Qwen3-MoE and DeepSeek-V2 checkpoints store each expert on its own
 #    (`mlp.experts.{e}.gate_proj.weight` (I, H), `up_proj`, `down_proj`), and transformers converts them when
 #    it loads. We read both layouts and write the per-expert one, as the hub has it. GPT-OSS's experts are
-#    stacked everywhere (its hub checkpoint is quantized: see below).
+#    stacked everywhere (its hub checkpoint is quantized: see below). Qwen3.5-MoE's published checkpoints stack
+#    them, and transformers' `save_pretrained` writes them one by one: we read both and write them stacked.
 # 3. **Sharding.** Reading follows the index; writing cuts shards at about 5 GB.
 #
 # One more tensor per MoE layer has no parameter behind it: the routers' selection bias of aux-loss-free
 # balancing (train/42), a buffer named as DeepSeek-V3's checkpoints name it, `…mlp.gate.e_score_correction_bias`
-# (`…mlp.router.…` for GPT-OSS). None of the three formats converted here has a place for it: transformers'
-# Qwen3-MoE, DeepSeek-V2 and GPT-OSS routers take the plain top-k (its DeepSeek-V3 is the one that reads the
-# tensor). `save_hf` therefore writes it only when it is not zero, and then warns that transformers reads past it
+# (`…mlp.router.…` for GPT-OSS). None of the formats converted here has a place for it: transformers'
+# Qwen3-MoE, DeepSeek-V2, GPT-OSS and Qwen3.5-MoE routers take the plain top-k (its DeepSeek-V3 is the one that
+# reads the tensor). `save_hf` therefore writes it only when it is not zero, and then warns that transformers reads past it
 # and routes without it, so its top-k may differ from ours; `load_hf` reads it back when it is there (our own round
 # trip keeps it) and sets it to zero when it is not.
 #
@@ -80,7 +81,7 @@ from pith_lit.train.config import load_config
 
 # %%
 #| export
-SUPPORTED = ("qwen3_moe", "deepseek_v2", "gpt_oss")  # the model_type cases of `config_from_hf`, for its message
+SUPPORTED = ("qwen3_moe", "deepseek_v2", "gpt_oss", "qwen3_5_moe")  # the families `config_from_hf` reads
 
 # Keys that do not change what the model computes: bookkeeping, token ids, generation and loss settings.
 HARMLESS = {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
@@ -131,6 +132,14 @@ def _to_config(hf: dict, model_type: str, computed: dict, fixed: dict, read: set
 # was a constant before transformers made it a field), and two older keys transformers ignores. Its published
 # checkpoint stores the experts in MXFP4 (`quantization_config`), which we refuse: dequantize it first, e.g.
 # with transformers' `Mxfp4Config(dequantize=True)` and `save_pretrained`.
+#
+# Qwen3.5-MoE comes two ways. transformers' text model writes `model_type: qwen3_5_moe_text` with the keys at the
+# top. The published checkpoints are the multimodal model, `model_type: qwen3_5_moe`, whose language model's keys
+# sit in `text_config` beside a `vision_config` we do not read. RoPE is `rope_parameters` with
+# `partial_rotary_factor`, and multimodal RoPE's `mrope_section` and `mrope_interleaved`, which text-only positions
+# make plain RoPE (the three sections see the same position). Without `layer_types`, `full_attention_interval`
+# (default 4) places the full-attention layers, as transformers does. The multi-token-prediction head's keys
+# (`mtp_*`) describe weights we read past (below).
 
 # %%
 #| export
@@ -171,6 +180,37 @@ def _gpt_oss(hf: dict):
     return _to_config(hf, "gpt_oss", computed, fixed, read)
 
 
+def _qwen3_5_moe(hf: dict):
+    theta, kind, rest = _rope(hf)
+    rest = {k: v for k, v in rest.items() if k not in ("mrope_section", "mrope_interleaved")}
+    partial = rest.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if kind != "default" or rest or partial is None:
+        raise InvalidInput(f"config.json: RoPE of type {kind!r} with {rest}, partial_rotary_factor {partial}: pith_lit's "
+                           "qwen3_5_moe has plain RoPE on a partial_rotary_factor of each head")
+    interval = hf.get("full_attention_interval", 4)
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                      for i in range(hf.get("num_hidden_layers", 0))]
+    computed = {"rope_parameters": {"rope_type": kind, "rope_theta": theta, "partial_rotary_factor": partial},
+                "layer_types": types}
+    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "attn_output_gate": True}
+    read = {"rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "full_attention_interval",
+            "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype"}
+    return _to_config(hf, "qwen3_5_moe", computed, fixed, read)
+
+
+def _text_config(hf: dict) -> dict:
+    "The text config of a multimodal Qwen3.5-MoE config.json, with the head's tying, which sits at its top."
+    text = dict(hf.get("text_config") or {})
+    if text.get("model_type", "qwen3_5_moe_text") != "qwen3_5_moe_text":
+        raise InvalidInput(f"config.json: text_config.model_type = {text['model_type']!r}; pith_lit reads the "
+                           "language model of qwen3_5_moe checkpoints, whose text_config is qwen3_5_moe_text")
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    if text.get("tie_word_embeddings", tie) != tie:
+        raise InvalidInput(f"config.json: tie_word_embeddings = {tie} but text_config.tie_word_embeddings = "
+                           f"{text['tie_word_embeddings']}; make them agree")
+    return text | {"tie_word_embeddings": tie}
+
+
 def config_from_hf(hf: dict):
     "Our model `Config` for the Hugging Face config.json `hf` (a dict); a clear error for what we do not model."
     if "quantization_config" in hf:
@@ -184,6 +224,10 @@ def config_from_hf(hf: dict):
             return _deepseek_v2(hf)
         case "gpt_oss":
             return _gpt_oss(hf)
+        case "qwen3_5_moe_text":
+            return _qwen3_5_moe(hf)
+        case "qwen3_5_moe":                      # multimodal: its language model
+            return _qwen3_5_moe(_text_config(hf))
         case other:
             raise InvalidInput(f"config.json: model_type {other!r} is not supported; pith_lit reads "
                              f"{', '.join(SUPPORTED)}")
@@ -208,6 +252,8 @@ def config_to_hf(cfg) -> dict:
         case "gpt_oss":
             rope = dict(hf.pop("rope_parameters"))
             return hf | {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "attention_dropout": 0.0}
+        case "qwen3_5_moe":                      # the text model: transformers' Qwen3_5MoeForCausalLM
+            return hf | {"model_type": "qwen3_5_moe_text", "hidden_act": "silu", "attention_dropout": 0.0}
         case other:
             raise InvalidInput(f"model_type {other!r}: pith_lit writes Hugging Face checkpoints of "
                              f"{', '.join(SUPPORTED)}")
@@ -288,6 +334,33 @@ assert gpt20b.swiglu_alpha == 1.702 and gpt20b.rope_parameters["rope_theta"] == 
 assert dataclasses.replace(gpt20b, router_aux_loss_coef=0.001) == load_config(repo_path("configs/gpt-oss-20b.toml")).model
 
 # %% [markdown]
+# Qwen3.5-MoE in the published layout (Qwen/Qwen3.5-35B-A3B's config.json, shortened: the vision tower's keys and
+# the token ids left out): its `text_config` reads to `configs/qwen3-5-moe.toml`'s model, multimodal RoPE's keys
+# and the multi-token-prediction keys read past; without `layer_types`, `full_attention_interval` places the
+# full layers. The text model's config.json that we write reads back to the same config.
+
+# %%
+q35_text = {
+    "model_type": "qwen3_5_moe_text", "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
+    "dtype": "bfloat16", "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+    "mamba_ssm_dtype": "float32", "max_position_embeddings": 262144, "moe_intermediate_size": 512,
+    "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False, "num_attention_heads": 16, "num_experts": 256,
+    "num_experts_per_tok": 8, "num_hidden_layers": 40, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                        "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "use_cache": True, "vocab_size": 248320}
+q35_text["layer_types"] = q35_text["layer_types"] * 10
+q35_json = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "text_config": q35_text, "vision_config": {"depth": 27, "hidden_size": 1152}, "image_token_id": 248056,
+            "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0"}
+q35 = config_from_hf(q35_json)
+assert q35 == load_config(repo_path("configs/qwen3-5-moe.toml")).model
+assert config_from_hf({k: v for k, v in q35_text.items() if k != "layer_types"} | {"tie_word_embeddings": False}) == q35
+assert config_from_hf(config_to_hf(q35)) == q35 and config_to_hf(q35)["model_type"] == "qwen3_5_moe_text"
+
+# %% [markdown]
 # What is refused, and how it is said:
 
 # %%
@@ -305,6 +378,11 @@ assert "lacks kv_lora_rank, v_head_dim" in refusal({k: v for k, v in lite_json.i
                                                     if k not in ("kv_lora_rank", "v_head_dim")})
 assert "use_sliding_window = True" in refusal(config_to_hf(qwen) | {"use_sliding_window": True})
 assert "RoPE of type 'linear'" in refusal(config_to_hf(qwen) | {"rope_scaling": {"type": "linear", "factor": 2.0}})
+assert "tie_word_embeddings = True but text_config.tie_word_embeddings = False" in refusal(
+    q35_json | {"tie_word_embeddings": True, "text_config": q35_text | {"tie_word_embeddings": False}})
+assert "attn_output_gate = False" in refusal(q35_json | {"text_config": q35_text | {"attn_output_gate": False}})
+assert "RoPE of type 'yarn'" in refusal(q35_text | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7,
+                                                                         "partial_rotary_factor": 0.25, "factor": 4.0}})
 refusal({"model_type": "llama"})
 
 # %% [markdown]
@@ -324,7 +402,7 @@ def _experts_one_by_one(model_type: str) -> bool:
     match model_type:
         case "qwen3_moe" | "deepseek_v2":
             return True
-        case "gpt_oss":
+        case "gpt_oss" | "qwen3_5_moe":
             return False
         case other:
             raise InvalidInput(f"model_type {other!r}: pith_lit converts {', '.join(SUPPORTED)}")
@@ -377,6 +455,11 @@ len(hub)
 # A parameter is read under its own name (transformers 5.x's stacked layout) or, failing that, from the hub's
 # per-expert pieces. Then every tensor of the files must have been used (a tied head may also be stored, as a
 # copy of the embedding, and is read past). Each problem names the tensor.
+#
+# A Qwen3.5-MoE checkpoint may be the multimodal model: its language model's tensors are stored as
+# `model.language_model.X` for our `model.X` (the head is `lm_head.weight` in both), next to the vision tower
+# (`model.visual.*`). Both kinds may hold the multi-token-prediction head (`mtp.*`), which transformers' text model
+# reads past too. `_language_model` renames the first and leaves the other two out, in one printed line.
 
 # %%
 #| export
@@ -417,18 +500,41 @@ def _routing_biases(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b for name, b in model.named_buffers() if name.endswith(".e_score_correction_bias")}
 
 
+def _language_model(where: dict[str, Path], path: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """Qwen3.5-MoE's tensors under the text model's names, and the name each is stored under: a multimodal
+    checkpoint's `model.language_model.X` is our `model.X`. The vision tower (`model.visual.*`) and the
+    multi-token-prediction head (`mtp.*`) are read past, with one line that says so."""
+    kept, stored, past = {}, {}, {}
+    for name, f in where.items():
+        if name.startswith(("model.visual.", "mtp.")):
+            part = "the vision tower (model.visual.*)" if name.startswith("model.") else \
+                   "the multi-token-prediction head (mtp.*)"
+            past[part] = past.get(part, 0) + 1
+            continue
+        ours = "model." + name.removeprefix("model.language_model.") if name.startswith("model.language_model.") \
+            else name
+        kept[ours], stored[ours] = f, name
+    if past:
+        print(f"load_hf: {path}: reading the language model only; read past "
+              + " and ".join(f"{part}, {n} tensors" for part, n in past.items()))
+    return kept, stored
+
+
 @torch.no_grad()
 def _fill(model: nn.Module, path: Path):
     "Copy every parameter of `model` from the checkpoint files in `path`."
-    where, used, missing = _tensor_files(path), set(), []
-    split = _experts_one_by_one(model.config.model_type)
+    where, used, missing, stored = _tensor_files(path), set(), [], {}
+    if model.config.model_type == "qwen3_5_moe":
+        where, stored = _language_model(where, path)
+    # transformers' save_pretrained writes Qwen3.5-MoE's experts one by one, its published checkpoints stack them
+    split = _experts_one_by_one(model.config.model_type) or model.config.model_type == "qwen3_5_moe"
     with ExitStack() as stack:
         handles = {}
         def read(name):
             f = where[name]
             if f not in handles:
                 handles[f] = stack.enter_context(safe_open(f, "pt"))
-            return handles[f].get_tensor(name)
+            return handles[f].get_tensor(stored.get(name, name))
         for name, p in model.named_parameters():
             pieces = _pieces(name, p) if split and name not in where else {}
             sources = pieces or {name: ()}  # hub name -> index into p
@@ -440,7 +546,7 @@ def _fill(model: nn.Module, path: Path):
             for n, index in sources.items():
                 t = read(n)
                 if t.shape != p[index].shape:
-                    raise InvalidInput(f"{where[n]}: tensor {n} has shape {list(t.shape)}, but the model that "
+                    raise InvalidInput(f"{where[n]}: tensor {stored.get(n, n)} has shape {list(t.shape)}, but the model that "
                                      f"config.json describes needs {list(p[index].shape)}")
                 p[index].copy_(t)
                 used.add(n)
@@ -452,7 +558,7 @@ def _fill(model: nn.Module, path: Path):
                 b.zero_()
     if model.config.tie_word_embeddings:
         used.add("lm_head.weight")  # a stored copy of the tied head is not needed
-    unexpected = sorted(where.keys() - used)
+    unexpected = sorted(stored.get(n, n) for n in where.keys() - used)
     if missing or unexpected:
         show = lambda names: f"{len(names)}: " + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         raise InvalidInput(f"{path} does not hold the tensors of the model its config.json describes:"

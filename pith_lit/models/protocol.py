@@ -108,7 +108,7 @@ def head_loss(model, h: Tensor, labels: Tensor, ignore_index: int = -100) -> Ten
 
 # %% ../../nbs/models/20_protocol.ipynb #1bd0e3af
 class SeededInit:
-    "N(0, σ) draws keyed by (seed, parameter name[, global expert index]), the same however the model is cut."
+    "N(0, σ) or U(a, b) draws keyed by (seed, parameter name[, global expert index]), the same however the model is cut."
 
     def __init__(self, model: torch.nn.Module, seed: int):
         self.seed = seed
@@ -132,6 +132,13 @@ class SeededInit:
                 p[e].normal_(0, std, generator=self._generator(p, name, self.first[id(p)] + e))
         else:
             p.normal_(0, std, generator=self._generator(p, name))
+        return p
+
+    @torch.no_grad()
+    def uniform_(self, p: Tensor, low: float, high: float) -> Tensor:
+        "Fill `p` (not a stacked expert tensor) with U(low, high) draws of its own; a no-op on the meta device."
+        if not p.is_meta:
+            p.uniform_(low, high, generator=self._generator(p, self.names[id(p)]))
         return p
 
 # %% ../../nbs/models/20_protocol.ipynb #bd41b786

@@ -601,12 +601,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, docs: torch.Tensor | None = None,
                   silu: bool = True) -> torch.Tensor:
     """Depthwise causal convolution of x (B, T, D) (channels last) with weight (D, W): y_t = Σ_j w[:, j] x_{t−W+1+j},
-    inputs before a document start (docs (B, T), as for the rule) counting as zero; then SiLU. In x's dtype."""
+    inputs before a document start (docs (B, T), as for the rule) counting as zero; then SiLU. Computed in float32 (or
+    x's dtype if wider), returned in x's dtype."""
     B, T, D = x.shape
     width = weight.shape[-1]
     if weight.shape != (D, width):
         raise ValueError(f"weight must be (D, W) = ({D}, W) for x {tuple(x.shape)}; got {tuple(weight.shape)}")
-    xf, w = x.float(), weight.float()
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf, w = x.to(ct), weight.to(ct)
     y = xf * w[:, -1]
     for s in range(1, min(width, T + 1)):
         shifted = F.pad(xf[:, :T - s], (0, 0, s, 0))
@@ -618,15 +620,18 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, docs: torch.Tensor | No
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    "Qwen3.5's (g, β) from the projections a, b (B, T, Hv): g = −exp(A_log)·softplus(a + dt_bias) float32, β = σ(b)."
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+    """Qwen3.5's (g, β) from the projections a, b (B, T, Hv): g = −exp(A_log)·softplus(a + dt_bias) in float32 (or a's
+    dtype if wider), β = σ(b)."""
+    ct = torch.promote_types(a.dtype, torch.float32)
+    return -A_log.to(ct).exp() * F.softplus(a.to(ct) + dt_bias), b.sigmoid()
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    "RMS-normalise x over its last dim (float32), scale by weight in x's dtype, gate by silu(z)."
-    xf = x.float()
+    "RMS-normalise x over its last dim (float32, or x's dtype if wider), scale by weight in x's dtype, gate by silu(z)."
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(ct)
     xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return ((weight * xn) * F.silu(z.float())).to(x.dtype)
+    return ((weight * xn) * F.silu(z.to(ct))).to(x.dtype)
 
 # %% ../../nbs/ops/16_gated_delta_rule.ipynb #017e55db
 def gdr_costs(T: int, Hk: int = 16, Hv: int = 32, K: int = 128, V: int = 128, C: int = 64) -> dict:

@@ -19,7 +19,7 @@ from .config import ExistingFile, InvalidInput, MissingFile, from_dict, model_cl
 from .trainer import build_model
 
 # %% ../../nbs/train/46_hf.ipynb #6b1d3940
-SUPPORTED = ("qwen3_moe", "deepseek_v2", "gpt_oss")  # the model_type cases of `config_from_hf`, for its message
+SUPPORTED = ("qwen3_moe", "deepseek_v2", "gpt_oss", "qwen3_5_moe")  # the families `config_from_hf` reads
 
 # Keys that do not change what the model computes: bookkeeping, token ids, generation and loss settings.
 HARMLESS = {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
@@ -99,6 +99,37 @@ def _gpt_oss(hf: dict):
     return _to_config(hf, "gpt_oss", computed, fixed, read)
 
 
+def _qwen3_5_moe(hf: dict):
+    theta, kind, rest = _rope(hf)
+    rest = {k: v for k, v in rest.items() if k not in ("mrope_section", "mrope_interleaved")}
+    partial = rest.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if kind != "default" or rest or partial is None:
+        raise InvalidInput(f"config.json: RoPE of type {kind!r} with {rest}, partial_rotary_factor {partial}: pith_lit's "
+                           "qwen3_5_moe has plain RoPE on a partial_rotary_factor of each head")
+    interval = hf.get("full_attention_interval", 4)
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                      for i in range(hf.get("num_hidden_layers", 0))]
+    computed = {"rope_parameters": {"rope_type": kind, "rope_theta": theta, "partial_rotary_factor": partial},
+                "layer_types": types}
+    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "attn_output_gate": True}
+    read = {"rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "full_attention_interval",
+            "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype"}
+    return _to_config(hf, "qwen3_5_moe", computed, fixed, read)
+
+
+def _text_config(hf: dict) -> dict:
+    "The text config of a multimodal Qwen3.5-MoE config.json, with the head's tying, which sits at its top."
+    text = dict(hf.get("text_config") or {})
+    if text.get("model_type", "qwen3_5_moe_text") != "qwen3_5_moe_text":
+        raise InvalidInput(f"config.json: text_config.model_type = {text['model_type']!r}; pith_lit reads the "
+                           "language model of qwen3_5_moe checkpoints, whose text_config is qwen3_5_moe_text")
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    if text.get("tie_word_embeddings", tie) != tie:
+        raise InvalidInput(f"config.json: tie_word_embeddings = {tie} but text_config.tie_word_embeddings = "
+                           f"{text['tie_word_embeddings']}; make them agree")
+    return text | {"tie_word_embeddings": tie}
+
+
 def config_from_hf(hf: dict):
     "Our model `Config` for the Hugging Face config.json `hf` (a dict); a clear error for what we do not model."
     if "quantization_config" in hf:
@@ -112,6 +143,10 @@ def config_from_hf(hf: dict):
             return _deepseek_v2(hf)
         case "gpt_oss":
             return _gpt_oss(hf)
+        case "qwen3_5_moe_text":
+            return _qwen3_5_moe(hf)
+        case "qwen3_5_moe":                      # multimodal: its language model
+            return _qwen3_5_moe(_text_config(hf))
         case other:
             raise InvalidInput(f"config.json: model_type {other!r} is not supported; pith_lit reads "
                              f"{', '.join(SUPPORTED)}")
@@ -130,6 +165,8 @@ def config_to_hf(cfg) -> dict:
         case "gpt_oss":
             rope = dict(hf.pop("rope_parameters"))
             return hf | {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "attention_dropout": 0.0}
+        case "qwen3_5_moe":                      # the text model: transformers' Qwen3_5MoeForCausalLM
+            return hf | {"model_type": "qwen3_5_moe_text", "hidden_act": "silu", "attention_dropout": 0.0}
         case other:
             raise InvalidInput(f"model_type {other!r}: pith_lit writes Hugging Face checkpoints of "
                              f"{', '.join(SUPPORTED)}")
@@ -140,7 +177,7 @@ def _experts_one_by_one(model_type: str) -> bool:
     match model_type:
         case "qwen3_moe" | "deepseek_v2":
             return True
-        case "gpt_oss":
+        case "gpt_oss" | "qwen3_5_moe":
             return False
         case other:
             raise InvalidInput(f"model_type {other!r}: pith_lit converts {', '.join(SUPPORTED)}")
@@ -207,18 +244,41 @@ def _routing_biases(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b for name, b in model.named_buffers() if name.endswith(".e_score_correction_bias")}
 
 
+def _language_model(where: dict[str, Path], path: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """Qwen3.5-MoE's tensors under the text model's names, and the name each is stored under: a multimodal
+    checkpoint's `model.language_model.X` is our `model.X`. The vision tower (`model.visual.*`) and the
+    multi-token-prediction head (`mtp.*`) are read past, with one line that says so."""
+    kept, stored, past = {}, {}, {}
+    for name, f in where.items():
+        if name.startswith(("model.visual.", "mtp.")):
+            part = "the vision tower (model.visual.*)" if name.startswith("model.") else \
+                   "the multi-token-prediction head (mtp.*)"
+            past[part] = past.get(part, 0) + 1
+            continue
+        ours = "model." + name.removeprefix("model.language_model.") if name.startswith("model.language_model.") \
+            else name
+        kept[ours], stored[ours] = f, name
+    if past:
+        print(f"load_hf: {path}: reading the language model only; read past "
+              + " and ".join(f"{part}, {n} tensors" for part, n in past.items()))
+    return kept, stored
+
+
 @torch.no_grad()
 def _fill(model: nn.Module, path: Path):
     "Copy every parameter of `model` from the checkpoint files in `path`."
-    where, used, missing = _tensor_files(path), set(), []
-    split = _experts_one_by_one(model.config.model_type)
+    where, used, missing, stored = _tensor_files(path), set(), [], {}
+    if model.config.model_type == "qwen3_5_moe":
+        where, stored = _language_model(where, path)
+    # transformers' save_pretrained writes Qwen3.5-MoE's experts one by one, its published checkpoints stack them
+    split = _experts_one_by_one(model.config.model_type) or model.config.model_type == "qwen3_5_moe"
     with ExitStack() as stack:
         handles = {}
         def read(name):
             f = where[name]
             if f not in handles:
                 handles[f] = stack.enter_context(safe_open(f, "pt"))
-            return handles[f].get_tensor(name)
+            return handles[f].get_tensor(stored.get(name, name))
         for name, p in model.named_parameters():
             pieces = _pieces(name, p) if split and name not in where else {}
             sources = pieces or {name: ()}  # hub name -> index into p
@@ -230,7 +290,7 @@ def _fill(model: nn.Module, path: Path):
             for n, index in sources.items():
                 t = read(n)
                 if t.shape != p[index].shape:
-                    raise InvalidInput(f"{where[n]}: tensor {n} has shape {list(t.shape)}, but the model that "
+                    raise InvalidInput(f"{where[n]}: tensor {stored.get(n, n)} has shape {list(t.shape)}, but the model that "
                                      f"config.json describes needs {list(p[index].shape)}")
                 p[index].copy_(t)
                 used.add(n)
@@ -242,7 +302,7 @@ def _fill(model: nn.Module, path: Path):
                 b.zero_()
     if model.config.tie_word_embeddings:
         used.add("lm_head.weight")  # a stored copy of the tied head is not needed
-    unexpected = sorted(where.keys() - used)
+    unexpected = sorted(stored.get(n, n) for n in where.keys() - used)
     if missing or unexpected:
         show = lambda names: f"{len(names)}: " + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         raise InvalidInput(f"{path} does not hold the tensors of the model its config.json describes:"
