@@ -119,10 +119,14 @@ def test_overlap_needs_two_micro_batches():
     assert validate(from_dict({}, ["train.global_batch=4"]), 1)  # without overlap one micro-batch is fine
 
 
-def test_cp_is_refused_until_implemented():
-    assert error(["parallel.cp=2"], world_size=2) == (
-        "parallel.cp = 2: context parallelism is not implemented yet; set parallel.cp = 1")
-    assert validate(from_dict({}, ["train.seq_len=127"]), 1)
+def test_cp_needs_whole_chunks_and_global_balance():
+    assert error(["parallel.cp=3", "train.seq_len=32"], world_size=3) == (
+        "train.seq_len = 32: context parallelism cuts each sequence into 2·cp = 6 equal chunks; use a multiple of 6 "
+        "(e.g. 30) or another parallel.cp")
+    assert error(["parallel.cp=2", "train.lb_level=sequence"], world_size=2).startswith(
+        "parallel.cp = 2 with train.lb_level = 'sequence'")
+    assert validate(from_dict({}, ["parallel.cp=2"]), 2).parallel.cp == 2
+    assert validate(from_dict({}, ["train.seq_len=127"]), 1)   # any length without context parallelism
 
 
 def test_cp_is_refused_for_linear_attention():

@@ -39,6 +39,7 @@ from pith_lit.engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_gr
 from pith_lit.engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model, whole
 from pith_lit.engine.mesh import build_mesh, init_distributed, run_ranked
 from pith_lit.models.protocol import LocalDispatcher, Routing, head_loss, run_layers
+from pith_lit.ops.ring_attention import set_context_parallel, zigzag_shard
 
 # %%
 import os
@@ -88,6 +89,11 @@ def tiny_model(family: str = "qwen3_moe", layers: int = 5, seed: int = 0, dtype=
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
                          n_routed_experts=experts, num_experts_per_tok=top_k, first_k_dense_replace=1,
                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+        case "gpt_oss":   # a window of 3: shorter than the context-parallel checks' chunks
+            from pith_lit.models.gpt_oss import Config, GptOssForCausalLM as Model
+            cfg = Config(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=experts,
+                         num_experts_per_tok=top_k, sliding_window=3)
         case "qwen3_5_moe":
             from pith_lit.models.qwen3_5_moe import Config, Qwen3_5MoeForCausalLM as Model
             cfg = Config(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
@@ -95,7 +101,7 @@ def tiny_model(family: str = "qwen3_moe", layers: int = 5, seed: int = 0, dtype=
                          linear_key_head_dim=8, linear_value_head_dim=8, num_experts=experts, num_experts_per_tok=top_k,
                          moe_intermediate_size=16, shared_expert_intermediate_size=24)
         case other:
-            raise ValueError(f"family {other!r}: use 'qwen3_moe', 'deepseek_v2' or 'qwen3_5_moe'")
+            raise ValueError(f"family {other!r}: use 'qwen3_moe', 'deepseek_v2', 'gpt_oss' or 'qwen3_5_moe'")
     torch.manual_seed(seed)
     return Model(cfg).to(dtype)
 
@@ -114,12 +120,27 @@ def micro_batches(M: int, vocab: int, seed: int = 1, shape=(2, 8)) -> list[tuple
     return [tuple(torch.randint(0, vocab, shape, generator=g) for _ in range(2)) for _ in range(M)]
 
 
+def packed_positions(B: int, S: int, seed: int) -> Tensor:
+    """(B, S) positions of packed documents: each row an odd number of documents of random lengths (some of one
+    token), restarting at 0 at each."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        n = 2 * int(torch.randint(1, max(2, S // 6) + 1, (), generator=g)) + 1   # odd, at most S
+        n = min(n, S if S % 2 else S - 1)
+        cuts = torch.randperm(S - 1, generator=g)[:n - 1].add(1).sort().values.tolist()
+        bounds = [0] + cuts + [S]
+        rows.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
+    return torch.stack(rows)
+
+
 def reference_step(model, batches, loss_scale, aux=None) -> tuple[Tensor, Tensor]:
-    "Plain autograd, one micro-batch after the other: (summed loss, summed load-balance terms); fills `.grad`."
+    """Plain autograd, one micro-batch (ids, labels[, positions]) after the other: (summed loss, summed
+    load-balance terms); fills `.grad`."""
     loss_sum, aux_sum = 0.0, 0.0
-    for ids, labels in batches:
-        h, routings = run_layers(model.model.layers.values(), model.prolog(ids),
-                                 torch.arange(ids.shape[1], device=ids.device),
+    for ids, labels, *pos in batches:
+        positions = pos[0] if pos else torch.arange(ids.shape[1], device=ids.device)
+        h, routings = run_layers(model.model.layers.values(), model.prolog(ids), positions,
                                  LocalDispatcher(model.config.routed_experts))
         loss = head_loss(model, h, labels)
         terms = sum(aux(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None) if aux else 0.0
@@ -369,16 +390,20 @@ def record_timeline(path: str, M: int, ep: int = 1, device: torch.device = torch
 #| export
 def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, family: str = "qwen3_moe", M: int = 4,
                overlap: bool = False, steps: int = 2, device: torch.device = torch.device("cpu"),
-               optimizer: str = "adamw") -> str:
+               optimizer: str = "adamw", cp: int = 1, documents: bool = False) -> str:
     """Worker: FSDP2 training steps against a single-process reference (see above); returns this rank's line.
-    `optimizer`: "adamw" (torch's) or "muon" (train/43's, which gathers whole matrices of sharded parameters)."""
-    mesh = build_mesh(pp, dp, 1, ep, device.type, 120, dp_replicate=dp_replicate)
+    `optimizer`: "adamw" (torch's) or "muon" (train/43's, which gathers whole matrices of sharded parameters).
+    `cp`: context-parallel ranks, each given its zigzag chunks of the sequences (ops/17); `documents`: packed
+    documents (`packed_positions`) in every row."""
+    mesh = build_mesh(pp, dp, cp, ep, device.type, 120, dp_replicate=dp_replicate)
     layers, shards, pipelined = max(5, 2 * pp + 1), mesh.batch.size(), pp > 1 or overlap
     ref, model = (tiny_model(family, layers, dtype=torch.float64).to(device) for _ in range(2))
     parts = split_model(model, mesh.pp.rank(), pp) if pipelined else None
     dispatcher = _dispatcher(model, mesh, 4)
+    set_context_parallel(model, mesh.cp)
     shard_model(model, mesh)
-    aux = aux_fn(4)
+    aux = aux_fn(4) if cp == 1 else None   # E·Σ f·P of a micro-batch is not a sum over its pieces
+    S = 8 * max(2, cp)
     if optimizer == "muon":   # the harness checks every layer; the optimizer is train/43's
         from pith_lit.train.optim import build_optimizer
         make = lambda m: build_optimizer(m, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, kind="muon")
@@ -387,28 +412,31 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
     opt, ref_opt = make(model), make(ref)
     loss_fn = (lambda h, labels: head_loss(model, h, labels)) if mesh.pp.rank() == 0 else None
     pipe = DualPipeV(parts, mesh.pp, dispatcher, loss_fn, aux, device) if pipelined else None
-    what = f"rank {dist.get_rank()}: {family} pp={pp} dp_replicate={dp_replicate} dp={dp} ep={ep} {optimizer}"
+    what = (f"rank {dist.get_rank()}: {family} pp={pp} dp_replicate={dp_replicate} dp={dp} cp={cp} ep={ep} "
+            f"{optimizer}{' documents' if documents else ''}")
     worst = 0.0
     for step in range(steps):
-        data = [[(x.to(device), y.to(device)) for x, y in micro_batches(M, 64, 1000 * step + 10 * s)]
+        data = [[(x.to(device), y.to(device),
+                  (packed_positions(2, S, 1000 * step + 10 * s + i) if documents else torch.arange(S)).to(device))
+                 for i, (x, y) in enumerate(micro_batches(M, 64, 1000 * step + 10 * s, (2, S)))]
                 for s in range(shards)]
         scale = 1 / (M * shards * 16)
         ref_loss, _ = reference_step(ref, sum(data, []), scale, aux)
-        mine = data[mesh.batch.rank()]
+        mine = [tuple(zigzag_shard(t, cp, mesh.cp.rank(), t.dim() - 1) for t in batch)
+                for batch in data[mesh.batch.rank()]]
         begin_step(model)
         if pipe is not None:
             loss, _ = pipe.step(mine, scale)
         else:
             loss = torch.zeros((), dtype=torch.float64, device=device)
-            for ids, labels in mine:
-                h, routings = run_layers(model.model.layers.values(), model.prolog(ids), torch.arange(ids.shape[1]),
-                                         dispatcher)
+            for ids, labels, positions in mine:
+                h, routings = run_layers(model.model.layers.values(), model.prolog(ids), positions, dispatcher)
                 ce = head_loss(model, h, labels)
-                terms = sum(aux(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None)
+                terms = sum(aux(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None) if aux else 0
                 (ce * scale + terms).backward()
                 loss += ce.detach().double()
         reduce_gradients(model)
-        dist.all_reduce(loss, group=mesh.batch)
+        dist.all_reduce(loss, group=mesh.dense)   # the data ranks and the context ranks hold different tokens
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         for name, p in model.named_parameters():
             err = max_rel_err(whole(p.grad), ref_grads[name])
@@ -455,11 +483,13 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="ep: tokens per rank for the traffic measurement")
     ap.add_argument("--micro", type=int, nargs="*", default=[4, 5, 6], help="pipeline: micro-batch counts")
     ap.add_argument("--ep", type=int, default=1, help="pipeline: expert-parallel ranks (pp = processes / ep)")
-    ap.add_argument("--model", nargs="*", choices=["qwen3_moe", "deepseek_v2", "qwen3_5_moe"],
+    ap.add_argument("--model", nargs="*", choices=["qwen3_moe", "deepseek_v2", "gpt_oss", "qwen3_5_moe"],
                     help="the families checked, one after the other (pipeline: default qwen3_moe; fsdp: default "
                          "qwen3_moe and deepseek_v2)")
     ap.add_argument("--layout", type=int, nargs=4, metavar=("PP", "DP_REPLICATE", "DP", "EP"), default=[1, 1, 2, 1],
-                    help="fsdp: the mesh (their product = processes)")
+                    help="fsdp: the mesh (their product × --cp = processes)")
+    ap.add_argument("--cp", type=int, default=1, help="fsdp: context-parallel ranks (zigzag chunks, ring attention)")
+    ap.add_argument("--documents", action="store_true", help="fsdp: packed documents in every row")
     ap.add_argument("--overlap", action="store_true", help="fsdp: run the step through DualPipeV at pp = 1")
     ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="fsdp: the optimizer checked")
     ap.add_argument("--stage-layers", type=int, nargs="*", help="pipeline: layers of each stage (default: even)")
@@ -475,7 +505,8 @@ def main(argv=None) -> None:
         run_ranked(_ep_main, a, device)
     elif a.check == "fsdp":
         for family in a.model or ("qwen3_moe", "deepseek_v2"):
-            line = run_ranked(fsdp_check, *a.layout, family, overlap=a.overlap, device=device, optimizer=a.optimizer)
+            line = run_ranked(fsdp_check, *a.layout, family, overlap=a.overlap, device=device, optimizer=a.optimizer,
+                              cp=a.cp, documents=a.documents)
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, line)
             if dist.get_rank() == 0:

@@ -75,7 +75,8 @@ class ParallelConfig:
                      "(FSDP2)", gt=0)
     dp_replicate: int = cfg(1, "HSDP: groups of dp ranks that hold the same shards (replicated across groups, "
                                "sharded within: the all-gathers stay inside a group, e.g. one node)", gt=0)
-    cp: int = cfg(1, "context-parallel ranks; must be 1: context parallelism is not implemented yet", gt=0)
+    cp: int = cfg(1, "context-parallel ranks: each sequence is cut into 2·cp zigzag chunks, attention runs as a ring "
+                     "(ops/17); for sequences too long for one GPU's activations", gt=0)
     ep: int = cfg(1, "expert-parallel ranks (the routed experts are divided among them)", gt=0)
     overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one micro-batch beside "
                                "the backward of another); faster than the plain loop at ep > 1 with several "
@@ -485,7 +486,9 @@ print(raises(from_dict, {}, ["model.num_key_value_heads=3"]))
 # a run impossible. It raises at the first problem with one message. The combinations:
 #
 # - the parallel sizes multiply to the number of processes (`world_size`; `None` skips this when unknown);
-#   context parallelism is not implemented, so cp must be 1;
+# - context parallelism cuts each sequence into 2·cp equal chunks, so `seq_len` must be divisible by 2·cp; its
+#   ranks hold pieces of one sequence, so the per-sequence load-balance loss (`lb_level = "sequence"`) and
+#   Qwen3.5's linear-attention layers (whose recurrent state the ring does not pass) are refused with it;
 # - `run.device = cuda` needs a GPU that torch can see, and `parallel.comm_sms` needs torch's SM carveout where it
 #   applies (DualPipeV at ep > 1 on CUDA);
 # - expert parallelism divides the experts evenly among its ranks;
@@ -562,7 +565,12 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
           f"parallel.cp = {p.cp}: model.model_type = 'qwen3_5_moe' has linear-attention layers whose recurrent state "
           "would have to pass from each rank's piece of a sequence to the next, which the ring does not do; set "
           "parallel.cp = 1 (use dp or ep for more GPUs)")
-    _need(p.cp == 1, f"parallel.cp = {p.cp}: context parallelism is not implemented yet; set parallel.cp = 1")
+    _need(t.seq_len % (2 * p.cp) == 0,
+          f"train.seq_len = {t.seq_len}: context parallelism cuts each sequence into 2·cp = {2 * p.cp} equal chunks; "
+          f"use a multiple of {2 * p.cp} (e.g. {t.seq_len - t.seq_len % (2 * p.cp) or 2 * p.cp}) or another parallel.cp")
+    _need(p.cp == 1 or t.lb_level != "sequence",
+          f"parallel.cp = {p.cp} with train.lb_level = 'sequence': each rank holds only pieces of a sequence; use "
+          "lb_level = 'global' or 'micro' with context parallelism")
     _need(cfg.run.device != "cuda" or torch.cuda.is_available(),
           "run.device = 'cuda', but torch sees no CUDA GPU here; set run.device = cpu (or auto)")
     if world_size is not None:
@@ -659,7 +667,8 @@ cases = {
     "global batch": ["train.global_batch=10"],
     "DualPipeV micro-batches": ["parallel.pp=2", "train.global_batch=8"],
     "overlap at pp 1": ["parallel.overlap=true", "train.global_batch=4"],
-    "cp not implemented": ["parallel.cp=2"],
+    "cp vs seq_len": ["parallel.cp=3", "train.seq_len=32"],
+    "cp with sequence balance": ["parallel.cp=2", "train.lb_level=sequence"],
     "cp with linear attention": ["parallel.cp=2", "model.model_type=qwen3_5_moe"],
     "seq_len vs positions": ["train.seq_len=5000"],
     "top-k": ["model.num_experts_per_tok=9"],
@@ -673,7 +682,8 @@ cases = {
     "profile step": ["train.steps=10", "log.profile_step=11"],
     "pipeline vs layers": ["parallel.pp=2", "model.num_hidden_layers=3", "train.global_batch=16"],
 }
-worlds = {"ep vs experts": 3, "DualPipeV micro-batches": 2, "cp not implemented": 2, "cp with linear attention": 2,
+worlds = {"ep vs experts": 3, "DualPipeV micro-batches": 2, "cp vs seq_len": 3, "cp with sequence balance": 2,
+          "cp with linear attention": 2,
           "pipeline vs layers": 2}
 for name, over in cases.items():
     print(f"{name:>24}: {raises(check, over, worlds.get(name, 1))}")
@@ -684,6 +694,7 @@ for name, value in [("num_experts_per_tok", 9), ("num_attention_heads", 5), ("nu
 assert validate(Config(), 1) == Config() and check(["data.tokenizer=t.json", "model.vocab_size=100"])
 assert check(["parallel.pp=2", "train.global_batch=16"], 2)  # 4 micro-batches = 2·pp: enough
 assert check(["model.num_experts=0", "parallel.ep=2"], 2)  # a dense Qwen3
+assert check(["parallel.cp=2"], 2)  # the tiny default's 128 tokens in 4 chunks
 
 # %% [markdown]
 # ## Writing the config a run used

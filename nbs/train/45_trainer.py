@@ -56,6 +56,7 @@ from pith_lit.engine.mesh import Mesh, build_mesh, init_distributed, launch_env
 from pith_lit.engine.stages import recompute_layers
 from pith_lit.models.protocol import LocalDispatcher, head_loss, run_layers
 from pith_lit.ops.attention import doc_positions
+from pith_lit.ops.ring_attention import set_context_parallel, zigzag_shard
 from pith_lit.train import checkpoint
 from pith_lit.train.config import Config, ConfigError, UserError, dump_toml, read_toml, to_dict
 from pith_lit.train.data import build_dataset, load_tokenizer
@@ -249,10 +250,11 @@ def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.n
         shard_experts(model, mesh.ep.rank(), mesh.ep.size())
     model.to_empty(device=device)
     model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
+    set_context_parallel(model, mesh.cp)   # at cp > 1 the attention runs as a ring over mesh.cp (ops/17)
     recompute_layers(model.model.layers.values(), cfg.train.recompute)
-    if cfg.train.compile:
+    if cfg.train.compile:   # the ring's transfers stay outside the graph: stage 1 compiles around them
         for layer in model.model.layers.values():
-            layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
+            layer.stage1 = torch.compile(layer.stage1, fullgraph=mesh.cp.size() == 1)
             layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
     kept = cfg.param_dtype   # what the optimizer steps: fp32 masters, or the compute dtype itself
     model.to(kept)
@@ -351,12 +353,18 @@ for r in range(2):
 # the next. By default it is one sequence, positions 0..S-1, and a token attends to every token before it. With
 # `data.document_mask` the positions restart after each end-of-document token (`positions_of`), and the models
 # attend within documents (a block-causal mask, ops/14 `documents`), as if each document had its own row.
+#
+# With context parallelism the `cp` ranks of a data rank read the same micro-batches and each keeps its two
+# zigzag chunks of every sequence (`rank_tokens`, ops/17), positions included: they are computed on the whole
+# sequence first, so documents crossing a chunk keep their positions. The cp ranks are data ranks for everything
+# but attention: the tokens that count are summed over them with the others, and so is the load-balance term, so
+# `aux_div` counts them too (each rank's router probabilities are a mean over its share of the tokens).
 
 # %%
 #| export
 def aux_div(run: Run) -> int:
-    "What the summed load-balance terms are divided by: micro-batches per step × data ranks."
-    return run.cfg.num_micro_batches * run.mesh.batch.size()
+    "What the summed load-balance terms are divided by: micro-batches per step × data ranks × context ranks."
+    return run.cfg.num_micro_batches * run.mesh.batch.size() * run.mesh.cp.size()
 
 
 def positions_of(run: Run, ids: torch.Tensor) -> torch.Tensor:
@@ -366,6 +374,14 @@ def positions_of(run: Run, ids: torch.Tensor) -> torch.Tensor:
         return torch.arange(ids.shape[1], device=ids.device)
     ends = (ids == run.eos).to(torch.int32)
     return doc_positions(ends.cumsum(1) - ends)   # an end token belongs to the document it ends
+
+
+def rank_tokens(run: Run, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "This rank's (input ids, labels, positions) of a micro-batch: all of it, or its zigzag chunks at cp > 1."
+    positions, cp = positions_of(run, x), run.mesh.cp
+    if cp.size() == 1:
+        return x, y, positions
+    return tuple(zigzag_shard(t, cp.size(), cp.rank(), dim=t.dim() - 1) for t in (x, y, positions))
 
 
 def micro_step(run: Run, input_ids, labels, n_tokens, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -467,9 +483,9 @@ def _forward_backward(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, 
     "All micro-batches of `step`, forward and backward: (summed token loss, load-balance loss, global tokens)."
     t, dev, n_micro = run.cfg.train, run.device, run.cfg.num_micro_batches
     run.lb.start_step()
-    batches = [run.data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro)]
-    n_tokens = _sum(sum(count_tokens(y) for _, y in batches).to(dev, torch.float32), run.mesh.dense)
-    batches = [(x, y, positions_of(run, x)) for x, y in ((x.to(dev), y.to(dev)) for x, y in batches)]
+    batches = [rank_tokens(run, x.to(dev), y.to(dev))
+               for x, y in (run.data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro))]
+    n_tokens = _sum(sum(count_tokens(y) for _, y, _ in batches).to(dev, torch.float32), run.mesh.dense)
     begin_step(run.model)     # gradients are summed over the data ranks once, after the last backward (engine/36)
     if run.pipe is not None:  # sums of this rank's stages: the token loss on pipeline rank 0 only
         ce_sum, aux_sum = run.pipe.step(batches, 1 / n_tokens)
@@ -526,8 +542,8 @@ def evaluate(run: Run) -> float | None:
     n_micro = math.ceil(windows / t.micro_batch)
     sums = torch.zeros(2, dtype=torch.float64, device=run.device)
     for m in range(n_micro):
-        x, y = (b.to(run.device) for b in run.val.batch(0, m, t.micro_batch, n_micro))
-        h, _ = run_layers(model.model.layers.values(), model.prolog(x), positions_of(run, x), run.dispatcher)
+        x, y, positions = rank_tokens(run, *(b.to(run.device) for b in run.val.batch(0, m, t.micro_batch, n_micro)))
+        h, _ = run_layers(model.model.layers.values(), model.prolog(x), positions, run.dispatcher)
         sums += torch.stack([head_loss(model, h, y).detach().double(), count_tokens(y).double()])
     _sum(sums, run.mesh.dense)
     return (sums[0] / sums[1]).item()

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
+from ..ops.ring_attention import ring_attention
 from ..ops.grouped_linear import grouped_linear
 from ..ops.swiglu import swiglu
 
@@ -194,6 +195,16 @@ class Attention(nn.Module):
         mscale_all_dim = c.rope_scaling.get("mscale_all_dim") if c.rope_scaling else None
         self.softmax_scale = qk ** -0.5 * (yarn_mscale(c.rope_scaling["factor"], mscale_all_dim) ** 2
                                            if mscale_all_dim else 1.0)
+        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+
+    def expand(self, payload: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (B, n, S, nope + rope) and values (B, n, S, v) from the payload (B, S, kv_lora_rank + rope): the
+        normalised latent through `kv_b_proj` (its `weight`), and the rotated key shared by all heads."""
+        B, S, _ = payload.shape
+        latent, k_rope = payload.split([self.kv_lora_rank, self.rope], -1)
+        kv = F.linear(latent, weight).view(B, S, self.n_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        return torch.cat((k_nope, k_rope.unsqueeze(1).expand(B, self.n_heads, S, self.rope)), -1), v
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
@@ -201,15 +212,18 @@ class Attention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         q_nope, q_rope = q.view(B, S, self.n_heads, -1).transpose(1, 2).split([self.nope, self.rope], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, self.n_heads, -1).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], -1)
         inv_freq, factor = rope_frequencies(self.rope, self.rope_theta, self.rope_scaling, self.max_positions,
                                             _compute_dtype(x.dtype), x.device)
         cos, sin = rope_cos_sin(positions, inv_freq, factor)
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), -1)
-        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(B, self.n_heads, S, self.rope)  # one for all heads
-        k = torch.cat((k_nope, k_rope), -1)
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)   # one rotated key for all heads
+        payload = torch.cat((self.kv_a_layernorm(latent), k_rope), -1)   # what the ring passes
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
+        if self.cp_group is not None:  # the latent travels the ring, each rank expands it (ops/17)
+            o = ring_attention(q, payload, self.cp_group, positions, self.expand, (self.kv_b_proj.weight,),
+                               scale=self.softmax_scale)
+            return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+        k, v = self.expand(payload, self.kv_b_proj.weight)
         if docs is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         elif q.is_cuda:             # within documents, skipping the key blocks of other documents

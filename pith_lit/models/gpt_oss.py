@@ -8,6 +8,7 @@ __all__ = ['LAYER_TYPES', 'ROPE_KEYS', 'SINK_PAD', 'Config', 'RMSNorm', 'yarn_in
 # %% ../../nbs/models/23_gpt_oss.ipynb #649fc001
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 
 from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
+from ..ops.ring_attention import kv_payload, ring_attention, split_kv
 from ..ops.grouped_linear import grouped_linear
 from ..ops.swiglu import clamped_swiglu
 
@@ -201,6 +203,7 @@ class Attention(nn.Module):
         self.v_proj = projection(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
         self.o_proj = projection(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
         self.sinks = nn.Parameter(torch.empty(c.num_attention_heads))
+        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
 
     def qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         "x (B, S, H) -> rotated q (B, n_q, S, d), rotated k and v (B, n_kv, S, d)."
@@ -215,7 +218,10 @@ class Attention(nn.Module):
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
         q, k, v = self.qkv(x, positions)
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if q.is_cuda:   # ops/14's kernel: sinks in the softmax, whole blocks outside the window skipped
+        if self.cp_group is not None:  # the ring skips the chunks outside the window; the sinks enter once (ops/17)
+            o = ring_attention(q, kv_payload(k, v), self.cp_group, positions, partial(split_kv, dk=self.head_dim),
+                               sinks=self.sinks, window=self.sliding_window)
+        elif q.is_cuda:   # ops/14's kernel: sinks in the softmax, whole blocks outside the window skipped
             o = causal_attention(q, k, v, self.sinks, self.sliding_window, docs=docs)
         else:
             o = sink_attention(q, k, v, self.sinks, self.sliding_window, docs)

@@ -6,6 +6,7 @@ __all__ = ['Config', 'RMSNorm', 'rope_cos_sin', 'apply_rope', 'projection', 'Exp
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #018f2b14
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 
 from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
+from ..ops.ring_attention import kv_payload, ring_attention, split_kv
 from ..ops.grouped_linear import grouped_linear
 from ..ops.swiglu import swiglu
 
@@ -124,6 +126,7 @@ class Attention(nn.Module):
         self.o_proj = projection(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
@@ -134,7 +137,9 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if docs is None:
+        if self.cp_group is not None:  # this rank's zigzag chunks over the whole sequence's keys (ops/17)
+            o = ring_attention(q, kv_payload(k, v), self.cp_group, positions, partial(split_kv, dk=self.head_dim))
+        elif docs is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif q.is_cuda:             # within documents, skipping the key blocks of other documents
             o = causal_attention(q, k, v, docs=docs)

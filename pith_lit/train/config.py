@@ -41,7 +41,8 @@ class ParallelConfig:
                      "(FSDP2)", gt=0)
     dp_replicate: int = cfg(1, "HSDP: groups of dp ranks that hold the same shards (replicated across groups, "
                                "sharded within: the all-gathers stay inside a group, e.g. one node)", gt=0)
-    cp: int = cfg(1, "context-parallel ranks; must be 1: context parallelism is not implemented yet", gt=0)
+    cp: int = cfg(1, "context-parallel ranks: each sequence is cut into 2·cp zigzag chunks, attention runs as a ring "
+                     "(ops/17); for sequences too long for one GPU's activations", gt=0)
     ep: int = cfg(1, "expert-parallel ranks (the routed experts are divided among them)", gt=0)
     overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one micro-batch beside "
                                "the backward of another); faster than the plain loop at ep > 1 with several "
@@ -408,7 +409,12 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
           f"parallel.cp = {p.cp}: model.model_type = 'qwen3_5_moe' has linear-attention layers whose recurrent state "
           "would have to pass from each rank's piece of a sequence to the next, which the ring does not do; set "
           "parallel.cp = 1 (use dp or ep for more GPUs)")
-    _need(p.cp == 1, f"parallel.cp = {p.cp}: context parallelism is not implemented yet; set parallel.cp = 1")
+    _need(t.seq_len % (2 * p.cp) == 0,
+          f"train.seq_len = {t.seq_len}: context parallelism cuts each sequence into 2·cp = {2 * p.cp} equal chunks; "
+          f"use a multiple of {2 * p.cp} (e.g. {t.seq_len - t.seq_len % (2 * p.cp) or 2 * p.cp}) or another parallel.cp")
+    _need(p.cp == 1 or t.lb_level != "sequence",
+          f"parallel.cp = {p.cp} with train.lb_level = 'sequence': each rank holds only pieces of a sequence; use "
+          "lb_level = 'global' or 'micro' with context parallelism")
     _need(cfg.run.device != "cuda" or torch.cuda.is_available(),
           "run.device = 'cuda', but torch sees no CUDA GPU here; set run.device = cpu (or auto)")
     if world_size is not None:

@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['PEAK_FLOPS', 'build_model', 'peak_flops', 'start_distributed', 'StopFlag', 'NonFiniteLoss', 'Run', 'build_run',
-           'aux_div', 'positions_of', 'micro_step', 'build_pipeline', 'train_step', 'evaluate', 'json_record',
-           'keep_metrics_until', 'Reporter', 'train', 'greedy_sample']
+           'aux_div', 'positions_of', 'rank_tokens', 'micro_step', 'build_pipeline', 'train_step', 'evaluate',
+           'json_record', 'keep_metrics_until', 'Reporter', 'train', 'greedy_sample']
 
 # %% ../../nbs/train/45_trainer.ipynb #240b8621
 import json
@@ -25,6 +25,7 @@ from ..engine.mesh import Mesh, build_mesh, init_distributed, launch_env
 from ..engine.stages import recompute_layers
 from ..models.protocol import LocalDispatcher, head_loss, run_layers
 from ..ops.attention import doc_positions
+from ..ops.ring_attention import set_context_parallel, zigzag_shard
 from . import checkpoint
 from .config import Config, ConfigError, UserError, dump_toml, read_toml, to_dict
 from .data import build_dataset, load_tokenizer
@@ -151,10 +152,11 @@ def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.n
         shard_experts(model, mesh.ep.rank(), mesh.ep.size())
     model.to_empty(device=device)
     model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
+    set_context_parallel(model, mesh.cp)   # at cp > 1 the attention runs as a ring over mesh.cp (ops/17)
     recompute_layers(model.model.layers.values(), cfg.train.recompute)
-    if cfg.train.compile:
+    if cfg.train.compile:   # the ring's transfers stay outside the graph: stage 1 compiles around them
         for layer in model.model.layers.values():
-            layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
+            layer.stage1 = torch.compile(layer.stage1, fullgraph=mesh.cp.size() == 1)
             layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
     kept = cfg.param_dtype   # what the optimizer steps: fp32 masters, or the compute dtype itself
     model.to(kept)
@@ -218,8 +220,8 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
 
 # %% ../../nbs/train/45_trainer.ipynb #9e18ba75
 def aux_div(run: Run) -> int:
-    "What the summed load-balance terms are divided by: micro-batches per step × data ranks."
-    return run.cfg.num_micro_batches * run.mesh.batch.size()
+    "What the summed load-balance terms are divided by: micro-batches per step × data ranks × context ranks."
+    return run.cfg.num_micro_batches * run.mesh.batch.size() * run.mesh.cp.size()
 
 
 def positions_of(run: Run, ids: torch.Tensor) -> torch.Tensor:
@@ -229,6 +231,14 @@ def positions_of(run: Run, ids: torch.Tensor) -> torch.Tensor:
         return torch.arange(ids.shape[1], device=ids.device)
     ends = (ids == run.eos).to(torch.int32)
     return doc_positions(ends.cumsum(1) - ends)   # an end token belongs to the document it ends
+
+
+def rank_tokens(run: Run, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "This rank's (input ids, labels, positions) of a micro-batch: all of it, or its zigzag chunks at cp > 1."
+    positions, cp = positions_of(run, x), run.mesh.cp
+    if cp.size() == 1:
+        return x, y, positions
+    return tuple(zigzag_shard(t, cp.size(), cp.rank(), dim=t.dim() - 1) for t in (x, y, positions))
 
 
 def micro_step(run: Run, input_ids, labels, n_tokens, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,9 +267,9 @@ def _forward_backward(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, 
     "All micro-batches of `step`, forward and backward: (summed token loss, load-balance loss, global tokens)."
     t, dev, n_micro = run.cfg.train, run.device, run.cfg.num_micro_batches
     run.lb.start_step()
-    batches = [run.data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro)]
-    n_tokens = _sum(sum(count_tokens(y) for _, y in batches).to(dev, torch.float32), run.mesh.dense)
-    batches = [(x, y, positions_of(run, x)) for x, y in ((x.to(dev), y.to(dev)) for x, y in batches)]
+    batches = [rank_tokens(run, x.to(dev), y.to(dev))
+               for x, y in (run.data.batch(step, m, t.micro_batch, n_micro) for m in range(n_micro))]
+    n_tokens = _sum(sum(count_tokens(y) for _, y, _ in batches).to(dev, torch.float32), run.mesh.dense)
     begin_step(run.model)     # gradients are summed over the data ranks once, after the last backward (engine/36)
     if run.pipe is not None:  # sums of this rank's stages: the token loss on pipeline rank 0 only
         ce_sum, aux_sum = run.pipe.step(batches, 1 / n_tokens)
@@ -306,8 +316,8 @@ def evaluate(run: Run) -> float | None:
     n_micro = math.ceil(windows / t.micro_batch)
     sums = torch.zeros(2, dtype=torch.float64, device=run.device)
     for m in range(n_micro):
-        x, y = (b.to(run.device) for b in run.val.batch(0, m, t.micro_batch, n_micro))
-        h, _ = run_layers(model.model.layers.values(), model.prolog(x), positions_of(run, x), run.dispatcher)
+        x, y, positions = rank_tokens(run, *(b.to(run.device) for b in run.val.batch(0, m, t.micro_batch, n_micro)))
+        h, _ = run_layers(model.model.layers.values(), model.prolog(x), positions, run.dispatcher)
         sums += torch.stack([head_loss(model, h, y).detach().double(), count_tokens(y).double()])
     _sum(sums, run.mesh.dense)
     return (sums[0] / sums[1]).item()
