@@ -197,11 +197,12 @@ RESHARD = [  # (saved at: processes, overrides), (loaded at: processes, override
     ((2, ["parallel.dp=2"]), (4, ["parallel.pp=2", "parallel.ep=2"])),
     ((4, ["parallel.dp_replicate=2", "parallel.dp=2"]), (2, ["parallel.dp=2"])),
     ((2, ["parallel.dp=2", "train.optimizer=muon"]), (2, ["parallel.ep=2", "train.optimizer=muon"])),
+    ((2, ["parallel.cp=2"]), (2, ["parallel.dp=2"])),
 ]
 
 
 @pytest.mark.parametrize("saved,loaded", RESHARD,
-                         ids=["1-pp2", "pp2-ep2", "ep2dp2-1", "dp2-pp2ep2", "hsdp-fsdp", "muon-dp2-ep2"])
+                         ids=["1-pp2", "pp2-ep2", "ep2dp2-1", "dp2-pp2ep2", "hsdp-fsdp", "muon-dp2-ep2", "cp2-dp2"])
 def test_checkpoint_loads_at_another_layout(tmp_path, saved, loaded):
     """A checkpoint saved at one layout (pp, dp_replicate, dp, ep, world size) loads at another: model and optimizer
     states are resharded by DCP, the log says so, and the resumed steps 4-6 repeat the straight run's (float64, so

@@ -201,7 +201,8 @@ class Experts(nn.Module):
 # `num_attention_heads / num_key_value_heads` query heads. Qwen3 normalises every query and key head with its
 # own RMSNorm over `head_dim` (`q_norm`, `k_norm`) before RoPE. The attention itself is
 # `F.scaled_dot_product_attention` with a causal mask; the mask is by place in the given sequence, which is what
-# a whole sequence per micro-batch needs (context parallelism will bring its own attention).
+# a whole sequence per micro-batch needs. With context parallelism (`cp_group` set, ops/17) the module holds a
+# rank's zigzag chunks instead, and attends through the ring over the whole sequence's keys and values.
 
 # %%
 #| export

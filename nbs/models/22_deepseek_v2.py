@@ -309,7 +309,10 @@ class Experts(nn.Module):
 # `rms_norm_eps` says, as transformers does.
 #
 # For inference only the latent and the shared rope key need caching, which is MLA's point; for training the
-# expanded form below is the straightforward one.
+# expanded form below is the straightforward one. The normalised latent and the rotated shared key together are
+# the *payload* (`kv_lora_rank + d_rope` channels per token) that `expand` turns into every head's keys and
+# values: the local path expands it at once, and with context parallelism (`cp_group` set, ops/17) the payload is
+# what travels the ring, each rank expanding what it receives.
 
 # %%
 #| export

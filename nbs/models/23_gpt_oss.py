@@ -263,6 +263,10 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # logit in the denominator that brings no value, so the weights over the real keys sum to less than 1. The keys
 # allowed are the causal ones, and on a sliding layer only those with `i - j < sliding_window`.
 #
+# With context parallelism (`cp_group` set, ops/17) each rank holds zigzag chunks of the sequence and attends
+# through the ring: a sliding layer skips every chunk that lies wholly outside the window, and the sink rescales
+# each row once, after the ring has merged all keys (`o · σ(lse − sink)`).
+#
 # `F.scaled_dot_product_attention` (SDPA) has no sink input, and computing the scores explicitly costs S² memory
 # per head. But a sink is exactly an extra key whose score is `sink_h` for every query of head h and whose value
 # is zero. Give every head one extra channel: query h carries `sink_h / scale` there, the sink key carries 1 and
