@@ -808,7 +808,7 @@ def _loop(run: Run, report: Reporter, end: int) -> tuple[list[dict], bool]:
 
 def _sample(run: Run, report: Reporter) -> str:
     """The greedy sample at the end of a run of an unsplit model, shown by rank 0; '' otherwise. Every data rank
-    decodes it, since each forward gathers the sharded weights from all of them."""
+    (context ranks included) decodes it, since each forward gathers the sharded weights from all of them."""
     n, pp, ep = run.cfg.log.sample_tokens, run.mesh.pp.size(), run.mesh.ep.size()
     if not n:
         return ""
@@ -817,8 +817,10 @@ def _sample(run: Run, report: Reporter) -> str:
             report.say(f"no sample: greedy_sample needs the whole model, and pp = {pp}, ep = {ep} split it among "
                        "the ranks")
         return ""
+    set_context_parallel(run.model, None)   # at cp > 1 every rank decodes the short prompt whole, without the ring
     sample = greedy_sample(run.model, load_tokenizer(run.cfg.data.tokenizer, run.run_dir / "cache"), run.data, n,
                            run.device)
+    set_context_parallel(run.model, run.mesh.cp)
     if run.rank != 0:
         return ""
     report.say("sample: " + repr(sample))

@@ -409,7 +409,7 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
           f"parallel.cp = {p.cp}: model.model_type = 'qwen3_5_moe' has linear-attention layers whose recurrent state "
           "would have to pass from each rank's piece of a sequence to the next, which the ring does not do; set "
           "parallel.cp = 1 (use dp or ep for more GPUs)")
-    _need(t.seq_len % (2 * p.cp) == 0,
+    _need(p.cp == 1 or t.seq_len % (2 * p.cp) == 0,
           f"train.seq_len = {t.seq_len}: context parallelism cuts each sequence into 2·cp = {2 * p.cp} equal chunks; "
           f"use a multiple of {2 * p.cp} (e.g. {t.seq_len - t.seq_len % (2 * p.cp) or 2 * p.cp}) or another parallel.cp")
     _need(p.cp == 1 or t.lb_level != "sequence",
