@@ -45,7 +45,7 @@
 #
 # **Overlap.** Each step starts the next step's transfer (a batched `isend`/`irecv` to the next and from the
 # previous rank) before its own four blocks run, and waits for it after. On NCCL the transfers run on NCCL's
-# own stream, so they hide under the attention kernels; in backward the gradient that arrives for the next
+# own stream, so they can run under the attention kernels (not yet measured on GPUs); in backward the gradient that arrives for the next
 # step's keys is added after that step's own blocks ran, so it too travels under compute.
 
 # %%
