@@ -310,8 +310,9 @@ def _inputs_arrive(r: int, P: int, actions: list[tuple]) -> None:
                     have.add(("b", 0, task[1]))
 
 
-def simulate(P: int, M: int, duration: Callable[[tuple], float]) -> list[list[tuple]]:
-    "Every rank's timeline `[(kind, micro, start, end)]` under `duration(action)`; raises on a mismatch or deadlock."
+def simulate(P: int, M: int, duration: Callable[[tuple, int], float]) -> list[list[tuple]]:
+    """Every rank's timeline `[(kind, micro, start, end)]` under `duration(action, rank)`; raises on a mismatch or
+    deadlock."""
     batches = []   # per rank: [(transfers, compute action or None)]
     for r in range(P):
         actions = dualpipev_schedule(r, P, M)
@@ -353,7 +354,7 @@ def simulate(P: int, M: int, duration: Callable[[tuple], float]) -> list[list[tu
                 continue
             start = max([posted[r][k]] + [posted[q][j] for q, j in partners.get((r, k), [])])
             action = batches[r][k][1]
-            end = start if action is None else start + duration(action)
+            end = start if action is None else start + duration(action, r)
             if action is not None:
                 events[r].append((*_kind(action), start, end))
                 if action[0] == "B" and action[3]:
@@ -386,8 +387,8 @@ def bubble_fraction(events: list[list[tuple]]) -> float:
 
 # %%
 #| export
-def unit_duration(action) -> float:
-    "Idealised costs: F 1, B 2 (1 with zero bubble, then W 1), F&B 3."
+def unit_duration(action, rank: int = 0) -> float:
+    "Idealised costs, the same on every rank: F 1, B 2 (1 with zero bubble, then W 1), F&B 3."
     match action:
         case ("F", *_): return 1.0
         case ("B", _, _, zb): return 1.0 if zb else 2.0

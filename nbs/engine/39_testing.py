@@ -661,7 +661,7 @@ def median_durations(events):
         for a, e in zip(actions, spans):
             by.setdefault(("B", a[3]) if a[0] == "B" else (a[0],), []).append(e[3] - e[2])
     med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
-    return lambda a: med[("B", a[3]) if a[0] == "B" else (a[0],)]
+    return lambda a, rank: med[("B", a[3]) if a[0] == "B" else (a[0],)]
 
 predicted = simulate(P, M, median_durations(measured))
 fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)

@@ -76,7 +76,10 @@ class WeightGradQueue:
 # | input grad `dX_e = dY_e W_e` | `grouped_mm(dy, w, offs=offs)` | (N, out) · (E, out, in) → (N, in) |
 # | weight grad `dW_e = dY_eᵀ X_e` | `grouped_mm(dy.t(), x, offs=offs)` | (out, N) · (N, in) → (E, out, in) |
 #
-# In the last one both operands are 2D and `offs` slices the shared (reduction) dimension. `offs[-1]` must
+# In the last one both operands are 2D and `offs` slices the shared (reduction) dimension. A weight stored as
+# `(E, in, out)` and passed as its `.mT` view (GPT-OSS keeps transformers' layout) gets its gradient as
+# `grouped_mm(x.t(), dy)ᵀ`, a view of a tensor laid out like the parameter: computed as `(E, out, in)` it would be
+# copied into the parameter's layout, a strided copy of every expert weight on each backward. `offs[-1]` must
 # equal N: rows after it are ignored in the products and left unwritten in the output, so the counts are
 # checked against N with a device-side assert (no host sync). Its layout rules: strides a multiple of
 # 16 bytes (so `in` and `out` a multiple of 8 in bf16).
@@ -89,14 +92,18 @@ class WeightGradQueue:
 
 # %%
 #| export
-def _products_grouped_mm(offs: Tensor):
+def _products_grouped_mm(offs: Tensor, w_t: bool = False):
+    "The three products; `w_t`: the weight is the `.mT` view of an `(E, in, out)` tensor (its gradient is made so)."
     fwd = lambda x, w: F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
     dgrad = lambda dy, w: F.grouped_mm(dy, w, offs=offs)
-    wgrad = lambda dy, x: F.grouped_mm(dy.t(), x, offs=offs)
+    if w_t:
+        wgrad = lambda dy, x: F.grouped_mm(x.t(), dy, offs=offs).mT
+    else:
+        wgrad = lambda dy, x: F.grouped_mm(dy.t(), x, offs=offs)
     return fwd, dgrad, wgrad
 
 
-def _products_loop(bounds: list[int]):
+def _products_loop(bounds: list[int], w_t: bool = False):
     ranges = list(zip(bounds[:-1], bounds[1:]))
     def fwd(x, w):
         y = x.new_empty(x.shape[0], w.shape[1])
@@ -108,8 +115,10 @@ def _products_loop(bounds: list[int]):
         for e, (a, b) in enumerate(ranges):
             torch.matmul(dy[a:b], w[e], out=dx[a:b])
         return dx
-    def wgrad(dy, x):
-        return torch.stack([dy[a:b].t() @ x[a:b] for a, b in ranges])   # an empty range gives zeros
+    def wgrad(dy, x):   # an empty range gives zeros
+        if w_t:
+            return torch.stack([x[a:b].t() @ dy[a:b] for a, b in ranges]).mT
+        return torch.stack([dy[a:b].t() @ x[a:b] for a, b in ranges])
     return fwd, dgrad, wgrad
 
 # %% [markdown]
@@ -126,10 +135,11 @@ def _products_loop(bounds: list[int]):
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, counts, wgrad_queue, use_grouped_mm):
+        w_t = not w.is_contiguous() and w.mT.is_contiguous()   # an (E, in, out) weight passed as .mT
         if use_grouped_mm:
-            products = _products_grouped_mm(counts.cumsum(0).to(torch.int32))
+            products = _products_grouped_mm(counts.cumsum(0).to(torch.int32), w_t)
         else:
-            products = _products_loop([0] + counts.cumsum(0).tolist())   # the loop's one host sync
+            products = _products_loop([0] + counts.cumsum(0).tolist(), w_t)   # the loop's one host sync
         ctx.products, ctx.queue = products, wgrad_queue
         ctx.param = w if wgrad_queue is not None else None   # the tensor a deferred closure back-propagates into
         ctx.save_for_backward(x, w)
@@ -206,6 +216,45 @@ for c in cases:
     check(c, 24, 40, "grouped_mm")
     check(c, 24, 40, "grouped_mm", torch.bfloat16, tol=5e-2)
 print("loop and F.grouped_mm (CPU) match the float64 reference; empty experts get zero gradient")
+
+# %% [markdown]
+# **A weight stored `(E, in, out)`, passed as `.mT`.** Its gradient equals the reference's, immediate or deferred,
+# and arrives in the parameter's own layout: no operator of the backward copies a weight-sized tensor (a
+# `TorchDispatchMode` lists the copies).
+
+# %%
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class WeightCopies(TorchDispatchMode):
+    "Records the copying operators whose result has `n` elements."
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.seen = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] in ("clone", "copy_", "_to_copy") and getattr(out, "numel", lambda: 0)() == self.n:
+            self.seen.append(func.__name__)
+        return out
+
+for impl in ("loop", "grouped_mm"):
+    counts = torch.tensor([5, 0, 1, 17, 3], dtype=torch.int64)
+    x = torch.randn(26, 24)
+    w_io = (torch.randn(5, 24, 40) / 24 ** 0.5).requires_grad_()   # (E, in, out), as GPT-OSS stores it
+    g = torch.randn(26, 40)
+    for queue in (None, WeightGradQueue()):
+        w_io.grad = None
+        y = grouped_linear(x, w_io.mT, counts, queue, impl)
+        with WeightCopies(w_io.numel()) as copies:
+            y.backward(g)
+            if queue is not None:
+                queue.drain()
+        assert not copies.seen, f"{impl}: the weight gradient was copied ({copies.seen})"
+        w64 = w_io.detach().double().mT.requires_grad_()
+        reference(x, w64, counts).backward(g.double())
+        torch.testing.assert_close(w_io.grad.double(), w64.grad.mT, rtol=1e-5, atol=1e-5)
+        assert w_io.grad.stride() == w_io.stride(), (w_io.grad.stride(), w_io.stride())
+print("a transposed weight's gradient is right and laid out like the parameter")
 
 # %% [markdown]
 # **Rows after the last group.** A buffer sized by a bound (engine/31_ep's sync-free dispatch) has more rows than

@@ -32,13 +32,15 @@ import difflib
 import os
 import sys
 import tomllib
+import types
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal, Sequence, get_args, get_origin, get_type_hints
+from typing import Literal, Sequence, Union, get_args, get_origin, get_type_hints
 
 import torch
 
 from pith_lit.engine.mesh import stage_layers
+from pith_lit.engine.planner import Workload
 from pith_lit.models import deepseek_v2, gpt_oss, qwen3_5_moe, qwen3_moe
 from pith_lit.models.protocol import cfg
 
@@ -65,6 +67,8 @@ class RunConfig:
                                 "a second run with the same dir resumes")
     seed: int = cfg(0, "random seed for initialisation and data order")
     device: Literal["auto", "cpu", "cuda"] = cfg("auto", "auto = cuda if available, else cpu")
+    memory_check: bool = cfg(True, "on GPUs, refuse before allocating anything a layout the planner predicts not to "
+                                   "fit (engine/37; python -m pith_lit.plan); false tries it anyway")
 
 
 @dataclass
@@ -81,10 +85,11 @@ class ParallelConfig:
     overlap: bool = cfg(False, "use DualPipeV's overlapped schedule at pp = 1 (the forward of one micro-batch beside "
                                "the backward of another); faster than the plain loop at ep > 1 with several "
                                "micro-batches per rank, slower at ep = 1 (benchmarks/RESULTS.md)")
-    pp_stage_layers: list = cfg([], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 3, 2] (stage 0 "
-                                    "and the last, on rank 0 with the embedding and the head, may have 0); [] = "
-                                    "even. Move layers off rank 0 where its head costs several layers (the Qwen3 "
-                                    "bench at pp 2: benchmarks/RESULTS.md)")
+    pp_stage_layers: list | Literal["auto"] = cfg(
+        [], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 3, 2] (stage 0 and the last, on rank 0 "
+            "with the embedding and the head, may have 0); [] = even; \"auto\" = the cut that the layers' and the "
+            "head's times, measured at start-up, simulate as fastest (engine/37). Rank 0's head can cost several "
+            "layers (the Qwen3 bench at pp 2: benchmarks/RESULTS.md)")
     ep_sync_free: bool = cfg(False, "at ep > 1, size the all-to-alls by bounds instead of exchanging counts: no "
                                     "host synchronisation per layer (faster where the host limits the step), but "
                                     "the expert buffers hold ep·T·top_k rows (more memory)")
@@ -247,7 +252,7 @@ print(raises(model_class, "llama"))
 #
 # `Config` holds one instance of each section. The derived values live here as properties.
 # "auto" resolves at the point of use, so a config file written on a laptop still means "the GPU" on
-# the GPU machine.
+# the GPU machine. `workload()` is what the planner (engine/37) needs of a run.
 
 # %%
 #| export
@@ -316,6 +321,16 @@ class Config:
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.run.device
 
+    def workload(self) -> Workload:
+        "What the planner (engine/37) needs of this run."
+        p, t = self.parallel, self.train
+        return Workload(pp=p.pp, dp_replicate=p.dp_replicate, dp=p.dp, cp=p.cp, ep=p.ep, micro_batch=t.micro_batch,
+                        seq_len=t.seq_len, micro_batches=self.num_micro_batches,
+                        compute_bytes=self.torch_dtype.itemsize, param_bytes=self.param_dtype.itemsize,
+                        optimizer=t.optimizer, recompute=t.recompute, compile=t.compile, pipelined=self.pipelined,
+                        sync_free=p.ep_sync_free,
+                        stage_layers=tuple(p.pp_stage_layers) if isinstance(p.pp_stage_layers, list) else ())
+
     @property
     def torch_dtype(self) -> torch.dtype:
         "The compute dtype: train.dtype with auto resolved (bfloat16 on CUDA, float32 on CPU)."
@@ -333,6 +348,7 @@ class Config:
 # %%
 c = Config()
 assert c.num_micro_batches == 16 // (4 * 1) == 4 and c.world_size == 1 and c.tokens_per_step == 16 * 128
+assert c.workload().micro_batches == 4 and c.workload().tokens == 4 * 128
 auto = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
 assert (c.device_type, c.torch_dtype) == auto
 undocumented = [f"{s.name}.{f.name}" for s in fields(Config) for f in fields(getattr(c, s.name))
@@ -354,13 +370,17 @@ def _type_name(t) -> str:
     "How --help and the error messages show a field's type."
     if get_origin(t) is Literal:
         return "|".join(get_args(t))
+    if get_origin(t) in (Union, types.UnionType):
+        return "|".join(map(_type_name, get_args(t)))
     return (get_origin(t) or t).__name__
 
 
 def _accepts(t, v) -> bool:
-    "Whether value `v` fits field type `t` (bool, int, float, str, list, or a Literal of strings)."
+    "Whether value `v` fits field type `t` (bool, int, float, str, list, a Literal of strings, or a union of them)."
     if get_origin(t) is Literal:
         return isinstance(v, str) and v in get_args(t)
+    if get_origin(t) in (Union, types.UnionType):
+        return any(_accepts(a, v) for a in get_args(t))
     if t in (int, float):
         return isinstance(v, t) and not isinstance(v, bool)
     return isinstance(v, get_origin(t) or t)
@@ -379,6 +399,8 @@ def _check_types(section: str, types: dict, values: dict):
 assert _accepts(int, 3) and not _accepts(int, True) and not _accepts(int, 3.0)
 assert _accepts(float, 3.0) and not _accepts(float, "3") and _accepts(bool, False) and _accepts(list, [1])
 assert _accepts(Literal["a", "b"], "a") and not _accepts(Literal["a", "b"], "c")
+assert _accepts(list | Literal["auto"], [3, 4]) and _accepts(list | Literal["auto"], "auto")
+assert not _accepts(list | Literal["auto"], "even") and _type_name(list | Literal["auto"]) == "list|auto"
 print(raises(_check_types, "train", get_type_hints(TrainConfig), {"lr": "fast"}))
 print(raises(_check_types, "run", get_type_hints(RunConfig), {"device": "tpu"}))
 
@@ -591,7 +613,7 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
               f"(global_batch / (micro_batch × dp_replicate × dp × ep)), but DualPipeV with {why} needs at least 2·pp = {2 * p.pp}; "
               f"use global_batch >= {2 * p.pp * per_step} or a smaller micro_batch")
         try:        # the split's own rules (engine/30_mesh), checked before anything is built
-            stage_layers(m.num_hidden_layers, p.pp, p.pp_stage_layers)
+            stage_layers(m.num_hidden_layers, p.pp, None if p.pp_stage_layers == "auto" else p.pp_stage_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.comm_sms:

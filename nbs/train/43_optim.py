@@ -249,6 +249,15 @@ def muon_param(name: str, p: Tensor) -> bool:
     return p.dim() >= 2 and ".layers." in f".{name}" and not name.endswith(
         ("mlp.gate.weight", "mlp.router.weight", "mlp.shared_expert_gate.weight", "linear_attn.conv1d.weight"))
 
+
+def optimizer_states(kind: str):
+    """States per parameter element that optimizer `kind` keeps, as a function `states(name, param)` (what the
+    planner counts, engine/37): AdamW's two moments; Muon's momentum for the matrices it updates, AdamW's two for the
+    rest."""
+    if kind == "muon":
+        return lambda name, p: 1 if muon_param(name, p) else 2
+    return lambda name, p: 2
+
 # %% [markdown]
 # Check: Newton–Schulz against the SVD. For random matrices of several shapes (wide, tall, square, a stack of
 # experts) the iteration's result has the same singular vectors as `U Vᵀ` (its projection on them is diagonal) and

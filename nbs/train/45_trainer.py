@@ -37,11 +37,13 @@
 
 # %%
 #| export
+import dataclasses
 import json
 import math
 import resource
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,15 +55,17 @@ from pith_lit.engine.dualpipev import DualPipeV, split_model
 from pith_lit.engine.ep import EPDispatcher, SyncFreeEPDispatcher, is_expert_param, shard_experts
 from pith_lit.engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model, whole
 from pith_lit.engine.mesh import Mesh, build_mesh, init_distributed, launch_env
+from pith_lit.engine.planner import GiB, Estimate, choose_stage_layers, estimate, profile_layers
 from pith_lit.engine.stages import recompute_layers
 from pith_lit.models.protocol import LocalDispatcher, head_loss, run_layers
 from pith_lit.ops.attention import doc_positions
 from pith_lit.ops.ring_attention import set_context_parallel, zigzag_shard
 from pith_lit.train import checkpoint
-from pith_lit.train.config import Config, ConfigError, UserError, dump_toml, read_toml, to_dict
+from pith_lit.train.config import (Config, ConfigError, UserError, dump_toml, from_dict, read_toml, to_dict,
+                                   validate)
 from pith_lit.train.data import build_dataset, load_tokenizer
 from pith_lit.train.load_balance import LoadBalance, routers, set_route, update_bias
-from pith_lit.train.optim import build_optimizer, count_tokens, lr_at
+from pith_lit.train.optim import build_optimizer, count_tokens, lr_at, optimizer_states
 
 # %% [markdown]
 # ## Building the model
@@ -179,6 +183,91 @@ class NonFiniteLoss(UserError, RuntimeError):
     "The loss became NaN or infinite; nothing was saved at or after that step."
 
 # %% [markdown]
+# ## Before anything is allocated: the pipeline cut and the memory
+#
+# Two decisions use the planner of engine/37 before the model is built. With `parallel.pp_stage_layers = "auto"`,
+# the first rank times one layer of each kind, the embedding and the head on its device (eager, one micro-batch;
+# `profile_layers`) and every rank takes the cut whose simulated step is shortest (`choose_stage_layers`); the
+# run's `config.toml` then records the cut. On GPUs, the layout's predicted peak memory per GPU, with the
+# allocator's slack and the CUDA context, must fit the GPU: a layout predicted not to fit is refused with the
+# first change of recomputation, micro-batch or optimizer dtype that is predicted to fit (`run.memory_check =
+# false` tries it anyway). The opening line of the log shows the prediction, and every step's log line the
+# measured peak beside it.
+
+# %%
+#| export
+def _meta_model(cfg: Config):
+    "A builder of the whole model on the meta device (shapes only)."
+    def make():
+        with torch.device("meta"):
+            return build_model(cfg.model)
+    return make
+
+
+def cut_pipeline(cfg: Config, device: torch.device) -> list[int]:
+    "`parallel.pp_stage_layers = \"auto\"`: the cut the first rank's measured times say is fastest, on every rank."
+    cut = [None]
+    if dist.get_rank() == 0:
+        w = cfg.workload()
+        profile = profile_layers(_meta_model(cfg)(), dataclasses.replace(w, compile=False), device,
+                                 LocalDispatcher(cfg.model.routed_experts))
+        cut = [choose_stage_layers(cfg.model, w, profile)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(cut, src=0)
+    return cut[0]
+
+
+def _memory_fix(cfg: Config, gpu: float) -> str:
+    "The first single change of recompute, micro_batch or optim_dtype predicted to fit `gpu` bytes, as advice."
+    t = cfg.train
+    tries = [f"train.recompute={r}" for r in ("attention", "layer") if r != t.recompute]
+    tries += [f"train.micro_batch={m}" for m in (t.micro_batch // 2, t.micro_batch // 4) if m >= 1]
+    tries += ["train.optim_dtype=bfloat16"] if cfg.param_dtype == torch.float32 and t.dtype != "float32" else []
+    for change in tries:
+        try:
+            other = validate(from_dict(to_dict(cfg), [change]))
+        except ConfigError:
+            continue
+        e = estimate(other.model, _meta_model(other), other.workload(), optimizer_states(other.train.optimizer))
+        if e.fits(gpu):
+            return f"--set {change} is predicted to fit ({e.needs() / GiB:.0f} GiB)"
+    return "no single change of recompute, micro_batch or optim_dtype is predicted to fit: use more GPUs"
+
+
+def memory_verdict(cfg: Config, gpu: float) -> Estimate:
+    "The planner's estimate of this layout; a ConfigError naming a fix when it does not fit `gpu` bytes per GPU."
+    e = estimate(cfg.model, _meta_model(cfg), cfg.workload(), optimizer_states(cfg.train.optimizer))
+    if cfg.run.memory_check and not e.fits(gpu):
+        raise ConfigError(f"{cfg.layout_text} with train.micro_batch = {cfg.train.micro_batch} needs about "
+                          f"{e.needs() / GiB:.0f} GiB per GPU ({e.summary()}), more than this GPU's {gpu / GiB:.0f} "
+                          f"GiB; {_memory_fix(cfg, gpu)} (python -m pith_lit.plan lists the layouts that fit; "
+                          "run.memory_check = false tries it anyway)")
+    return e
+
+
+def check_memory(cfg: Config, device: torch.device) -> Estimate | None:
+    "On a GPU, `memory_verdict` for its memory; nothing to check on the CPU."
+    if device.type != "cuda":
+        return None
+    return memory_verdict(cfg, torch.cuda.get_device_properties(device).total_memory)
+
+# %% [markdown]
+# The tiny default at micro-batch 16, on a GPU one byte smaller than it needs by the planner's account, is refused,
+# and the refusal names a change predicted to fit:
+
+# %%
+from pith_lit.train.config import load_config as _load
+
+small = _load(overrides=["run.device=cpu", "train.micro_batch=16", "train.global_batch=16"])
+need = memory_verdict(dataclasses.replace(small, run=dataclasses.replace(small.run, memory_check=False)), 0).needs()
+try:
+    memory_verdict(small, need - 1)
+    raise AssertionError("expected a refusal")
+except ConfigError as e:
+    print(e)
+    assert "is predicted to fit" in str(e) and "GiB per GPU" in str(e)
+
+# %% [markdown]
 # ## The run: everything a step needs
 #
 # `build_run` makes one `Run`. What needs the whole model is computed before the split: the parameter count, the
@@ -222,6 +311,7 @@ class Run:
     start: int = 0                 # the step this run resumed from
     resumed_from: Path | None = None   # the checkpoint it resumed from
     resharded_from: dict | None = None   # the parallel sizes that checkpoint was saved at, where they differ
+    memory: Estimate | None = None   # the planner's estimate of this layout (on GPUs)
 
     @property
     def rank(self) -> int:
@@ -293,6 +383,9 @@ def build_run(cfg: Config) -> Run:
 
 def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     "`build_run` once the process group is up: model, optimizer, data, dispatcher, pipeline, resume."
+    if cfg.parallel.pp_stage_layers == "auto":
+        cfg.parallel.pp_stage_layers = cut_pipeline(cfg, device) if cfg.pipelined else []
+    memory = check_memory(cfg, device)
     model, parts, sizes = _place_model(cfg, mesh, device)
     t = cfg.train
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps,
@@ -306,7 +399,7 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     set_route(model, t.route)   # learned top-k, or round-robin for benchmarks (train/42)
     eos = load_tokenizer(cfg.data.tokenizer, Path(cfg.run.dir) / "cache").eos_id if cfg.data.document_mask else None
     run = Run(cfg, device, mesh, started, model, optimizer, data, lb, _dispatcher(cfg, mesh, device), None, sizes,
-              val, eos)
+              val, eos, memory=memory)
     if parts is not None:
         run.pipe = build_pipeline(run, parts)
     last = checkpoint.latest(run.run_dir) if cfg.ckpt.resume else None
@@ -555,7 +648,8 @@ def evaluate(run: Run) -> float | None:
 # `metrics.jsonl` (one JSON object per step), TensorBoard, the profiled step (`log.profile_step`, every rank
 # writes `trace-rank<R>.json` into the run directory) and the allocator's statistics. Only rank 0 writes. The
 # record of a step gains its timing (`tokens_per_s`, `step_time_s`, MFU on a known GPU) and memory (peak
-# allocated, and on CUDA the peak reserved); a validation loss, when one was computed after the step, joins it
+# allocated, and on CUDA the peak reserved and the planner's predicted peak for this rank, `predicted_peak_gb`);
+# a validation loss, when one was computed after the step, joins it
 # without counting against its time. `alloc_retries` counts how many times, on any rank, the CUDA caching
 # allocator ran out of cached blocks during the step: each time it waits for every stream, frees its cache and
 # allocates again, which stalls that rank and, through the next collective, all the others; the log says so the
@@ -656,6 +750,8 @@ class Reporter:
             return {"peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
         out = {"peak_mem_gb": torch.cuda.max_memory_allocated(self.dev) / 2**30,
                "peak_reserved_gb": torch.cuda.max_memory_reserved(self.dev) / 2**30}
+        if self.run.memory is not None:   # the planner's prediction for this rank's pipeline stage
+            out["predicted_peak_gb"] = self.run.memory.peaks[self.run.mesh.pp.rank()].total / 2**30
         if self.prof is not None:   # which streams' pools hold the reserved memory
             pools, compute = {}, (0, torch.cuda.current_stream(self.dev).cuda_stream)
             for seg in torch.cuda.memory_snapshot():
@@ -689,6 +785,59 @@ class Reporter:
             if f is not None:
                 f.close()
         self.writer = self.metrics = None
+
+# %% [markdown]
+# ## Watching memory
+#
+# `memory_prints` is observation only: while it is active, every layer's forward and backward (engine/32's
+# `LayerRun`), every loss and every optimizer step says how much memory the allocator holds and its peak so far,
+# on GPUs (a CPU has no allocator statistics, so the lines show the points only). It changes no value, only the
+# timing (it synchronises at each line): for a few steps, to see where the memory goes next to the planner's
+# prediction (`skills/add-memory-prints`).
+
+# %%
+#| export
+@contextmanager
+def memory_prints(say=print):
+    "While active: say the allocated memory and its peak so far after each layer, loss and optimizer step."
+    from pith_lit.engine.stages import LayerRun
+    cuda = torch.cuda.is_available()
+
+    def point(label: str) -> None:
+        if cuda:
+            torch.cuda.synchronize()
+            used, peak = torch.cuda.memory_allocated() / GiB, torch.cuda.max_memory_allocated() / GiB
+            say(f"memory after {label}: allocated {used:.2f} GiB, peak so far {peak:.2f} GiB")
+        else:
+            say(f"memory after {label}: (no allocator statistics on the CPU)")
+
+    originals = {name: getattr(LayerRun, name) for name in ("_stage1", "_stage5", "_stage1_backward")}
+
+    def after(name: str, what: str):
+        def wrapped(self):
+            originals[name](self)
+            if name != "_stage1" or self.routing is None:   # a dense layer's forward ends with stage 1
+                point(f"layer {self.key} {what}")
+        return wrapped
+
+    loss = globals()["head_loss"]
+
+    def loss_then_point(*args, **kwargs):
+        out = loss(*args, **kwargs)
+        point("the loss")
+        return out
+
+    for name, what in (("_stage1", "forward"), ("_stage5", "forward"), ("_stage1_backward", "backward")):
+        setattr(LayerRun, name, after(name, what))
+    globals()["head_loss"] = loss_then_point
+    hook = torch.optim.optimizer.register_optimizer_step_post_hook(lambda *a: point("the optimizer step"))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(LayerRun, name, fn)
+        globals()["head_loss"] = loss
+        hook.remove()
 
 # %% [markdown]
 # ## The loop
@@ -761,11 +910,14 @@ def _opening(run: Run, end: int) -> str:
         sizes = lambda d: " × ".join(f"{k} {v}" for k, v in d.items())
         where += f", resharded from {sizes(run.resharded_from)} to {sizes(cfg.layout)}"
     pipe = f", DualPipeV over {run.mesh.pp.size()} pipeline rank(s)" if run.pipe else ""
+    if run.pipe and cfg.parallel.pp > 1:
+        pipe += f", stages of {cfg.parallel.pp_stage_layers or 'even'} layers"
     val = "" if run.val is not None and run.mesh.pp.size() == 1 else (
         ", no validation loss (pp > 1 splits the layers)" if run.val is not None else ", no held-out data")
+    mem = f", predicted peak {run.memory.peak.gib():.1f} GiB per GPU" if run.memory is not None else ""
     return (f"pith_lit: {cfg.model.model_type} {sz['params']/1e6:.2f}M params ({sz['active']/1e6:.2f}M active "
             f"matmul), {run.device.type} {str(cfg.torch_dtype).removeprefix('torch.')}, {dist.get_world_size()} "
-            f"rank(s){pipe}, {where}, steps {run.start}->{end}, {cfg.tokens_per_step} tokens/step{val}")
+            f"rank(s){pipe}, {where}, steps {run.start}->{end}, {cfg.tokens_per_step} tokens/step{val}{mem}")
 
 
 def _closing(run: Run) -> str:

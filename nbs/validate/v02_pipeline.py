@@ -87,7 +87,7 @@ if timeline_file.exists():
         for a, e in zip(actions, spans):
             durations.setdefault(("B", a[3]) if a[0] == "B" else a[0], []).append(e[3] - e[2])
     median = {k: sorted(v)[len(v) // 2] for k, v in durations.items()}
-    predicted = simulate(P, M, lambda a: median[("B", a[3]) if a[0] == "B" else a[0]])
+    predicted = simulate(P, M, lambda a, rank: median[("B", a[3]) if a[0] == "B" else a[0]])
     fig, axes = plt.subplots(2, 1, figsize=(11, 1.2 + 1.1 * P), sharex=True)
     draw_timeline(axes[0], measured, f"measured on {device}, P = {P}, ep = {ep}, M = {M}: "
                                      f"bubble {bubble_fraction(measured):.1%}")

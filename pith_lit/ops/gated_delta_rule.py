@@ -95,7 +95,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, *, initial_state=None, output
     """The chunked gated delta rule in plain torch (float32 or wider; autograd gives the backward): the CPU path.
     Same arguments and results as `chunk_gated_delta_rule`."""
     scale, docs = _check_args(q, k, v, g, beta, initial_state, docs, scale)
-    (B, T, Hk, K), (Hv, V), C = q.shape, v.shape[2:], chunk_size
+    (B, T, Hk, K), (Hv, V), C, out_dtype = q.shape, v.shape[2:], chunk_size, v.dtype
     dtype = torch.promote_types(q.dtype, torch.float32)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -118,7 +118,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, *, initial_state=None, output
         u = U[:, :, n] - W[:, :, n] @ S
         out.append((q[:, :, n] * eg[:, :, n, :, None]) @ S + M[:, :, n] @ u)
         S = ec[:, :, n, :, None] * S + (k[:, :, n] * el[:, :, n, :, None]).transpose(-1, -2) @ u
-    o = torch.stack(out, 2).flatten(2, 3)[:, :, :T].transpose(1, 2).to(v.dtype)
+    o = torch.stack(out, 2).flatten(2, 3)[:, :, :T].transpose(1, 2).to(out_dtype)   # v's dtype on the way in
     return o, (S if output_final_state else None)
 
 # %% ../../nbs/ops/16_gated_delta_rule.ipynb #60c3285b

@@ -28,14 +28,18 @@ class WeightGradQueue:
         return len(self._pending)
 
 # %% ../../nbs/ops/12_grouped_linear.ipynb #675fcd34
-def _products_grouped_mm(offs: Tensor):
+def _products_grouped_mm(offs: Tensor, w_t: bool = False):
+    "The three products; `w_t`: the weight is the `.mT` view of an `(E, in, out)` tensor (its gradient is made so)."
     fwd = lambda x, w: F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
     dgrad = lambda dy, w: F.grouped_mm(dy, w, offs=offs)
-    wgrad = lambda dy, x: F.grouped_mm(dy.t(), x, offs=offs)
+    if w_t:
+        wgrad = lambda dy, x: F.grouped_mm(x.t(), dy, offs=offs).mT
+    else:
+        wgrad = lambda dy, x: F.grouped_mm(dy.t(), x, offs=offs)
     return fwd, dgrad, wgrad
 
 
-def _products_loop(bounds: list[int]):
+def _products_loop(bounds: list[int], w_t: bool = False):
     ranges = list(zip(bounds[:-1], bounds[1:]))
     def fwd(x, w):
         y = x.new_empty(x.shape[0], w.shape[1])
@@ -47,18 +51,21 @@ def _products_loop(bounds: list[int]):
         for e, (a, b) in enumerate(ranges):
             torch.matmul(dy[a:b], w[e], out=dx[a:b])
         return dx
-    def wgrad(dy, x):
-        return torch.stack([dy[a:b].t() @ x[a:b] for a, b in ranges])   # an empty range gives zeros
+    def wgrad(dy, x):   # an empty range gives zeros
+        if w_t:
+            return torch.stack([x[a:b].t() @ dy[a:b] for a, b in ranges]).mT
+        return torch.stack([dy[a:b].t() @ x[a:b] for a, b in ranges])
     return fwd, dgrad, wgrad
 
 # %% ../../nbs/ops/12_grouped_linear.ipynb #1770f50d
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, counts, wgrad_queue, use_grouped_mm):
+        w_t = not w.is_contiguous() and w.mT.is_contiguous()   # an (E, in, out) weight passed as .mT
         if use_grouped_mm:
-            products = _products_grouped_mm(counts.cumsum(0).to(torch.int32))
+            products = _products_grouped_mm(counts.cumsum(0).to(torch.int32), w_t)
         else:
-            products = _products_loop([0] + counts.cumsum(0).tolist())   # the loop's one host sync
+            products = _products_loop([0] + counts.cumsum(0).tolist(), w_t)   # the loop's one host sync
         ctx.products, ctx.queue = products, wgrad_queue
         ctx.param = w if wgrad_queue is not None else None   # the tensor a deferred closure back-propagates into
         ctx.save_for_backward(x, w)
