@@ -64,7 +64,8 @@ def row(cfg: Config, e: Estimate, gpu: float, flops: float, peak_flops: float) -
     "One line of the table: the layout, the predicted peak and what it needs, the step time and MFU if known."
     p, t = cfg.parallel, cfg.train
     out = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp": p.dp, "cp": p.cp, "ep": p.ep, "overlap": p.overlap,
-           "micro_batch": t.micro_batch, "recompute": t.recompute, "stages": p.pp_stage_layers or "even",
+           "micro_batch": t.micro_batch, "recompute": t.recompute,
+           "stages": list(e.workload.stage_layers) or "even",
            "peak_gib": round(e.peak.gib(), 2), "needs_gib": round(e.needs() / GiB, 1), "fits": e.fits(gpu),
            "where": e.peak.where, "parts_gib": {k: round(v / GiB, 2) for k, v in e.peak.parts.items()}}
     if e.time is not None:
@@ -80,7 +81,7 @@ def _table(rows: list[dict], timed: bool) -> str:
     lines = [head]
     for r in rows:
         line = (f"{r['pp']:5d}{r['dp_replicate']:5d}{r['dp']:5d}{r['cp']:5d}{r['ep']:5d}{'yes' if r['overlap'] else '':>5}"
-                f"{r['micro_batch']:5d}  {r['recompute']:9s}{r['peak_gib']:11.1f}{r['needs_gib']:11.1f}")
+                f"{r['micro_batch']:5d}  {r['recompute']:9s}{r['peak_gib']:11.2f}{r['needs_gib']:11.1f}")
         if timed:
             line += f"{r['tokens_per_s']:11,d}{r['mfu']:7.1%}"
         lines.append(line + f"  {r['stages']}")

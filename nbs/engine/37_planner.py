@@ -704,8 +704,10 @@ def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
 # (dense or MoE, and the attention kind: full, sliding, linear) at full width on one GPU, runs a micro-batch through
 # it stage by stage with the local dispatcher (engine/32 `LayerRun`) and times its forward, its backward with the
 # expert weight gradients deferred, and their W (ops/12's queue), then the head's loss and its backward, the
-# embedding, and the gradient clipping and fused AdamW step per parameter. Compiled stages are compiled first (`w.compile`). Times scale
-# with a rank's tokens per micro-batch (the sequence length stays the profile's).
+# embedding, and the gradient clipping and fused AdamW step per parameter; for a MoE layer also the forward of its
+# stage 3 alone, which `train.recompute = "layer"` runs again in backward (`"attention"` the rest of the forward).
+# Compiled stages are compiled first (`w.compile`). Times scale with a rank's tokens per micro-batch (the sequence
+# length stays the profile's).
 
 # %%
 #| export
@@ -722,7 +724,7 @@ class Profile:
     tokens: int
     device: str
     compile: bool
-    layers: dict                 # kind -> {"F": ms, "B": ms (its W deferred), "W": ms}
+    layers: dict                 # kind -> {"F": ms, "B": ms (its W deferred), "W": ms, "F3": ms of F in stage 3}
     head: dict                   # {"F": ms (the loss, gradients included), "B": ms}
     embed: dict                  # {"F": ms, "B": ms}
     adamw_ms_per_billion: float  # clipping and a fused AdamW step over 1e9 parameters of the optimizer's dtype
@@ -735,9 +737,10 @@ class Profile:
                        embed=sc(self.embed))
 
 
-def _time(fn, device, reps: int) -> float:
+def _time(fn, device, reps: int, warm: bool = True) -> float:
     "Median ms of `fn()` over `reps` runs after one warm-up (CUDA events on a GPU, the host clock elsewhere)."
-    fn()
+    if warm:
+        fn()
     out = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -795,11 +798,23 @@ def profile_layers(model: nn.Module, w: Workload, device, dispatcher, reps: int 
             for _, fn in fwd_run.backward(torch.ones_like(fwd_run.h_out)):
                 fn()
 
+        def experts_time() -> float:   # ms of stage 3 inside whole forwards (median after a warm-up)
+            out = []
+            for _ in range(reps + 1):
+                run = LayerRun(layer, key, dispatcher, None, queue)
+                for _, fn in run.forward(x.detach().requires_grad_(), positions):
+                    if fn.__name__ != "_stage3":
+                        fn()
+                        continue
+                    out.append(_time(fn, device, 1, warm=False))
+            return sorted(out[1:])[len(out[1:]) // 2]
+
         with torch.enable_grad():
             t_f = _time(fwd, device, reps)
             t_fb = _time(lambda: (fwd(), bwd()), device, reps)
             t_w = _time(lambda: (fwd(), bwd(), queue.drain()), device, reps)
-        layers[kind] = {"F": t_f, "B": max(t_fb - t_f, 0.0), "W": max(t_w - t_fb, 0.0)}
+            t_3 = experts_time() if is_moe(c, i) else 0.0
+        layers[kind] = {"F": t_f, "B": max(t_fb - t_f, 0.0), "W": max(t_w - t_fb, 0.0), "F3": t_3}
         del layer
     import copy
     ends = copy.deepcopy(model)
@@ -877,7 +892,11 @@ def step_time(c, w: Workload, profile: Profile, units: list[Unit] | None = None,
     keys = layer_keys or [str(i) for i in range(L)]
     b, T, H = w.compute_bytes, w.tokens, c.hidden_size
     kind = {key: layer_kind(c, int(key)) for key in keys}
-    t = lambda key, x: prof.layers[kind[key]][x] / 1e3
+    def t(key, x):   # seconds; a recomputed stage's forward runs again in its backward
+        ms = prof.layers[kind[key]]
+        if x == "B" and w.recompute != "none":
+            return (ms["B"] + ms["F"] - (ms.get("F3", 0.0) if w.recompute == "attention" else 0.0)) / 1e3
+        return ms[x] / 1e3
     comm = {}
     for key in keys:   # seconds of one exchange (dispatch or combine) of one micro-batch
         if is_moe(c, int(key)) and w.ep > 1:

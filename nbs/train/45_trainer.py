@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from tqdm.auto import tqdm
 
 from pith_lit.engine.dualpipev import DualPipeV, split_model
@@ -230,7 +231,7 @@ def _memory_fix(cfg: Config, gpu: float) -> str:
             continue
         e = estimate(other.model, _meta_model(other), other.workload(), optimizer_states(other.train.optimizer))
         if e.fits(gpu):
-            return f"--set {change} is predicted to fit ({e.needs() / GiB:.0f} GiB)"
+            return f"--set {change} is predicted to fit ({e.needs() / GiB:.1f} GiB)"
     return "no single change of recompute, micro_batch or optim_dtype is predicted to fit: use more GPUs"
 
 
@@ -239,7 +240,7 @@ def memory_verdict(cfg: Config, gpu: float) -> Estimate:
     e = estimate(cfg.model, _meta_model(cfg), cfg.workload(), optimizer_states(cfg.train.optimizer))
     if cfg.run.memory_check and not e.fits(gpu):
         raise ConfigError(f"{cfg.layout_text} with train.micro_batch = {cfg.train.micro_batch} needs about "
-                          f"{e.needs() / GiB:.0f} GiB per GPU ({e.summary()}), more than this GPU's {gpu / GiB:.0f} "
+                          f"{e.needs() / GiB:.1f} GiB per GPU ({e.summary()}), more than this GPU's {gpu / GiB:.1f} "
                           f"GiB; {_memory_fix(cfg, gpu)} (python -m pith_lit.plan lists the layouts that fit; "
                           "run.memory_check = false tries it anyway)")
     return e
@@ -789,8 +790,9 @@ class Reporter:
 # %% [markdown]
 # ## Watching memory
 #
-# `memory_prints` is observation only: while it is active, every layer's forward and backward (engine/32's
-# `LayerRun`), every loss and every optimizer step says how much memory the allocator holds and its peak so far,
+# `memory_prints` is observation only: while it is active, every layer's forward and backward (in the plain loop,
+# and engine/32's `LayerRun` under DualPipeV), every loss and every optimizer step says how much memory the
+# allocator holds and its peak so far,
 # on GPUs (a CPU has no allocator statistics, so the lines show the points only). It changes no value, only the
 # timing (it synchronises at each line): for a few steps, to see where the memory goes next to the planner's
 # prediction (`skills/add-memory-prints`).
@@ -820,23 +822,33 @@ def memory_prints(say=print):
                 point(f"layer {self.key} {what}")
         return wrapped
 
-    loss = globals()["head_loss"]
+    loss, layered = globals()["head_loss"], globals()["run_layers"]
 
     def loss_then_point(*args, **kwargs):
         out = loss(*args, **kwargs)
         point("the loss")
         return out
 
+    def layer_by_layer(layers, h, positions, dispatcher):   # the plain loop: autograd runs the backward
+        routings = []
+        for i, layer in enumerate(layers):
+            if h.requires_grad:   # its gradient exists once layer i's backward is done
+                h.register_hook(lambda grad, i=i: point(f"layer {i} backward"))
+            h, r = layered([layer], h, positions, dispatcher)
+            routings += r
+            point(f"layer {i} forward")
+        return h, routings
+
     for name, what in (("_stage1", "forward"), ("_stage5", "forward"), ("_stage1_backward", "backward")):
         setattr(LayerRun, name, after(name, what))
-    globals()["head_loss"] = loss_then_point
-    hook = torch.optim.optimizer.register_optimizer_step_post_hook(lambda *a: point("the optimizer step"))
+    globals().update(head_loss=loss_then_point, run_layers=layer_by_layer)
+    hook = register_optimizer_step_post_hook(lambda *a: point("the optimizer step"))
     try:
         yield
     finally:
         for name, fn in originals.items():
             setattr(LayerRun, name, fn)
-        globals()["head_loss"] = loss
+        globals().update(head_loss=loss, run_layers=layered)
         hook.remove()
 
 # %% [markdown]

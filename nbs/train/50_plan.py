@@ -110,7 +110,8 @@ def row(cfg: Config, e: Estimate, gpu: float, flops: float, peak_flops: float) -
     "One line of the table: the layout, the predicted peak and what it needs, the step time and MFU if known."
     p, t = cfg.parallel, cfg.train
     out = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp": p.dp, "cp": p.cp, "ep": p.ep, "overlap": p.overlap,
-           "micro_batch": t.micro_batch, "recompute": t.recompute, "stages": p.pp_stage_layers or "even",
+           "micro_batch": t.micro_batch, "recompute": t.recompute,
+           "stages": list(e.workload.stage_layers) or "even",
            "peak_gib": round(e.peak.gib(), 2), "needs_gib": round(e.needs() / GiB, 1), "fits": e.fits(gpu),
            "where": e.peak.where, "parts_gib": {k: round(v / GiB, 2) for k, v in e.peak.parts.items()}}
     if e.time is not None:
