@@ -93,6 +93,7 @@ profiles)
       qwen_c4) args=($Q --set train.compile=true --set train.micro_batch=4 --set train.global_batch=4) ;;
       qwen_e2) args=($Q) ;;
       dsv2_c4) args=($D --set train.compile=true --set train.micro_batch=4 --set train.global_batch=4) ;;
+      gptoss_c2) args=($G --set train.compile=true --set train.micro_batch=2 --set train.global_batch=2) ;;
       *) echo "unknown profile $name"; continue ;;
     esac
     timeout ${LIMIT:-240} python3 -m pith_lit.plan "${args[@]}" --measure "$OUT/profile_$name.json" \

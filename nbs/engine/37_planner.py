@@ -527,7 +527,9 @@ for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=
 # - at the end of the step, FSDP's flat fp32 buffer of the largest unit while `reduce_gradients` reduce-scatters it,
 #   then the optimizer step (the fused AdamW adds nothing).
 #
-# An F&B interleaves its forward and backward a layer at a time, as `run_steps` issues them (engine/32).
+# An F&B interleaves its forward and backward a layer at a time, as `run_steps` issues them (engine/32): it switches
+# task at each exchange, so a layer's stage 1 forward allocates before the other micro-batch's layer has freed its
+# stage 1 (in its last backward step); the walk counts the forward's layer first.
 
 # %%
 #| export
@@ -688,8 +690,8 @@ def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
                     step()
             case ("FB", (pf, mf), (pb, mb)):
                 fs, bs = forward(pf, mf), backward(pb, mb, False)
-                for i in range(max(len(fs), len(bs))):   # backward's steps first, as run_steps issues them
-                    for steps in (bs, fs):
+                for i in range(max(len(fs), len(bs))):   # a layer's forward allocates before the other frees
+                    for steps in (fs, bs):
                         if i < len(steps):
                             steps[i]()
             case ("W", p, m):

@@ -447,8 +447,8 @@ def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
                     step()
             case ("FB", (pf, mf), (pb, mb)):
                 fs, bs = forward(pf, mf), backward(pb, mb, False)
-                for i in range(max(len(fs), len(bs))):   # backward's steps first, as run_steps issues them
-                    for steps in (bs, fs):
+                for i in range(max(len(fs), len(bs))):   # a layer's forward allocates before the other frees
+                    for steps in (fs, bs):
                         if i < len(steps):
                             steps[i]()
             case ("W", p, m):
