@@ -730,6 +730,7 @@ class Profile:
     head: dict                   # {"F": ms (the loss, gradients included), "B": ms}
     embed: dict                  # {"F": ms, "B": ms}
     adamw_ms_per_billion: float  # clipping and a fused AdamW step over 1e9 parameters of the optimizer's dtype
+    param_bytes: int = 2         # the bytes of that dtype
 
     def scaled(self, tokens: int) -> "Profile":
         "The same profile for `tokens` tokens per micro-batch (times proportional to tokens)."
@@ -844,7 +845,7 @@ def profile_layers(model: nn.Module, w: Workload, device, dispatcher, reps: int 
 
     t_opt = _time(clip_and_step, device, reps)
     return Profile(w.tokens, str(device), w.compile, layers, {"F": t_loss, "B": max(t_lossb, 0.0)},
-                   {"F": t_emb, "B": max(t_embb, 0.0)}, t_opt * 1e9 / (8 * n))
+                   {"F": t_emb, "B": max(t_embb, 0.0)}, t_opt * 1e9 / (8 * n), params[0].element_size())
 
 # %% [markdown]
 # **The link model.** What moves between GPUs takes bytes ÷ bandwidth, with one bandwidth inside a node and another
@@ -858,7 +859,10 @@ def profile_layers(model: nn.Module, w: Workload, device, dispatcher, reps: int 
 #   plain loop and in an F or B that runs alone, hidden beside the other task of an F&B.
 # - **FSDP**: the all-gathers run ahead of compute (FSDP2 prefetches) and count as hidden; `reduce_gradients`
 #   reduce-scatters every unit's fp32 gradient after the last backward, exposed; HSDP then all-reduces the shards
-#   across replicas.
+#   across replicas. A wrapped unit also costs copies on its own GPU, at the GPU's copy bandwidth (4.3 TB/s read
+#   plus written on the H200, DESIGN.md): each gather writes the weights in the compute dtype (an experts unit is
+#   gathered in every backward and in the first forward), each backward adds the unit's gradient into its fp32
+#   accumulator. The optimizer's time scales with the bytes of its dtype against the profile's.
 # - **Pipeline transfers** of activations between ranks are small beside these (0.4% of a two-GPU step,
 #   benchmarks/RESULTS.md) and are left out.
 
@@ -866,10 +870,12 @@ def profile_layers(model: nn.Module, w: Workload, device, dispatcher, reps: int 
 #| export
 @dataclass(frozen=True)
 class Link:
-    "Bandwidths (bytes/s per GPU and direction) inside a node and between nodes; GPUs per node."
+    """Bandwidths (bytes/s per GPU and direction) inside a node and between nodes; GPUs per node; and the GPU's own
+    copy bandwidth (bytes read plus written) for FSDP's casts."""
     node: float = 200e9
     network: float = 40e9
     gpus_per_node: int = 8
+    copy: float = 4.3e12
 
     def bandwidth(self, stride: int, size: int) -> float:
         "The bandwidth of a group of `size` ranks `stride` apart."
@@ -951,7 +957,14 @@ def step_time(c, w: Workload, profile: Profile, units: list[Unit] | None = None,
     parts = {"compute and exposed all-to-alls": compute, "of which all-to-alls": exposed_ep}
     if units is not None:
         local = sum(u.shard for u in units)
-        parts["optimizer"] = profile.adamw_ms_per_billion * local / 1e9 / 1e3
+        parts["optimizer"] = profile.adamw_ms_per_billion * local / 1e9 / 1e3 * w.param_bytes / profile.param_bytes
+        moved = 0.0   # a wrapped unit's casts: each gather reads the shard and writes the compute dtype, each
+        for u in units:   # backward adds its gradient into the fp32 accumulator
+            if u.wrapped:
+                gathers = w.micro_batches + 1 if u.experts else 1
+                moved += u.numel * (gathers * (w.param_bytes / u.shards + w.compute_bytes)
+                                    + w.micro_batches * (w.compute_bytes + 2 * max(4, w.compute_bytes)))
+        parts["FSDP casts"] = moved / link.copy
         dense = [u for u in units if u.wrapped and u.shards > 1]
         parts["gradient reduce-scatter"] = sum(
             u.numel * max(4, b) * (u.shards - 1) / u.shards

@@ -474,6 +474,7 @@ class Profile:
     head: dict                   # {"F": ms (the loss, gradients included), "B": ms}
     embed: dict                  # {"F": ms, "B": ms}
     adamw_ms_per_billion: float  # clipping and a fused AdamW step over 1e9 parameters of the optimizer's dtype
+    param_bytes: int = 2         # the bytes of that dtype
 
     def scaled(self, tokens: int) -> "Profile":
         "The same profile for `tokens` tokens per micro-batch (times proportional to tokens)."
@@ -588,15 +589,17 @@ def profile_layers(model: nn.Module, w: Workload, device, dispatcher, reps: int 
 
     t_opt = _time(clip_and_step, device, reps)
     return Profile(w.tokens, str(device), w.compile, layers, {"F": t_loss, "B": max(t_lossb, 0.0)},
-                   {"F": t_emb, "B": max(t_embb, 0.0)}, t_opt * 1e9 / (8 * n))
+                   {"F": t_emb, "B": max(t_embb, 0.0)}, t_opt * 1e9 / (8 * n), params[0].element_size())
 
 # %% ../../nbs/engine/37_planner.ipynb #8259eb80
 @dataclass(frozen=True)
 class Link:
-    "Bandwidths (bytes/s per GPU and direction) inside a node and between nodes; GPUs per node."
+    """Bandwidths (bytes/s per GPU and direction) inside a node and between nodes; GPUs per node; and the GPU's own
+    copy bandwidth (bytes read plus written) for FSDP's casts."""
     node: float = 200e9
     network: float = 40e9
     gpus_per_node: int = 8
+    copy: float = 4.3e12
 
     def bandwidth(self, stride: int, size: int) -> float:
         "The bandwidth of a group of `size` ranks `stride` apart."
@@ -678,7 +681,14 @@ def step_time(c, w: Workload, profile: Profile, units: list[Unit] | None = None,
     parts = {"compute and exposed all-to-alls": compute, "of which all-to-alls": exposed_ep}
     if units is not None:
         local = sum(u.shard for u in units)
-        parts["optimizer"] = profile.adamw_ms_per_billion * local / 1e9 / 1e3
+        parts["optimizer"] = profile.adamw_ms_per_billion * local / 1e9 / 1e3 * w.param_bytes / profile.param_bytes
+        moved = 0.0   # a wrapped unit's casts: each gather reads the shard and writes the compute dtype, each
+        for u in units:   # backward adds its gradient into the fp32 accumulator
+            if u.wrapped:
+                gathers = w.micro_batches + 1 if u.experts else 1
+                moved += u.numel * (gathers * (w.param_bytes / u.shards + w.compute_bytes)
+                                    + w.micro_batches * (w.compute_bytes + 2 * max(4, w.compute_bytes)))
+        parts["FSDP casts"] = moved / link.copy
         dense = [u for u in units if u.wrapped and u.shards > 1]
         parts["gradient reduce-scatter"] = sum(
             u.numel * max(4, b) * (u.shards - 1) / u.shards

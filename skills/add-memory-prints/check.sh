@@ -19,25 +19,30 @@ if [ $gpu = 1 ]; then
   "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ||
     fail "--gpu asked for a CUDA device, but none is visible"
 fi
-"$py" - "$gpu" "$out" <<'PY' > "$out/check.log" 2>&1 || { tail -30 "$out/check.log"; fail "see the lines above"; }
-import re, sys
-from pith_lit.train.config import load_config
+sets=(--set train.steps=3 --set train.warmup=1 --set ckpt.every=-1 --set log.tensorboard=false
+      --set log.sample_tokens=0)
+if [ $gpu = 1 ]; then args=(configs/bench-qwen3-30b-a3b.toml --set model.num_hidden_layers=2 "${sets[@]}")
+else args=(--set run.device=cpu "${sets[@]}"); fi
+# the plain run in a process of its own (two runs in one process would set up NCCL twice)
+"$py" -m pith_lit.train "${args[@]}" --set run.dir="$out/plain" > "$out/plain.log" 2>&1 ||
+  { tail -20 "$out/plain.log"; fail "the plain run failed"; }
+"$py" - "$out" "${args[@]}" <<'PY' > "$out/check.log" 2>&1 || { tail -30 "$out/check.log"; fail "see the lines above"; }
+import json, re, sys
+import torch
+from pith_lit.train.config import parse_args
 from pith_lit.train.trainer import memory_prints, train
-gpu, out = sys.argv[1] == "1", sys.argv[2]
-base = ["train.steps=3", "train.warmup=1", "ckpt.every=-1", "log.tensorboard=false", "log.sample_tokens=0"]
-base = (["model.num_hidden_layers=2"] if gpu else ["run.device=cpu"]) + base
-path = "configs/bench-qwen3-30b-a3b.toml" if gpu else None
-plain = train(load_config(path, base + [f"run.dir={out}/plain"]), quiet=True)["history"]
+out, argv = sys.argv[1], sys.argv[2:]
+cfg = parse_args(argv + ["--set", f"run.dir={out}/watched"])
 lines = []
 with memory_prints(lines.append):
-    watched = train(load_config(path, base + [f"run.dir={out}/watched"]), quiet=True)["history"]
+    watched = train(cfg, quiet=True)["history"]
 print("\n".join(lines[:12] + ["..."] + lines[-3:]))
-assert [r["loss"] for r in plain] == [r["loss"] for r in watched], "memory_prints changed the losses"
-layers = load_config(path, base).model.num_hidden_layers
-for what in [f"layer {i} {w}" for i in range(layers) for w in ("forward", "backward")] + ["the loss",
-                                                                                         "the optimizer step"]:
+plain = [json.loads(line)["loss"] for line in open(f"{out}/plain/metrics.jsonl")]
+assert plain == [r["loss"] for r in watched], "memory_prints changed the losses"
+for what in [f"layer {i} {w}" for i in range(cfg.model.num_hidden_layers) for w in ("forward", "backward")] + [
+        "the loss", "the optimizer step"]:
     assert any(f"after {what}:" in line for line in lines), f"no line after {what}"
-if gpu:
+if torch.cuda.is_available():
     peaks = [float(m.group(1)) for m in (re.search(r"peak so far ([\d.]+)", l) for l in lines) if m]
     assert peaks and min(peaks) > 0 and peaks == sorted(peaks), "a GPU line without bytes, or a peak that fell"
 print(f"{len(lines)} lines; the losses equal the plain run's")
