@@ -48,9 +48,13 @@ def layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, micro_batches=(1, 2,
 # %% ../nbs/train/50_plan.ipynb #625a3ef3
 def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(), cache: dict | None = None) -> Estimate:
     "The planner's estimate of `cfg`'s layout (engine/37), with its step time when `profile` is given."
+    cache = {} if cache is None else cache
     if profile is not None and cfg.parallel.pp > 1 and not cfg.parallel.pp_stage_layers:
-        cfg = validate(from_dict(to_dict(cfg), [
-            f"parallel.pp_stage_layers={choose_stage_layers(cfg.model, cfg.workload(), profile)}"]))
+        w = cfg.workload()
+        key = ("cut", w.pp, min(w.micro_batches, 4 * w.pp), w.recompute)   # times scale alike with tokens
+        if key not in cache:
+            cache[key] = choose_stage_layers(cfg.model, w, profile)
+        cfg = validate(from_dict(to_dict(cfg), [f"parallel.pp_stage_layers={cache[key]}"]))
     return estimate(cfg.model, _meta_model(cfg), cfg.workload(), optimizer_states(cfg.train.optimizer), profile,
                     link, cache)
 

@@ -320,13 +320,17 @@ class _Walk:
         self.best = Peak(0.0, "", {})
 
     def _unit_bytes(self) -> tuple[float, float]:
-        w, g, gr = self.w, 0.0, 0.0
-        for u in self.units.values():
-            if u.wrapped and u.name in self.gathered:
-                g += u.numel * w.compute_bytes
-            if u.name in self.grads:
-                gr += u.numel * (max(4, w.compute_bytes) if u.wrapped else w.compute_bytes)
-        return g, gr
+        "Bytes of the gathered weights and of the gradients now (cached until either set changes)."
+        key = (len(self.gathered), len(self.grads), frozenset(self.gathered))
+        if getattr(self, "_cached", (None,))[0] != key:
+            w, g, gr = self.w, 0.0, 0.0
+            for u in self.units.values():
+                if u.wrapped and u.name in self.gathered:
+                    g += u.numel * w.compute_bytes
+                if u.name in self.grads:
+                    gr += u.numel * (max(4, w.compute_bytes) if u.wrapped else w.compute_bytes)
+            self._cached = (key, (g, gr))
+        return self._cached[1]
 
     def note(self, where: str, transient: float = 0.0) -> None:
         gathered, grads = self._unit_bytes()
@@ -647,16 +651,15 @@ def step_time(c, w: Workload, profile: Profile, units: list[Unit] | None = None,
         last = 2 * w.pp - 1
         stage_of = lambda r, p: r if p == 0 else last - r
 
-        def work(r, p, what):
-            s = stage_of(r, p)
-            x = sum(t(keys[i], what) for i in stages[s])
-            if what == "F":
-                x += (prof.embed["F"] / 1e3 if s == 0 else 0) + (prof.head["F"] / 1e3 if s == last else 0)
-            if what == "B":
-                x += (prof.embed["B"] / 1e3 if s == 0 else 0) + (prof.head["B"] / 1e3 if s == last else 0)
-            return x
-
-        ex = lambda r, p: 2 * sum(comm[keys[i]] for i in stages[stage_of(r, p)])
+        sums = {}   # (stage, "F" | "B" | "W" | "comm") -> seconds of one micro-batch
+        for s, layers in enumerate(stages):
+            for what in ("F", "B", "W"):
+                sums[s, what] = sum(t(keys[i], what) for i in layers)
+            sums[s, "comm"] = 2 * sum(comm[keys[i]] for i in layers)
+            for what in ("F", "B"):   # the embedding on the first stage, the head and the loss on the last
+                sums[s, what] += (prof.embed[what] if s == 0 else 0) / 1e3 + (prof.head[what] if s == last else 0) / 1e3
+        work = lambda r, p, what: sums[stage_of(r, p), what]
+        ex = lambda r, p: sums[stage_of(r, p), "comm"]
         exposed = {"ep": 0.0}
 
         def duration(action, r):
@@ -703,21 +706,45 @@ def step_time(c, w: Workload, profile: Profile, units: list[Unit] | None = None,
 # %% ../../nbs/engine/37_planner.ipynb #05a68498
 def choose_stage_layers(c, w: Workload, profile: Profile) -> list[int]:
     "The layers of each of the 2·pp stages that the profile's times say make the shortest step."
-    L, n = c.num_hidden_layers, 2 * w.pp
-    sizes = [len(s) for s in stage_layers(L, w.pp)]
-    cost = lambda s: step_time(c, replace(w, pipelined=True, stage_layers=tuple(s)), profile).seconds
-    best = cost(sizes)
-    while True:
-        moves = []
-        for s in range(n):
-            for t in (s - 1, s + 1):
-                if 0 <= t < n and sizes[s] > (0 if s in (0, n - 1) else 1):
-                    cand = list(sizes)
-                    cand[s], cand[t] = cand[s] - 1, cand[t] + 1
-                    moves.append((cost(cand), cand))
-        if not moves or min(moves)[0] >= best * (1 - 1e-9):
-            return sizes
+    L, P = c.num_hidden_layers, w.pp
+    n, prof = 2 * P, profile.scaled(w.tokens)
+    per = [sum(prof.layers[layer_kind(c, i)][x] for x in ("F", "B", "W")) for i in range(L)]
+    ends = {0: prof.embed["F"] + prof.embed["B"], n - 1: prof.head["F"] + prof.head["B"]}
+
+    def load(sizes):   # the busiest rank's work on one micro-batch (rank r runs stages r and n-1-r)
+        starts = [sum(sizes[:s]) for s in range(n)]
+        stage = [sum(per[a:a + k]) + ends.get(s, 0.0) for s, (a, k) in enumerate(zip(starts, sizes))]
+        return max(stage[r] + stage[n - 1 - r] for r in range(P)), stage
+
+    sizes = [len(s) for s in stage_layers(L, P)]
+    best = load(sizes)
+    while True:   # move one layer to a neighbouring stage while the busiest rank gets less work
+        moves = [(load(cand), cand) for cand in _neighbours(sizes)]
+        if not moves or min(moves)[0] >= best:
+            break
         best, sizes = min(moves)
+    short = replace(w, pipelined=True, micro_batches=min(w.micro_batches, 4 * P))   # the steady state repeats
+    cost = lambda s: step_time(c, replace(short, stage_layers=tuple(s)), profile).seconds
+    even = [len(s) for s in stage_layers(L, P)]
+    best, sizes = min((cost(even), even), (cost(sizes), sizes))
+    for _ in range(3):   # then a few moves judged by the simulated step itself
+        moves = [(cost(cand), cand) for cand in _neighbours(sizes)]
+        if not moves or min(moves)[0] >= best:
+            break
+        best, sizes = min(moves)
+    return sizes
+
+
+def _neighbours(sizes: list[int]) -> list[list[int]]:
+    "The cuts one layer away from `sizes` (a layer to a neighbouring stage; middle stages keep one)."
+    n, out = len(sizes), []
+    for s in range(n):
+        for t in (s - 1, s + 1):
+            if 0 <= t < n and sizes[s] > (0 if s in (0, n - 1) else 1):
+                cand = list(sizes)
+                cand[s], cand[t] = cand[s] - 1, cand[t] + 1
+                out.append(cand)
+    return out
 
 # %% ../../nbs/engine/37_planner.ipynb #de72e3ed
 SLACK, CONTEXT = 0.10, 1 * GiB   # the allocator's reserve above allocated (1-13% measured) and the CUDA context
