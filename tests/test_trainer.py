@@ -190,40 +190,39 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path):
         assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
 
 
-RESHARD = [  # (saved at: processes, overrides), (loaded at: processes, overrides)
-    ((1, []), (2, ["parallel.pp=2"])),
-    ((2, ["parallel.pp=2"]), (2, ["parallel.ep=2"])),
-    ((4, ["parallel.ep=2", "parallel.dp=2"]), (1, [])),
-    ((2, ["parallel.dp=2"]), (4, ["parallel.pp=2", "parallel.ep=2"])),
-    ((4, ["parallel.dp_replicate=2", "parallel.dp=2"]), (2, ["parallel.dp=2"])),
-    ((2, ["parallel.dp=2", "train.optimizer=muon"]), (2, ["parallel.ep=2", "train.optimizer=muon"])),
-    ((2, ["parallel.cp=2"]), (2, ["parallel.dp=2"])),
-]
+# Checkpoints saved at one layout load at another. Each chain trains one step per layout, each layout resuming from
+# the checkpoint the previous one saved, so every pair of neighbours is a save and a load at different layouts:
+# 1 → pp 2, pp 2 → ep 2, ep 2 × dp 2 → 1, dp 2 → pp 2 × ep 2, HSDP → FSDP, cp 2 → dp 2, and for Muon's state dp 2 →
+# ep 2, among others. (processes, overrides) per layout:
+ONE, PP2, EP2, DP2 = (1, []), (2, ["parallel.pp=2"]), (2, ["parallel.ep=2"]), (2, ["parallel.dp=2"])
+EP2DP2, PP2EP2 = (4, ["parallel.ep=2", "parallel.dp=2"]), (4, ["parallel.pp=2", "parallel.ep=2"])
+HSDP, CP2 = (4, ["parallel.dp_replicate=2", "parallel.dp=2"]), (2, ["parallel.cp=2"])
+RESHARD = {"1-pp2-ep2-ep2dp2-1": ([ONE, PP2, EP2, EP2DP2, ONE], []),
+           "dp2-pp2ep2-hsdp-dp2-cp2-dp2": ([DP2, PP2EP2, HSDP, DP2, CP2, DP2], []),
+           "muon-dp2-ep2": ([DP2, EP2], ["train.optimizer=muon"])}
 
 
-@pytest.mark.parametrize("saved,loaded", RESHARD,
-                         ids=["1-pp2", "pp2-ep2", "ep2dp2-1", "dp2-pp2ep2", "hsdp-fsdp", "muon-dp2-ep2", "cp2-dp2"])
-def test_checkpoint_loads_at_another_layout(tmp_path, saved, loaded):
-    """A checkpoint saved at one layout (pp, dp_replicate, dp, ep, world size) loads at another: model and optimizer
-    states are resharded by DCP, the log says so, and the resumed steps 4-6 repeat the straight run's (float64, so
-    only the order of additions differs between layouts). The load-balance term is off: its running global statistic
-    depends on the order in which the data ranks' micro-batches are seen, which differs between layouts."""
-    over = ["train.steps=6", "train.warmup=1", "ckpt.every=3", "train.dtype=float64", "train.micro_batch=2",
-            "train.seq_len=32", "train.lb_coef=0", *QUIET]
-
-    def run(nproc, extra, where):
-        proc = torchrun_train(nproc, over + extra + [f"run.dir={where}"])
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return proc.stdout
-
-    run(*saved, tmp_path / "a")
-    (tmp_path / "b" / "ckpt").mkdir(parents=True)
-    shutil.copytree(tmp_path / "a" / "ckpt" / "step_00000003", tmp_path / "b" / "ckpt" / "step_00000003")
-    said = run(*loaded, tmp_path / "b")
-    assert "resumed from step 3" in said and "resharded from" in said, said
-    straight, resumed = metrics(tmp_path / "a"), metrics(tmp_path / "b")
-    assert [r["step"] for r in resumed] == [4, 5, 6]
-    for a, b in zip(resumed, straight[3:]):
+@pytest.mark.parametrize("chain", RESHARD, ids=list(RESHARD))
+def test_checkpoint_loads_at_another_layout(tmp_path, chain):
+    """A checkpoint saved at one layout (pp, dp_replicate, dp, cp, ep, world size) loads at the next layout of the
+    chain: model and optimizer states are resharded by DCP, the log says so, and every step's loss equals the
+    straight run's on one process (float64, so only the order of additions differs between layouts; a constant
+    learning rate, so that each run's train.steps changes nothing). The load-balance term is off: its running global
+    statistic depends on the order in which the data ranks' micro-batches are seen, which differs between layouts."""
+    layouts, extra = RESHARD[chain]
+    over = ["train.warmup=1", "train.schedule=constant", "ckpt.every=1", "train.dtype=float64", "train.micro_batch=2",
+            "train.seq_len=32", "train.lb_coef=0", *QUIET, *extra]
+    straight = train(load_config(overrides=over + [f"train.steps={len(layouts)}", f"run.dir={tmp_path}/straight",
+                                                   "ckpt.every=-1"]), quiet=True)["history"]
+    for step, (nproc, sizes) in enumerate(layouts, start=1):
+        proc = torchrun_train(nproc, over + sizes + [f"train.steps={step}", f"run.dir={tmp_path}/chain"])
+        assert proc.returncode == 0, f"step {step} at {sizes}: {proc.stderr[-4000:]}"
+        if step > 1:
+            assert f"resumed from step {step - 1}" in proc.stdout, proc.stdout
+            assert "resharded from" in proc.stdout, (sizes, proc.stdout)
+    chained = metrics(tmp_path / "chain")
+    assert [r["step"] for r in chained] == list(range(1, len(layouts) + 1))
+    for a, b in zip(chained, straight):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-9), (a, b)
 
 

@@ -25,7 +25,7 @@
 
 # %% tags=["parameters"]
 config = "configs/tiny.toml"  # a path relative to the repository's root, or absolute
-steps = 60
+steps = 40
 overrides = ["train.warmup=10", "log.sample_tokens=0", "log.tensorboard=false", "log.eval_every=10"]
 min_drop = 1.0
 max_balance = 1.5

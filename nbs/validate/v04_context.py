@@ -28,7 +28,7 @@
 # %% tags=["parameters"]
 config = "configs/tiny.toml"  # a path relative to the repository's root, or absolute
 cp = 2
-steps = 20
+steps = 12
 overrides = ["train.dtype=float64", "train.seq_len=64", "train.warmup=5", "data.document_mask=true"]
 rtol = 1e-6       # float64: only the order of additions differs
 min_drop = 1.0

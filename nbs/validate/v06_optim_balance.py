@@ -27,9 +27,9 @@
 
 # %% tags=["parameters"]
 config = "configs/tiny.toml"  # a path relative to the repository's root, or absolute
-steps = 50
+steps = 30
 overrides = ["train.warmup=10", "log.sample_tokens=0", "log.tensorboard=false", "ckpt.every=-1"]
-bias_rate = 0.01
+bias_rate = 0.03
 max_balance_free = 1.3
 muon_margin = 0.05
 tail = 10
