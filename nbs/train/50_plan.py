@@ -28,7 +28,8 @@
 # `--check` prints the config's own estimate as one JSON line (benchmarks/plan_measure.sh compares it with a run).
 #
 # HSDP (`dp_replicate > 1`) is tried only where each replica's shard group fills a node (it replicates across
-# nodes); `ep_sync_free` and `cp` stay as the config has them (the link model has no term for the ring's transfers).
+# nodes); recomputation only where a layout does not fit without it (it costs time and buys nothing else);
+# `ep_sync_free` and `cp` stay as the config has them (the link model has no term for the ring's transfers).
 
 # %%
 #| default_exp plan
@@ -74,8 +75,8 @@ def layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, micro_batches=(1, 2,
                 if dpr > 1 and dp * cp * ep < gpus_per_node:
                     continue
                 for mb in micro_batches:
-                    for rec in recompute:
-                        for overlap in ((False, True) if pp == 1 and ep > 1 else (False,)):
+                    for overlap in ((False, True) if pp == 1 and ep > 1 else (False,)):
+                        for rec in recompute:
                             sets = [f"parallel.pp={pp}", f"parallel.dp_replicate={dpr}", f"parallel.dp={dp}",
                                     f"parallel.ep={ep}", f"train.micro_batch={mb}", f"train.recompute={rec}",
                                     f"parallel.overlap={str(overlap).lower()}", "parallel.pp_stage_layers=[]"]
@@ -97,7 +98,7 @@ def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(), ca
     cache = {} if cache is None else cache
     if profile is not None and cfg.parallel.pp > 1 and not cfg.parallel.pp_stage_layers:
         w = cfg.workload()
-        key = ("cut", w.pp, min(w.micro_batches, 4 * w.pp), w.recompute)   # times scale alike with tokens
+        key = ("cut", w.pp)   # one cut per pipeline size: the head against the layers decides it
         if key not in cache:
             cache[key] = choose_stage_layers(cfg.model, w, profile)
         cfg = validate(from_dict(to_dict(cfg), [f"parallel.pp_stage_layers={cache[key]}"]))
@@ -236,9 +237,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  predicted step {e.time.seconds:.3f} s, {e.time.tokens_per_s:,.0f} tokens/s, MFU "
                       f"{r['mfu']:.1%} ({', '.join(f'{k} {v:.3f} s' for k, v in e.time.parts.items())})")
             return
-        cache, rows = {}, []
+        cache, rows, fitted = {}, [], set()
         for c in layouts(cfg, args.gpus, args.gpus_per_node):
+            key = (tuple(c.layout.values()), c.parallel.overlap, c.train.micro_batch)
+            if c.train.recompute != "none" and key in fitted:
+                continue   # recomputation costs time: only where the layout does not fit without it
             rows.append(row(c, predict(c, prof, link, cache), gpu, flops, peak))
+            if rows[-1]["fits"]:
+                fitted.add(key)
         fit = [r for r in rows if r["fits"]]
         shown = rows if args.all else fit
         key = (lambda r: -r["tokens_per_s"]) if prof else (lambda r: r["needs_gib"])
