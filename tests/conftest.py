@@ -1,12 +1,17 @@
 """Shared test setup: every subprocess gets the Triton interpreter, one CPU thread, and the repo root."""
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NBS = ROOT / "nbs"
+# The runs of the test session share one build of the embedded corpus's tokenizer and tokens (each run would
+# otherwise train the BPE and tokenize 4 MB in its own run.dir/cache, about 4 s per process). Its names are hashes of
+# the content, so a folder left by an earlier session is reused as it is.
+os.environ.setdefault("PITH_LIT_CACHE", str(Path(tempfile.gettempdir()) / "pith_lit-test-cache"))
 
 
 def subprocess_env(**extra) -> dict:

@@ -11,13 +11,14 @@ QUICK = ["train.steps=4", "train.warmup=0", "train.global_batch=4", "train.seq_l
          "log.sample_tokens=0", "log.eval_every=2", "log.eval_windows=8", "ckpt.every=2"]
 
 
-def run(module: str, *args: str, sets=(), timeout=240) -> subprocess.CompletedProcess:
+def run(module: str, *args: str, sets=(), timeout=240, env=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", module, *args, *[a for s in sets for a in ("--set", s)]]
-    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=env or subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
-def train(run_dir, *extra) -> subprocess.CompletedProcess:
-    return run("pith_lit.train", sets=[f"run.dir={run_dir}", *QUICK, *extra])
+def train(run_dir, *extra, env=None) -> subprocess.CompletedProcess:
+    return run("pith_lit.train", sets=[f"run.dir={run_dir}", *QUICK, *extra], env=env)
 
 
 def one_line_error(proc, start: str):
@@ -92,8 +93,16 @@ def test_empty_inputs_are_named(tmp_path):
 
 
 def test_the_corpus_cache_lives_in_the_run_directory(tmp_path):
-    assert train(tmp_path / "run").returncode == 0
+    "By default the tokenized corpus is built in run.dir/cache; $PITH_LIT_CACHE, then data.cache_dir, move it."
+    env = subprocess_env()
+    env.pop("PITH_LIT_CACHE", None)                 # the test session shares one cache through it (conftest)
+    assert train(tmp_path / "run", env=env).returncode == 0
     assert (tmp_path / "run" / "cache").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    env["PITH_LIT_CACHE"] = str(tmp_path / "shared")
+    assert train(tmp_path / "run2", env=env).returncode == 0
+    assert not (tmp_path / "run2" / "cache").exists() and list((tmp_path / "shared").glob("stdlib-*.json"))
+    assert train(tmp_path / "run3", f"data.cache_dir={tmp_path / 'own'}", env=env).returncode == 0
+    assert list((tmp_path / "own").glob("stdlib-*.json")) and not (tmp_path / "run3" / "cache").exists()
 
 
 def test_convert_says_which_tokenizer_to_train_with(tmp_path):
