@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import ring_attention
-from pith_lit.ops.grouped_linear import grouped_linear
+from pith_lit.ops.fp8 import expert_linear
 from pith_lit.ops.swiglu import swiglu
 
 # %% [markdown]
@@ -290,11 +290,12 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(grouped_linear(x, local(self.gate_up_proj), counts, wgrad_queue))
-        return grouped_linear(h, local(self.down_proj), counts, wgrad_queue)
+        h = swiglu(expert_linear(x, local(self.gate_up_proj), counts, wgrad_queue, self.fp8, "gate_up"))
+        return expert_linear(h, local(self.down_proj), counts, wgrad_queue, self.fp8, "down")
 
 # %% [markdown]
 # ## Multi-head latent attention

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
-from pith_lit.ops.grouped_linear import grouped_linear
+from pith_lit.ops.fp8 import expert_linear
 from pith_lit.ops.swiglu import clamped_swiglu
 
 # %%
@@ -418,15 +418,18 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I))
         self.down_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj_bias = nn.Parameter(torch.empty(E, H))
+        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         """x (N, H) grouped by expert, counts (E,) -> (N, H). `wgrad_queue` defers the expert weight gradients
         (not the biases') to the pipeline schedule's W slots; it reaches the parameters through the `.mT` views."""
         experts = torch.arange(counts.numel(), device=x.device)
         one_hot = (torch.repeat_interleave(experts, counts, output_size=x.shape[0])[:, None] == experts).to(x.dtype)
-        gate_up = grouped_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue) + one_hot @ local(self.gate_up_proj_bias)
+        gate_up = (expert_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue, self.fp8, "gate_up")
+                   + one_hot @ local(self.gate_up_proj_bias))
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return grouped_linear(act, local(self.down_proj).mT, counts, wgrad_queue) + one_hot @ local(self.down_proj_bias)
+        return (expert_linear(act, local(self.down_proj).mT, counts, wgrad_queue, self.fp8, "down")
+                + one_hot @ local(self.down_proj_bias))
 
 # %% [markdown]
 # Check: grouped rows through `Experts` equal each expert's formula written out (`x @ W + b`, the activation on

@@ -142,6 +142,10 @@ class TrainConfig:
         "none", "recompute activations in backward instead of keeping them: attention = stage 1 of every layer (the "
         "attention block, norms, router), layer = stages 1 and 3 (the routed experts too); the exchanges are never "
         "repeated. Less memory for more compute (engine/32_stages)")
+    fp8: bool = cfg(False, "the routed experts' matmuls in FP8: E4M3 with power-of-two scales per 1×128 activation "
+                           "tile and 128×128 weight block (DeepSeek-V3's recipe), each weight quantized once per step; "
+                           "Triton kernels on CUDA (sm89 or newer), their torch reference on a CPU. Attention, the "
+                           "dense projections, router, norms and head stay in train.dtype (ops/15_fp8)")
 
 
 @dataclass
@@ -150,8 +154,11 @@ class DataConfig:
     corpus: str = cfg("stdlib", "stdlib = the embedded corpus (the Python standard library's source), "
                                 "or the path of a packed token file made by `python -m pith_lit.tokenize`")
     tokenizer: str = cfg("stdlib-bpe-4096", "stdlib-bpe-N = a byte-level BPE of N ids trained on the embedded corpus "
-                                            "(cached in run.dir/cache), bytes = the byte-level tokenizer, or the path "
+                                            "(cached, see cache_dir), bytes = the byte-level tokenizer, or the path "
                                             "of a Hugging Face tokenizer.json")
+    cache_dir: str = cfg("", "folder for what is built from the embedded corpus (the stdlib-bpe tokenizers, the "
+                             "tokenized corpus), named by hashes of their content, so runs can share it; empty: "
+                             "$PITH_LIT_CACHE if set, else run.dir/cache")
     val_frac: float = cfg(0.01, "fraction of the corpus held out for validation", ge=0, lt=1)
     document_mask: bool = cfg(False, "attend within documents: in a window of packed text, positions restart after "
                                      "each end-of-document token and no token attends to another document "
@@ -315,6 +322,11 @@ class Config:
         return self.train.global_batch * self.train.seq_len
 
     @property
+    def cache_dir(self) -> Path:
+        "Where the embedded corpus's tokenizer and tokens are built: data.cache_dir, $PITH_LIT_CACHE or run.dir/cache."
+        return Path(self.data.cache_dir or os.environ.get("PITH_LIT_CACHE") or Path(self.run.dir) / "cache")
+
+    @property
     def device_type(self) -> str:
         "'cuda' or 'cpu': run.device with auto resolved."
         if self.run.device == "auto":
@@ -329,7 +341,8 @@ class Config:
                         compute_bytes=self.torch_dtype.itemsize, param_bytes=self.param_dtype.itemsize,
                         optimizer=t.optimizer, recompute=t.recompute, compile=t.compile, pipelined=self.pipelined,
                         sync_free=p.ep_sync_free,
-                        stage_layers=tuple(p.pp_stage_layers) if isinstance(p.pp_stage_layers, list) else ())
+                        stage_layers=tuple(p.pp_stage_layers) if isinstance(p.pp_stage_layers, list) else (),
+                        fp8=t.fp8)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -639,6 +652,12 @@ def _check_schedule(cfg: Config) -> None:
 def _check_model(cfg: Config) -> None:
     "The model's own cross-field rules, and what the data asks of it."
     m, t = cfg.model, cfg.train
+    _need(not t.fp8 or m.routed_experts > 0,
+          "train.fp8 = true: this model has no routed experts, the only matmuls FP8 applies to; set train.fp8=false")
+    if t.fp8 and cfg.device_type == "cuda":
+        cc = torch.cuda.get_device_capability()
+        _need(cc >= (8, 9), f"train.fp8 = true: FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, "
+                            f"Hopper), this one is {cc[0]}.{cc[1]}; set train.fp8=false")
     _need(m.routed_experts == 0 or m.num_experts_per_tok <= m.routed_experts,
           f"model.num_experts_per_tok = {m.num_experts_per_tok}: more than the model's {m.routed_experts} routed "
           f"experts; use at most {m.routed_experts}")
@@ -703,6 +722,7 @@ cases = {
     "unknown model family": ["model.model_type=llama"],
     "profile step": ["train.steps=10", "log.profile_step=11"],
     "pipeline vs layers": ["parallel.pp=2", "model.num_hidden_layers=3", "train.global_batch=16"],
+    "fp8 without experts": ["train.fp8=true", "model.num_experts=0"],
 }
 worlds = {"ep vs experts": 3, "DualPipeV micro-batches": 2, "cp vs seq_len": 3, "cp with sequence balance": 2,
           "cp with linear attention": 2,

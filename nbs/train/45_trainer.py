@@ -60,6 +60,7 @@ from pith_lit.engine.planner import GiB, Estimate, choose_stage_layers, estimate
 from pith_lit.engine.stages import recompute_layers
 from pith_lit.models.protocol import LocalDispatcher, head_loss, run_layers
 from pith_lit.ops.attention import doc_positions
+from pith_lit.ops.fp8 import clear_fp8, set_fp8
 from pith_lit.ops.ring_attention import set_context_parallel, zigzag_shard
 from pith_lit.train import checkpoint
 from pith_lit.train.config import (Config, ConfigError, UserError, dump_toml, from_dict, read_toml, to_dict,
@@ -391,14 +392,15 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     t = cfg.train
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps,
                                 kind=t.optimizer, momentum=t.muon_momentum)
-    data, val = build_dataset(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.run.dir) / "cache", t.seq_len,
+    data, val = build_dataset(cfg.data.corpus, cfg.data.tokenizer, cfg.cache_dir, t.seq_len,
                               cfg.run.seed, mesh.batch.rank(), mesh.batch.size(), cfg.model.vocab_size,
                               cfg.data.val_frac)
     # deferred: the forward does not wait for the global counts (train/42); their values are settled per step
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=mesh.dense, deferred=True,
                      seq_len=t.seq_len)
     set_route(model, t.route)   # learned top-k, or round-robin for benchmarks (train/42)
-    eos = load_tokenizer(cfg.data.tokenizer, Path(cfg.run.dir) / "cache").eos_id if cfg.data.document_mask else None
+    set_fp8(model, t.fp8)       # the experts' matmuls in FP8, with one copy of each weight per step (ops/15)
+    eos = load_tokenizer(cfg.data.tokenizer, cfg.cache_dir).eos_id if cfg.data.document_mask else None
     run = Run(cfg, device, mesh, started, model, optimizer, data, lb, _dispatcher(cfg, mesh, device), None, sizes,
               val, eos, memory=memory)
     if parts is not None:
@@ -605,6 +607,8 @@ def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
     grad_norm = clip_sharded_grads(list(run.model.parameters()), t.grad_clip, run.mesh.replicate.size())
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
+    if t.fp8:
+        clear_fp8(run.model)   # the weights moved: the next step quantizes them again
     totals = run.lb.totals()   # this rank's MoE layers: the step's expert counts, summed over the dense group
     if t.lb_bias_rate:         # aux-loss-free balancing: every rank holding a layer applies the same update
         update_bias(routers(run.model), totals, t.lb_bias_rate)
@@ -982,7 +986,7 @@ def _sample(run: Run, report: Reporter) -> str:
                        "the ranks")
         return ""
     set_context_parallel(run.model, None)   # at cp > 1 every rank decodes the short prompt whole, without the ring
-    sample = greedy_sample(run.model, load_tokenizer(run.cfg.data.tokenizer, run.run_dir / "cache"), run.data, n,
+    sample = greedy_sample(run.model, load_tokenizer(run.cfg.data.tokenizer, run.cfg.cache_dir), run.data, n,
                            run.device)
     set_context_parallel(run.model, run.mesh.cp)
     if run.rank != 0:

@@ -40,6 +40,7 @@ class Workload:
     pipelined: bool = False       # DualPipeV runs the step (pp > 1 or parallel.overlap)
     sync_free: bool = False       # parallel.ep_sync_free
     stage_layers: tuple = ()      # parallel.pp_stage_layers (empty: even)
+    fp8: bool = False             # train.fp8: the step's FP8 copies of the expert weights (ops/15)
 
     @property
     def world(self) -> int:
@@ -314,6 +315,9 @@ class _Walk:
         self.stages = stages
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
+        # train.fp8: a layer's expert weights quantized (1 byte each) at its first forward of the step, transposed at
+        # its first backward, both kept until the step ends
+        self.fp8, self.fp8_made = 0.0, set()
         self.gathered, self.grads = set(), set()
         self.acts = self.deferred = self.buffers = 0.0
         self.T, self.b = T, b
@@ -334,7 +338,8 @@ class _Walk:
 
     def note(self, where: str, transient: float = 0.0) -> None:
         gathered, grads = self._unit_bytes()
-        parts = {"parameters and optimizer states": self.static, "gathered weights": gathered,
+        parts = {"parameters and optimizer states": self.static, "FP8 weight copies": self.fp8,
+                 "gathered weights": gathered,
                  "gradients": grads, "activations": self.acts, "deferred for W": self.deferred,
                  "pipeline buffers": self.buffers, "transient": transient}
         total = sum(parts.values())
@@ -346,9 +351,15 @@ class _Walk:
             if u.experts == experts:
                 self.gathered.add(u.name)
 
+    def _fp8_copy(self, key: str, direction: str) -> None:
+        if self.w.fp8 and (key, direction) not in self.fp8_made:
+            self.fp8_made.add((key, direction))
+            self.fp8 += sum(u.numel for u in self.layer_units.get(key, []) if u.experts)
+
     def layer_forward(self, key: str, m) -> None:
         self._gather(key, False)
         self._gather(key, True)
+        self._fp8_copy(key, "forward")
         self.acts += self.cost[key].kept * self.T
         self.note(f"forward of layer {key}, micro-batch {m}")
         for u in self.layer_units.get(key, []):
@@ -357,6 +368,7 @@ class _Walk:
 
     def layer_backward(self, key: str, m, zero_bubble: bool) -> None:
         self._gather(key, True)
+        self._fp8_copy(key, "backward")
         lb, w = self.cost[key], self.w
         transient = 0.0
         if lb.moe:

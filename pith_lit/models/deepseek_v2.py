@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import ring_attention
-from ..ops.grouped_linear import grouped_linear
+from ..ops.fp8 import expert_linear
 from ..ops.swiglu import swiglu
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #2e1664ca
@@ -168,11 +168,12 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(grouped_linear(x, local(self.gate_up_proj), counts, wgrad_queue))
-        return grouped_linear(h, local(self.down_proj), counts, wgrad_queue)
+        h = swiglu(expert_linear(x, local(self.gate_up_proj), counts, wgrad_queue, self.fp8, "gate_up"))
+        return expert_linear(h, local(self.down_proj), counts, wgrad_queue, self.fp8, "down")
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #0502191e
 class Attention(nn.Module):

@@ -17,7 +17,7 @@ from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_lay
 from ..ops.attention import attention_mask, documents
 from ..ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
-from ..ops.grouped_linear import grouped_linear
+from ..ops.fp8 import expert_linear
 from ..ops.swiglu import swiglu
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #b18712f4
@@ -151,11 +151,12 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(grouped_linear(x, local(self.gate_up_proj), counts, wgrad_queue))
-        return grouped_linear(h, local(self.down_proj), counts, wgrad_queue)
+        h = swiglu(expert_linear(x, local(self.gate_up_proj), counts, wgrad_queue, self.fp8, "gate_up"))
+        return expert_linear(h, local(self.down_proj), counts, wgrad_queue, self.fp8, "down")
 
 
 class MLP(nn.Module):

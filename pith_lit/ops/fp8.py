@@ -2,7 +2,8 @@
 
 # %% auto #0
 __all__ = ['E4M3_MAX', 'FP8', 'pow2_scale', 'quantize_ref', 'dequantize_ref', 'fake_quant', 'Fp8Act', 'quantize_act',
-           'quantize_weight', 'GemmConfig', 'fp8_grouped_mm', 'fp8_grouped_wgrad', 'fp8_grouped_linear', 'fp8_linear']
+           'quantize_weight', 'GemmConfig', 'fp8_grouped_mm', 'fp8_grouped_wgrad', 'quantize_weight_ref',
+           'fp8_grouped_linear', 'Fp8Weights', 'expert_linear', 'set_fp8', 'clear_fp8', 'fp8_linear']
 
 # %% ../../nbs/ops/15_fp8.ipynb #b4104c85
 from typing import NamedTuple
@@ -13,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .grouped_linear import WeightGradQueue
+from .grouped_linear import WeightGradQueue, grouped_linear
 
 # %% ../../nbs/ops/15_fp8.ipynb #c6f14391
 E4M3_MAX = 448.0            # largest finite torch.float8_e4m3fn
@@ -167,7 +168,11 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, TRANS: tl.constexpr):
 
 def quantize_weight(w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
     """128x128-block quantization of `w (E, N, K)` or `(N, K)`: e4m3 values of w's shape and scales
-    `(E, ceil(N/128), ceil(K/128))` (no E for 2-D). With `transposed`, those of `wᵀ`: `(E, K, N)`, scales transposed."""
+    `(E, ceil(N/128), ceil(K/128))` (no E for 2-D). With `transposed`, those of `wᵀ`: `(E, K, N)`, scales transposed.
+    A `.mT` view of a contiguous weight (GPT-OSS stores its experts `(E, in, out)`) is read as it is stored: the
+    blocks of `wᵀ` are those of `w` transposed, so no copy is made."""
+    if w.dim() == 3 and not w.is_contiguous() and w.mT.is_contiguous():
+        return quantize_weight(w.mT, transposed=not transposed)
     w3 = w.contiguous() if w.dim() == 3 else w.contiguous()[None]
     E, N, K = w3.shape
     NB, KB = triton.cdiv(N, 128), triton.cdiv(K, 128)
@@ -311,36 +316,48 @@ def fp8_grouped_wgrad(qat: Tensor, sat: Tensor, qbt: Tensor, sbt: Tensor, counts
     return c
 
 # %% ../../nbs/ops/15_fp8.ipynb #61691572
-def _triton_forward(x, w, counts, keep_cols):
+def _triton_forward(x, w, counts, keep_cols, weight):
     a = quantize_act(x, counts, rows=True, cols=keep_cols)
-    y = fp8_grouped_mm(a.q, a.s, *quantize_weight(w), counts, x.dtype)
+    y = fp8_grouped_mm(a.q, a.s, *weight(False, quantize_weight), counts, x.dtype)
     return y, ((a.qt, a.st) if keep_cols else ())
 
 
-def _triton_backward(dy, w, counts, saved, need_dx, need_dw):
+def _triton_backward(dy, w, counts, saved, need_dx, need_dw, weight):
     g = quantize_act(dy, counts, rows=need_dx, cols=need_dw)
-    dx = fp8_grouped_mm(g.q, g.s, *quantize_weight(w, transposed=True), counts, dy.dtype) if need_dx else None
+    dx = fp8_grouped_mm(g.q, g.s, *weight(True, quantize_weight), counts, dy.dtype) if need_dx else None
     wgrad = (lambda: fp8_grouped_wgrad(g.qt, g.st, *saved, counts, w.dtype)) if need_dw else None
     return dx, wgrad
 
 
-def _torch_forward(x, w, counts, keep_x):
+def quantize_weight_ref(w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+    "`quantize_weight` in plain torch (`quantize_ref` in 128x128 blocks): the weights of the torch implementation."
+    q, s = quantize_ref(w, (128, 128))
+    return (q.mT, s.mT) if transposed else (q, s)
+
+
+def _torch_weight(weight) -> Tensor:
+    "The experts' weights as the FP8 layer sees them: their 128x128 quantization, dequantized to fp32."
+    return dequantize_ref(*weight(False, quantize_weight_ref), (128, 128), torch.float32)
+
+
+def _torch_forward(x, w, counts, keep_x, weight):
     bounds = [0] + counts.cumsum(0).tolist()                  # the reference's one host sync
+    xq, wq = fake_quant(x, (1, 128), torch.float32), _torch_weight(weight)   # 1x128 tiles: row by row, any expert
     y = x.new_zeros(x.shape[0], w.shape[1])
     for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        y[a:b] = (fake_quant(x[a:b], (1, 128), torch.float32) @ fake_quant(w[e], (128, 128), torch.float32).T).to(y.dtype)
+        y[a:b] = (xq[a:b] @ wq[e].T).to(y.dtype)
     return y, ((x,) if keep_x else ())
 
 
-def _torch_backward(dy, w, counts, saved, need_dx, need_dw):
+def _torch_backward(dy, w, counts, saved, need_dx, need_dw, weight):
     bounds = [0] + counts.cumsum(0).tolist()
     ranges = list(zip(bounds[:-1], bounds[1:]))
     dx = None
     if need_dx:
         dx = dy.new_zeros(dy.shape[0], w.shape[2])
+        gq, wq = fake_quant(dy, (1, 128), torch.float32), _torch_weight(weight)
         for e, (a, b) in enumerate(ranges):
-            dx[a:b] = (fake_quant(dy[a:b], (1, 128), torch.float32)
-                       @ fake_quant(w[e], (128, 128), torch.float32)).to(dx.dtype)
+            dx[a:b] = (gq[a:b] @ wq[e]).to(dx.dtype)
     def wgrad():
         (x,) = saved
         return torch.stack([fake_quant(dy[a:b], (128, 1), torch.float32).T
@@ -392,15 +409,16 @@ def _rowwise_backward(dy, w, counts, saved, need_dx, need_dw):
 # %% ../../nbs/ops/15_fp8.ipynb #192887d9
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, counts, wgrad_queue, impl):
+    def forward(ctx, x, w, counts, wgrad_queue, impl, weight):
         keep = ctx.needs_input_grad[1]
+        weight = weight or (lambda transposed, quantize: quantize(w, transposed))
         if impl == "triton":
-            y, saved = _triton_forward(x, w, counts, keep)
+            y, saved = _triton_forward(x, w, counts, keep, weight)
         elif impl == "rowwise":
             y, saved = _rowwise_forward(x, w, counts, keep)
         else:
-            y, saved = _torch_forward(x, w, counts, keep)
-        ctx.impl, ctx.queue, ctx.n_saved = impl, wgrad_queue, len(saved)
+            y, saved = _torch_forward(x, w, counts, keep, weight)
+        ctx.impl, ctx.queue, ctx.n_saved, ctx.weight = impl, wgrad_queue, len(saved), weight
         ctx.param = w if wgrad_queue is not None else None     # the tensor a deferred closure back-propagates into
         ctx.save_for_backward(w, counts, *saved)
         return y
@@ -411,27 +429,29 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy = dy.contiguous()
         if ctx.impl == "triton":
-            dx, wgrad = _triton_backward(dy, w, counts, saved, need_dx, need_dw)
+            dx, wgrad = _triton_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
         elif ctx.impl == "rowwise":
             dx, wgrad = _rowwise_backward(dy, w, counts, saved, need_dx, need_dw)
         else:
-            dx, wgrad = _torch_backward(dy, w, counts, saved, need_dx, need_dw)
+            dx, wgrad = _torch_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
         if not need_dw:
-            return dx, None, None, None, None
+            return dx, None, None, None, None, None
         if ctx.queue is None:
-            return dx, wgrad(), None, None, None
+            return dx, wgrad(), None, None, None, None
         w_in = ctx.param
         ctx.queue.push(lambda: torch.autograd.backward(w_in, wgrad()))
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
-                       impl: str | None = None) -> Tensor:
+                       impl: str | None = None, weight=None) -> Tensor:
     """Per-expert linear in FP8 on grouped rows: `y[rows of e] ≈ x[rows of e] @ w[e]ᵀ` for `x (N, in)`,
     `w (E, out, in)`, `counts (E,)` int64 summing to at most N (later rows: outputs and gradients unspecified).
     Inputs and outputs in x's dtype; quantized inside (1x128 activation tiles, 128x128 weight blocks). With
     `wgrad_queue` the weight gradient waits for `wgrad_queue.drain()`. `impl`: "triton", "rowwise" (CUDA, groups
-    at multiples of 16 rows), "torch", or None (triton on CUDA, torch elsewhere)."""
+    at multiples of 16 rows), "torch", or None (triton on CUDA, torch elsewhere). `weight(transposed, quantize)`:
+    w's 128x128 quantization, `quantize(w, transposed)` when None, or a copy kept for the step (`Fp8Weights`); the
+    row-wise path quantizes its own way."""
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
         raise ValueError(f"fp8_grouped_linear wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
                          f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
@@ -451,7 +471,49 @@ def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: Weight
                             "must be a multiple of 16 (sort_by_expert(..., pad_to=16))")
     torch._assert_async(counts.sum() <= x.shape[0],
                         f"fp8_grouped_linear: counts must sum to at most the {x.shape[0]} rows of x")
-    return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl)
+    return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl, weight)
+
+# %% ../../nbs/ops/15_fp8.ipynb #bfe52a85
+class Fp8Weights:
+    "The FP8 copies of one experts module's weights for the current step, by name and direction."
+    def __init__(self):
+        self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
+
+    def weight(self, name: str, w: Tensor):
+        "`weight(transposed, quantize)` for `fp8_grouped_linear`: w's copy under `name`, quantized on first use."
+        def get(transposed: bool, quantize) -> tuple[Tensor, Tensor]:
+            key = (name, transposed)
+            if key not in self._copies:
+                with torch.no_grad():
+                    self._copies[key] = quantize(w.detach(), transposed)
+            return self._copies[key]
+        return get
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+
+def expert_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
+                  fp8: Fp8Weights | None = None, name: str = "") -> Tensor:
+    "An experts module's projection: `grouped_linear`, or with `fp8` the FP8 layer on the step's copy of `w`."
+    if fp8 is None:
+        return grouped_linear(x, w, counts, wgrad_queue)
+    return fp8_grouped_linear(x, w, counts, wgrad_queue, weight=fp8.weight(name, w))
+
+
+def set_fp8(model: torch.nn.Module, on: bool) -> int:
+    "`train.fp8`: give every experts module (those with an `fp8` attribute) an `Fp8Weights`, or none; how many."
+    found = [m for m in model.modules() if hasattr(m, "fp8")]
+    for m in found:
+        m.fp8 = Fp8Weights() if on else None
+    return len(found)
+
+
+def clear_fp8(model: torch.nn.Module) -> None:
+    "Drop the step's FP8 weight copies (after an optimizer step: the next forward quantizes the new weights)."
+    for m in model.modules():
+        if getattr(m, "fp8", None) is not None:
+            m.fp8.clear()
 
 # %% ../../nbs/ops/15_fp8.ipynb #4efe9c6f
 def _scaled_mm_blockwise(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor) -> Tensor:
