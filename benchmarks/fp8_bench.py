@@ -6,13 +6,14 @@ Triton 3.6). Run from the repository root:
 For each model's expert shapes (Qwen3-30B-A3B: hidden 2048, expert FFN 768, 128 experts, top-8; DeepSeek-V2-Lite:
 hidden 2048, expert FFN 1408, 64 experts, top-6) and each projection (gate/up: hidden -> 2·FFN, down: FFN -> hidden),
 with `tokens × top-k` rows from random top-k routing, each expert's rows rounded up to a multiple of 16 (what the
-row-wise path needs; the same counts for every case):
+row-wise `torch._scaled_grouped_mm` of the eighth session's table needed, kept so the rows compare; the same counts
+for every case):
 
-- forward + backward through autograd (quantization included) of bf16 `F.grouped_mm`, `fp8_grouped_linear` with the
-  block-scaled Triton kernels, and with the row-wise `torch._scaled_grouped_mm`; TFLOP/s count 3 products of
+- forward + backward through autograd (quantization included) of bf16 `F.grouped_mm` and `fp8_grouped_linear` with
+  the block-scaled Triton kernels; TFLOP/s count 3 products of
   2·rows·in·out each; relative errors (Frobenius) of y, dx, dw against an fp32 per-expert reference on the same bf16
   inputs;
-- the forward GEMM alone on operands quantized beforehand (bf16 grouped_mm, Triton block-scaled, row-wise);
+- the forward GEMM alone on operands quantized beforehand (bf16 grouped_mm, Triton block-scaled);
 - the quantization passes alone, in GB/s (bytes read + written);
 - a tile sweep of the Triton forward GEMM and weight-gradient GEMM (Qwen3's gate/up shape), printing the best.
 
@@ -120,7 +121,6 @@ def bench_experts(name, shape, tokens, sweep):
 
         fwd_bwd("bf16 grouped_mm fwd+bwd", lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs))
         fwd_bwd("fp8 triton fwd+bwd", lambda: fp8.fp8_grouped_linear(x, w, counts, impl="triton"))
-        fwd_bwd("fp8 rowwise fwd+bwd", lambda: fp8.fp8_grouped_linear(x, w, counts, impl="rowwise"))
 
         xd, wd = x.detach(), w.detach()
 
@@ -137,12 +137,6 @@ def bench_experts(name, shape, tokens, sweep):
         if q:
             fwd_only("fp8 triton fwd GEMM",
                      lambda: fp8.fp8_grouped_mm(q["a"].q, q["a"].s, *q["w"], counts, torch.bfloat16))
-        def rowwise_gemm():
-            qx, sx = fp8._rowwise(xd)
-            qwr, swr = fp8._rowwise(wd)
-            return lambda: torch._scaled_grouped_mm(qx, qwr.transpose(-2, -1), sx, swr, offs=offs,
-                                                    out_dtype=torch.bfloat16)
-        run(group, "fp8 rowwise fwd GEMM", lambda: fwd_only("fp8 rowwise fwd GEMM", rowwise_gemm()))
 
         def quant(case, fn, nbytes):
             run(group, case, lambda: report(group, case, do_bench(fn, return_mode="median"), nbytes=nbytes))

@@ -228,7 +228,7 @@ def group_layer():
                     ("counts \\(E,\\)", dict(ok, counts=torch.tensor([1, 1, 2]))),
                     ("int64", dict(ok, counts=torch.tensor([1, 3], dtype=torch.int32))),
                     ("impl must be", dict(ok, impl="fp8")),
-                    ("CUDA GPU", dict(ok, impl="rowwise"))]:
+                    ("impl must be", dict(ok, impl="rowwise"))]:
         with pytest.raises(ValueError, match=msg):
             fp8_grouped_linear(**kw)
     with pytest.raises(RuntimeError, match="at most the 4"):
@@ -254,7 +254,7 @@ def group_dense():
         fp8.fp8_linear(x, w, impl="cublas")
     with pytest.raises(ValueError, match="w \\(out, in\\)"):
         fp8.fp8_linear(x, w.T)
-    # the F.scaled_mm and torch._scaled_grouped_mm calls at the real models' widths, on meta tensors
+    # the F.scaled_mm calls at the real models' widths, on meta tensors
     meta = lambda *s: torch.empty(*s, device="meta")
     for M, n_in, n_out in [(256, 2048, 1536), (1000, 768, 2048), (130, 1408, 2048), (64, 2048, 2816)]:
         T = -(-M // 128)
@@ -267,11 +267,6 @@ def group_dense():
         assert fp8._scaled_mm_blockwise(g.q, g.s, meta(n_in, n_out).to(fp8.FP8),
                                         meta(n_in // 128, n_out // 128)).shape == (M, n_in)
         assert fp8._scaled_mm_wgrad(g, a).shape == (n_out, n_in)
-        E = 8
-        counts = torch.full((E,), M // E, dtype=torch.int64, device="meta")
-        y, saved = fp8._rowwise_forward(meta(M, n_in), meta(E, n_out, n_in), counts, True)
-        dx, wgrad = fp8._rowwise_backward(meta(M, n_out), meta(E, n_out, n_in), counts, saved, True, True)
-        assert y.shape == (M, n_out) and dx.shape == (M, n_in) and wgrad().shape == (E, n_out, n_in)
 
 
 if __name__ == "__main__":

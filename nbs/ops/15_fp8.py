@@ -35,8 +35,9 @@
 # (activations both ways in one pass, weights in either layout); a grouped FP8 GEMM over rows grouped by expert and
 # a grouped weight-gradient GEMM over tokens grouped by expert, both without a host sync; `fp8_grouped_linear`, the
 # autograd function for the experts, whose weight gradient can wait in ops/grouped_linear's `WeightGradQueue`;
-# a row-wise alternative through `torch._scaled_grouped_mm`; and `fp8_linear`, the dense layer through
-# `F.scaled_mm`. On a CPU the kernels run under the Triton interpreter, which is how the checks run in CI.
+# `Fp8Weights` and `expert_linear`, through which the models' experts run in FP8 under `train.fp8` with one copy of
+# each weight per step; and `fp8_linear`, the dense layer through `F.scaled_mm`. On a CPU the kernels run under the
+# Triton interpreter, which is how the checks run in CI.
 
 # %%
 #| default_exp ops.fp8
@@ -641,19 +642,15 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 # `grouped_linear`: the deferred closure holds the two FP8 column quantizations and hands its result to
 # `torch.autograd.backward(w, dW)`, which accumulates it into the parameter and fires its hooks.
 #
-# Three implementations sit behind the one call, chosen by `impl`:
+# Two implementations sit behind the one call, chosen by `impl`:
 #
 # - `"triton"`: the kernels above, block scales (the DeepSeek-V3 recipe). The default on CUDA.
-# - `"rowwise"`: `torch._scaled_grouped_mm` with one scale per row of each operand over the whole K (per row of X
-#   and dY, per output channel of W, and per expert and channel for the weight gradient), quantized in torch. CUDA
-#   only (sm90). Row-wise scales are coarser: one outlier flattens a whole row. It asks for groups of a multiple of
-#   16 rows (`sort_by_expert(..., pad_to=16)`), so that every group starts on a 16-byte boundary of its FP8 rows.
 # - `"torch"`: the reference, the same block quantization in plain torch, multiplied in fp32 one expert at a time
 #   (one host sync for the expert bounds). The default elsewhere, so a CPU run needs no interpreter.
 #
-# Whether the row-wise path stays is for measurement to decide: it keeps its place only if, at the real expert
-# shapes, it is faster than the block-scaled kernels by more than its loss of accuracy costs (`benchmarks/fp8_bench.py`
-# prints both, with `benchmarks/RESULTS.md` holding the numbers).
+# A third, one scale per row over the whole K through `torch._scaled_grouped_mm`, measured slower than the
+# block-scaled kernels at the Qwen3 and DeepSeek-V2-Lite expert shapes, forward and backward (`benchmarks/RESULTS.md`,
+# "FP8 operators"), and coarser (one outlier flattens a whole row), so it is not here.
 
 # %%
 #| export
@@ -706,55 +703,6 @@ def _torch_backward(dy, w, counts, saved, need_dx, need_dw, weight):
     return dx, (wgrad if need_dw else None)
 
 # %% [markdown]
-# The row-wise quantizers: one power-of-two scale per row over the whole K, and, for the weight gradient, one per
-# expert and channel over that expert's tokens (a scatter-max over rows labelled with their expert; rows past the
-# last expert are zeroed). `torch._scaled_grouped_mm` wants the second operand column-major and its row stride a
-# multiple of 16 bytes, so the token dimension of the transposed operands is padded to a multiple of 16.
-
-# %%
-#| export
-def _rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
-    "E4M3 values and one power-of-two scale per row (over the last dimension)."
-    s = pow2_scale(x.abs().amax(dim=-1).float())
-    return (x.float() / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), s
-
-
-def _rowwise_tokens(x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
-    "x quantized along tokens per expert, transposed: values (C, M rounded up to 16), scales (E·C,) expert-major."
-    M, C = x.shape
-    E = counts.numel()
-    expert = torch.searchsorted(counts.cumsum(0), torch.arange(M, device=x.device), right=True)   # E: past the end
-    xf = torch.where((expert < E)[:, None], x.float(), 0.0)
-    amax = xf.new_zeros(E + 1, C).scatter_reduce_(0, expert[:, None].expand(M, C), xf.abs(), "amax")
-    s = pow2_scale(amax)
-    qt = torch.zeros(C, -(-M // 16) * 16, dtype=FP8, device=x.device)
-    qt[:, :M] = (xf / s[expert]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8).T
-    return qt, s[:E].flatten()
-
-
-def _rowwise_forward(x, w, counts, keep_cols):
-    offs = counts.cumsum(0).to(torch.int32)
-    qx, sx = _rowwise(x)
-    qw, sw = _rowwise(w)
-    y = torch._scaled_grouped_mm(qx, qw.transpose(-2, -1), sx, sw, offs=offs, out_dtype=torch.bfloat16)
-    return y.to(x.dtype), (_rowwise_tokens(x, counts) if keep_cols else ())
-
-
-def _rowwise_backward(dy, w, counts, saved, need_dx, need_dw):
-    offs = counts.cumsum(0).to(torch.int32)
-    dx = None
-    if need_dx:
-        qdy, sdy = _rowwise(dy)
-        qwt, swt = _rowwise(w.transpose(-2, -1).contiguous())              # (E, in, out): per input channel
-        dx = torch._scaled_grouped_mm(qdy, qwt.transpose(-2, -1), sdy, swt, offs=offs,
-                                      out_dtype=torch.bfloat16).to(dy.dtype)
-    def wgrad():
-        qdyt, sdyt = _rowwise_tokens(dy, counts)
-        qxt, sxt = saved
-        return torch._scaled_grouped_mm(qdyt, qxt.t(), sdyt, sxt, offs=offs, out_dtype=torch.bfloat16).to(w.dtype)
-    return dx, (wgrad if need_dw else None)
-
-# %% [markdown]
 # The autograd function picks the implementation with a plain `if`, runs its forward, and in backward hands the
 # weight-gradient closure either to autograd (immediately) or to the queue.
 
@@ -767,8 +715,6 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         weight = weight or (lambda transposed, quantize: quantize(w, transposed))
         if impl == "triton":
             y, saved = _triton_forward(x, w, counts, keep, weight)
-        elif impl == "rowwise":
-            y, saved = _rowwise_forward(x, w, counts, keep)
         else:
             y, saved = _torch_forward(x, w, counts, keep, weight)
         ctx.impl, ctx.queue, ctx.n_saved, ctx.weight = impl, wgrad_queue, len(saved), weight
@@ -783,8 +729,6 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         dy = dy.contiguous()
         if ctx.impl == "triton":
             dx, wgrad = _triton_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
-        elif ctx.impl == "rowwise":
-            dx, wgrad = _rowwise_backward(dy, w, counts, saved, need_dx, need_dw)
         else:
             dx, wgrad = _torch_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
         if not need_dw:
@@ -801,27 +745,17 @@ def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: Weight
     """Per-expert linear in FP8 on grouped rows: `y[rows of e] ≈ x[rows of e] @ w[e]ᵀ` for `x (N, in)`,
     `w (E, out, in)`, `counts (E,)` int64 summing to at most N (later rows: outputs and gradients unspecified).
     Inputs and outputs in x's dtype; quantized inside (1x128 activation tiles, 128x128 weight blocks). With
-    `wgrad_queue` the weight gradient waits for `wgrad_queue.drain()`. `impl`: "triton", "rowwise" (CUDA, groups
-    at multiples of 16 rows), "torch", or None (triton on CUDA, torch elsewhere). `weight(transposed, quantize)`:
-    w's 128x128 quantization, `quantize(w, transposed)` when None, or a copy kept for the step (`Fp8Weights`); the
-    row-wise path quantizes its own way."""
+    `wgrad_queue` the weight gradient waits for `wgrad_queue.drain()`. `impl`: "triton", "torch", or None (triton
+    on CUDA, torch elsewhere). `weight(transposed, quantize)`: w's 128x128 quantization, `quantize(w, transposed)`
+    when None, or a copy kept for the step (`Fp8Weights`)."""
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
         raise ValueError(f"fp8_grouped_linear wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
                          f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
     if counts.dtype != torch.int64:
         raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
-    if impl not in (None, "triton", "rowwise", "torch"):
-        raise ValueError(f"impl must be 'triton', 'rowwise', 'torch' or None (choose by device), got {impl!r}")
+    if impl not in (None, "triton", "torch"):
+        raise ValueError(f"impl must be 'triton', 'torch' or None (choose by device), got {impl!r}")
     impl = impl or ("triton" if x.is_cuda else "torch")
-    if impl == "rowwise":
-        if not x.is_cuda:
-            raise ValueError("impl='rowwise' runs torch._scaled_grouped_mm, which needs a CUDA GPU (sm90); "
-                             "use impl='triton' or 'torch'")
-        if x.shape[1] % 16 or w.shape[1] % 16:
-            raise ValueError(f"impl='rowwise' needs in and out features that are multiples of 16, got "
-                             f"{x.shape[1]} and {w.shape[1]}")
-        torch._assert_async((counts % 16 == 0).all(), "fp8_grouped_linear(impl='rowwise'): every expert's row count "
-                            "must be a multiple of 16 (sort_by_expert(..., pad_to=16))")
     torch._assert_async(counts.sum() <= x.shape[0],
                         f"fp8_grouped_linear: counts must sum to at most the {x.shape[0]} rows of x")
     return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl, weight)
@@ -927,8 +861,6 @@ for bad, msg in [
                                     torch.tensor([1, 3], **cpu)), "w (E, out, in)"),
         (lambda: fp8_grouped_linear(torch.zeros(4, 8, **cpu), torch.zeros(2, 16, 8, **cpu),
                                     torch.tensor([1, 3], **cpu), impl="blockwise"), "impl must be"),
-        (lambda: fp8_grouped_linear(torch.zeros(4, 8, **cpu), torch.zeros(2, 16, 8, **cpu),
-                                    torch.tensor([1, 3], **cpu), impl="rowwise"), "CUDA GPU"),
         (lambda: fp8_grouped_mm(torch.zeros(4, 8, **cpu), torch.zeros(4, 1, **cpu), torch.zeros(2, 16, 8, **cpu),
                                 torch.zeros(2, 1, 1, **cpu), torch.tensor([1, 3], **cpu), torch.float32), "float8"),
         (lambda: fp8_grouped_mm(torch.zeros(4, 8, **cpu).to(FP8), torch.ones(1, 4, **cpu).t(),
@@ -940,22 +872,6 @@ for bad, msg in [
         assert msg in str(e), e
     else:
         raise AssertionError(f"no error for {msg}")
-
-# %% [markdown]
-# The row-wise path cannot run on a CPU, but its argument conventions can be checked: on the meta device
-# `torch._scaled_grouped_mm` runs only its shape, dtype and stride checks (those of torch on this machine).
-
-# %%
-def rowwise_meta_check(E=4, M=96, n_in=64, n_out=48):
-    x = torch.empty(M, n_in, device="meta")
-    w = torch.empty(E, n_out, n_in, device="meta")
-    dy = torch.empty(M, n_out, device="meta")
-    counts = torch.full((E,), M // E, device="meta", dtype=torch.int64)
-    y, saved = _rowwise_forward(x, w, counts, True)
-    dx, wgrad = _rowwise_backward(dy, w, counts, saved, True, True)
-    assert y.shape == (M, n_out) and dx.shape == (M, n_in) and wgrad().shape == (E, n_out, n_in)
-
-rowwise_meta_check()
 
 # %% [markdown]
 # ## One FP8 copy of each expert weight per step
@@ -1181,15 +1097,13 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #
 # The compiled kernels against the quantized reference at a moderate size, in bf16: the FP8 tensor cores accumulate
 # each 128-deep product with fewer bits than fp32 (about 2e-4 relative) and the output is rounded to bf16 (about
-# 2⁻⁹), so the bound is 1e-2; and the three implementations and the dense path against each other.
+# 2⁻⁹), so the bound is 1e-2; and the dense path's two implementations against each other.
 # `benchmarks/fp8_bench.py` measures speed at the real expert shapes.
 
 # %%
 #| cuda
 err, quant = check_layer([300, 0, 1, 1000, 517], 1024, 768, "triton", torch.bfloat16, extra=3)
 print(f"triton bf16 on the GPU: {err:.1e} vs quantized reference, {quant:.3f} vs exact")
-err, quant = check_layer([96, 0, 16, 1024, 512], 1024, 768, "rowwise", torch.bfloat16, tol=0.1)
-print(f"rowwise: {err:.2e} vs the block-quantized reference (a different quantization), {quant:.3f} vs exact")
 x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 w = (torch.randn(768, 1024, device="cuda") / 32).bfloat16().requires_grad_()
 dy = torch.randn(1000, 768, device="cuda", dtype=torch.bfloat16)

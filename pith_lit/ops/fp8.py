@@ -364,48 +364,6 @@ def _torch_backward(dy, w, counts, saved, need_dx, need_dw, weight):
                             @ fake_quant(x[a:b], (128, 1), torch.float32) for a, b in ranges]).to(w.dtype)
     return dx, (wgrad if need_dw else None)
 
-# %% ../../nbs/ops/15_fp8.ipynb #c9a41a32
-def _rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
-    "E4M3 values and one power-of-two scale per row (over the last dimension)."
-    s = pow2_scale(x.abs().amax(dim=-1).float())
-    return (x.float() / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), s
-
-
-def _rowwise_tokens(x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
-    "x quantized along tokens per expert, transposed: values (C, M rounded up to 16), scales (E·C,) expert-major."
-    M, C = x.shape
-    E = counts.numel()
-    expert = torch.searchsorted(counts.cumsum(0), torch.arange(M, device=x.device), right=True)   # E: past the end
-    xf = torch.where((expert < E)[:, None], x.float(), 0.0)
-    amax = xf.new_zeros(E + 1, C).scatter_reduce_(0, expert[:, None].expand(M, C), xf.abs(), "amax")
-    s = pow2_scale(amax)
-    qt = torch.zeros(C, -(-M // 16) * 16, dtype=FP8, device=x.device)
-    qt[:, :M] = (xf / s[expert]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8).T
-    return qt, s[:E].flatten()
-
-
-def _rowwise_forward(x, w, counts, keep_cols):
-    offs = counts.cumsum(0).to(torch.int32)
-    qx, sx = _rowwise(x)
-    qw, sw = _rowwise(w)
-    y = torch._scaled_grouped_mm(qx, qw.transpose(-2, -1), sx, sw, offs=offs, out_dtype=torch.bfloat16)
-    return y.to(x.dtype), (_rowwise_tokens(x, counts) if keep_cols else ())
-
-
-def _rowwise_backward(dy, w, counts, saved, need_dx, need_dw):
-    offs = counts.cumsum(0).to(torch.int32)
-    dx = None
-    if need_dx:
-        qdy, sdy = _rowwise(dy)
-        qwt, swt = _rowwise(w.transpose(-2, -1).contiguous())              # (E, in, out): per input channel
-        dx = torch._scaled_grouped_mm(qdy, qwt.transpose(-2, -1), sdy, swt, offs=offs,
-                                      out_dtype=torch.bfloat16).to(dy.dtype)
-    def wgrad():
-        qdyt, sdyt = _rowwise_tokens(dy, counts)
-        qxt, sxt = saved
-        return torch._scaled_grouped_mm(qdyt, qxt.t(), sdyt, sxt, offs=offs, out_dtype=torch.bfloat16).to(w.dtype)
-    return dx, (wgrad if need_dw else None)
-
 # %% ../../nbs/ops/15_fp8.ipynb #192887d9
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
@@ -414,8 +372,6 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         weight = weight or (lambda transposed, quantize: quantize(w, transposed))
         if impl == "triton":
             y, saved = _triton_forward(x, w, counts, keep, weight)
-        elif impl == "rowwise":
-            y, saved = _rowwise_forward(x, w, counts, keep)
         else:
             y, saved = _torch_forward(x, w, counts, keep, weight)
         ctx.impl, ctx.queue, ctx.n_saved, ctx.weight = impl, wgrad_queue, len(saved), weight
@@ -430,8 +386,6 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         dy = dy.contiguous()
         if ctx.impl == "triton":
             dx, wgrad = _triton_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
-        elif ctx.impl == "rowwise":
-            dx, wgrad = _rowwise_backward(dy, w, counts, saved, need_dx, need_dw)
         else:
             dx, wgrad = _torch_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
         if not need_dw:
@@ -448,27 +402,17 @@ def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: Weight
     """Per-expert linear in FP8 on grouped rows: `y[rows of e] ≈ x[rows of e] @ w[e]ᵀ` for `x (N, in)`,
     `w (E, out, in)`, `counts (E,)` int64 summing to at most N (later rows: outputs and gradients unspecified).
     Inputs and outputs in x's dtype; quantized inside (1x128 activation tiles, 128x128 weight blocks). With
-    `wgrad_queue` the weight gradient waits for `wgrad_queue.drain()`. `impl`: "triton", "rowwise" (CUDA, groups
-    at multiples of 16 rows), "torch", or None (triton on CUDA, torch elsewhere). `weight(transposed, quantize)`:
-    w's 128x128 quantization, `quantize(w, transposed)` when None, or a copy kept for the step (`Fp8Weights`); the
-    row-wise path quantizes its own way."""
+    `wgrad_queue` the weight gradient waits for `wgrad_queue.drain()`. `impl`: "triton", "torch", or None (triton
+    on CUDA, torch elsewhere). `weight(transposed, quantize)`: w's 128x128 quantization, `quantize(w, transposed)`
+    when None, or a copy kept for the step (`Fp8Weights`)."""
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
         raise ValueError(f"fp8_grouped_linear wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
                          f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
     if counts.dtype != torch.int64:
         raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
-    if impl not in (None, "triton", "rowwise", "torch"):
-        raise ValueError(f"impl must be 'triton', 'rowwise', 'torch' or None (choose by device), got {impl!r}")
+    if impl not in (None, "triton", "torch"):
+        raise ValueError(f"impl must be 'triton', 'torch' or None (choose by device), got {impl!r}")
     impl = impl or ("triton" if x.is_cuda else "torch")
-    if impl == "rowwise":
-        if not x.is_cuda:
-            raise ValueError("impl='rowwise' runs torch._scaled_grouped_mm, which needs a CUDA GPU (sm90); "
-                             "use impl='triton' or 'torch'")
-        if x.shape[1] % 16 or w.shape[1] % 16:
-            raise ValueError(f"impl='rowwise' needs in and out features that are multiples of 16, got "
-                             f"{x.shape[1]} and {w.shape[1]}")
-        torch._assert_async((counts % 16 == 0).all(), "fp8_grouped_linear(impl='rowwise'): every expert's row count "
-                            "must be a multiple of 16 (sort_by_expert(..., pad_to=16))")
     torch._assert_async(counts.sum() <= x.shape[0],
                         f"fp8_grouped_linear: counts must sum to at most the {x.shape[0]} rows of x")
     return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl, weight)
