@@ -9,6 +9,9 @@ At the Qwen3-30B-A3B expert shapes (128 experts × 1,032 rows, gate/up 2048 -> 1
   multiplied by the two scales and added to the fp32 accumulator (promotion every 128 of K);
 - `unscaled`: the same kernel, tiles and launch, with the scales dropped and the products accumulated inside
   `tl.dot` (`acc = tl.dot(a, b, acc)`): what Triton reaches on this schedule when nothing happens between steps;
+- `paired`: two 128-deep products issued before either is scaled, so that the second can run while the first
+  waits (each pipeline stage holds both K-steps);
+- `ws`: ops/15's kernel with its K loop warp-specialised by Triton (`tl.range(..., warp_specialize=True)`);
 - bf16 `F.grouped_mm` on the same rows.
 
 Times are medians of `triton.testing.do_bench`; TFLOP/s count 2·rows·in·out. Nothing here is a test.
@@ -24,18 +27,31 @@ from pith_lit.ops.fp8 import (GemmConfig, _e_p2, _expert_of_tile, _max_tiles, _s
 
 
 @triton.jit
-def _unscaled_kernel(a_ptr, b_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr):
+def _tile(row_offs_ptr, tile_offs_ptr, N, E, BM: tl.constexpr, BN: tl.constexpr, E_P2: tl.constexpr):
+    "This program's output tile, as ops/15's kernel takes it: expert (E past the last tile), rows, columns, masks."
     n_tiles = tl.cdiv(N, BN)
     t = tl.program_id(0) // n_tiles
     j = tl.program_id(0) % n_tiles
     e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
+    safe = tl.minimum(e, E - 1)                     # no read past the offsets for a program with nothing to do
+    rows = tl.load(row_offs_ptr + safe) + (t - tl.load(tile_offs_ptr + safe)) * BM + tl.arange(0, BM)
+    row_ok = rows < tl.load(row_offs_ptr + safe + 1)
+    cols = j * BN + tl.arange(0, BN)
+    return e, rows, row_ok, cols, cols < N
+
+
+@triton.jit
+def _store(c_ptr, acc, rows, row_ok, cols, col_ok, N):
+    tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _unscaled_kernel(a_ptr, b_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr):
+    e, rows, row_ok, cols, col_ok = _tile(row_offs_ptr, tile_offs_ptr, N, E, BM, BN, E_P2)
     if e >= E:
         return
-    rows = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * BM + tl.arange(0, BM)
-    row_ok = rows < tl.load(row_offs_ptr + e + 1)
-    cols = j * BN + tl.arange(0, BN)
-    col_ok = cols < N
     kk = tl.arange(0, BK)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
     b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
@@ -46,8 +62,82 @@ def _unscaled_kernel(a_ptr, b_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, 
         acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BK
         b_ptrs += BK
-    tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
+
+
+@triton.jit
+def _paired_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr):
+    # two 128-deep products per iteration, both issued before either is scaled (K a multiple of 2·BK)
+    e, rows, row_ok, cols, col_ok = _tile(row_offs_ptr, tile_offs_ptr, N, E, BM, BN, E_P2)
+    if e >= E:
+        return
+    kk = tl.arange(0, BK)
+    KB = tl.cdiv(K, 128)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
+    b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
+    sb_ptrs = sb_ptr + (e * tl.cdiv(N, 128) + cols // 128) * KB
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, 2 * BK):
+        a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        b0 = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+        a1 = tl.load(a_ptrs + BK, mask=row_ok[:, None], other=0.0)
+        b1 = tl.load(b_ptrs + BK, mask=col_ok[:, None], other=0.0)
+        d0 = tl.dot(a0, tl.trans(b0))
+        d1 = tl.dot(a1, tl.trans(b1))
+        kb = k0 // 128
+        sa0 = tl.load(sa_ptr + kb * M + rows, mask=row_ok, other=0.0)
+        sa1 = tl.load(sa_ptr + (kb + 1) * M + rows, mask=row_ok, other=0.0)
+        sb0 = tl.load(sb_ptrs + kb, mask=col_ok, other=0.0)
+        sb1 = tl.load(sb_ptrs + kb + 1, mask=col_ok, other=0.0)
+        acc += d0 * (sa0[:, None] * sb0[None, :]) + d1 * (sa1[:, None] * sb1[None, :])
+        a_ptrs += 2 * BK
+        b_ptrs += 2 * BK
+    _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
+
+
+@triton.jit
+def _ws_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr, STAGES: tl.constexpr):
+    # ops/15's kernel with its K loop warp-specialised by Triton (loads in their own warps)
+    e, rows, row_ok, cols, col_ok = _tile(row_offs_ptr, tile_offs_ptr, N, E, BM, BN, E_P2)
+    if e >= E:
+        return
+    kk = tl.arange(0, BK)
+    KB = tl.cdiv(K, 128)
+    a_base = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
+    b_base = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
+    sb_ptrs = sb_ptr + (e * tl.cdiv(N, 128) + cols // 128) * KB
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES, warp_specialize=True):
+        a = tl.load(a_base + k0, mask=row_ok[:, None], other=0.0)
+        b = tl.load(b_base + k0, mask=col_ok[:, None], other=0.0)
+        sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)
+        sb = tl.load(sb_ptrs + k0 // 128, mask=col_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
+
+
+def ws(qa, sa, qb, sb, counts, cfg=GemmConfig(stages=3)):
+    (M, K), (E, N) = qa.shape, qb.shape[:2]
+    c = torch.empty(M, N, dtype=torch.bfloat16, device=qa.device)
+    row_offs, tile_offs = _schedule(counts, cfg.block_m)
+    grid = _max_tiles(M, E, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    _ws_kernel[(grid,)](qa, sa.t(), qb, sb.contiguous(), c, row_offs, tile_offs, M, N, K, E, BM=cfg.block_m,
+                        BN=cfg.block_n, BK=cfg.block_k, E_P2=_e_p2(E), STAGES=cfg.stages, num_warps=cfg.warps)
+    return c
+
+
+def paired(qa, sa, qb, sb, counts, cfg=GemmConfig(stages=2)):   # each stage holds two K-steps
+    (M, K), (E, N) = qa.shape, qb.shape[:2]
+    assert K % (2 * cfg.block_k) == 0 and cfg.block_k == 128
+    c = torch.empty(M, N, dtype=torch.bfloat16, device=qa.device)
+    row_offs, tile_offs = _schedule(counts, cfg.block_m)
+    grid = _max_tiles(M, E, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    _paired_kernel[(grid,)](qa, sa.t(), qb, sb.contiguous(), c, row_offs, tile_offs, M, N, K, E, BM=cfg.block_m,
+                            BN=cfg.block_n, BK=cfg.block_k, E_P2=_e_p2(E), num_warps=cfg.warps,
+                            num_stages=cfg.stages)
+    return c
 
 
 def unscaled(qa, qb, counts, cfg=GemmConfig()):
@@ -75,16 +165,32 @@ def main():
         ref = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
         cases = {"fp8_grouped_mm (scaled every 128 of K)": lambda: fp8_grouped_mm(a.q, a.s, qw, sw, counts,
                                                                                  torch.bfloat16),
+                 "paired (two products, then both scaled)": lambda: paired(a.q, a.s, qw, sw, counts),
+                 "warp-specialised K loop": lambda: ws(a.q, a.s, qw, sw, counts),
                  "unscaled (acc inside tl.dot)": lambda: unscaled(a.q, qw, counts),
                  "bf16 F.grouped_mm": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs)}
         for case, fn in cases.items():
-            ms = do_bench(fn, warmup=25, rep=100)
+            try:
+                ms = do_bench(fn, warmup=25, rep=100)
+            except Exception as e:   # a variant this Triton cannot build here
+                print(f"{name:20s} {case:40s} failed: {str(e).splitlines()[0][:100]}")
+                continue
             err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
-            note = f"  rel. to bf16 {err:.2e}" if case.startswith("fp8") else ""   # unscaled values are not y
+            note = "" if case.startswith("unscaled") else f"  rel. to bf16 {err:.2e}"   # unscaled values are not y
             print(f"{name:20s} {case:40s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s{note}")
         for cfg in (GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 256, 128, 8, 3), GemmConfig(64, 128, 128, 4, 4)):
             ms = do_bench(lambda: unscaled(a.q, qw, counts, cfg), warmup=25, rep=100)
             print(f"{name:20s} {'unscaled ' + str(tuple(cfg)):40s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s")
+        for label, fn, cfgs in [("paired", paired, (GemmConfig(128, 128, 128, 8, 2), GemmConfig(128, 128, 128, 8, 3))),
+                                ("ws", ws, (GemmConfig(128, 128, 128, 8, 2), GemmConfig(128, 128, 128, 8, 4),
+                                            GemmConfig(128, 128, 128, 4, 3), GemmConfig(64, 128, 128, 4, 3)))]:
+            for cfg in cfgs:
+                try:
+                    ms = do_bench(lambda: fn(a.q, a.s, qw, sw, counts, cfg), warmup=25, rep=100)
+                    print(f"{name:20s} {label + ' ' + str(tuple(cfg)):40s} {ms:8.3f} ms "
+                          f"{flops / ms / 1e9:7.1f} TFLOP/s")
+                except Exception as e:   # a tile that does not fit in shared memory or registers
+                    print(f"{name:20s} {label + ' ' + str(tuple(cfg)):40s} failed: {str(e).splitlines()[0][:80]}")
 
 
 if __name__ == "__main__":
