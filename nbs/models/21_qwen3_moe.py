@@ -173,7 +173,8 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # rows already grouped by expert, `counts[e]` rows for expert e, so each expert is one matmul over a contiguous
 # row range: `grouped_linear` (ops/grouped_linear) runs them as one `F.grouped_mm` kernel on CUDA and as a loop
 # over experts (one host synchronisation to read `counts`) elsewhere; `swiglu` (ops/swiglu) is
-# `silu(gate) · up`, a Triton kernel on CUDA. Both are checked against plain PyTorch in their own notebooks.
+# `silu(gate) · up`, a Triton kernel on CUDA. Both are checked against plain PyTorch in their own notebooks. The
+# experts call it through `expert_linear` (ops/fp8), which runs the FP8 layer instead under `train.fp8`.
 
 # %%
 #| export

@@ -391,7 +391,8 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 # the gate in the even columns and the up projection in the odd ones (interleaved), `down_proj` (E, I, H), and biases
 # `gate_up_proj_bias` (E, 2I) and `down_proj_bias` (E, H). They are kept in that layout, so checkpoints load
 # unchanged, and `grouped_linear`, which wants `(E, out, in)`, gets the transposed *view* `.mT`, not a copy (its
-# forward hands `F.grouped_mm` the transpose back, which is the stored tensor). The rows arrive grouped by expert,
+# forward hands `F.grouped_mm` the transpose back, which is the stored tensor; under `train.fp8`, `expert_linear`
+# (ops/fp8) quantizes the stored tensor as it is). The rows arrive grouped by expert,
 # `counts[e]` rows for expert e. Each row's bias is added as `one_hot @ bias`, with `one_hot` (N, E) marking the
 # row's expert (built by `repeat_interleave` with the known output size, so no host synchronisation): the forward
 # picks each bias exactly, and autograd's backward, `one_hotᵀ @ dy`, sums each expert's rows in a matmul, which

@@ -235,7 +235,8 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 #
 # Every dense projection is made by `projection` and the routed experts are `Experts`, as in Qwen3-MoE: stacked
 # weights with transformers' names and layouts, `gate_up_proj` (E, 2I, H) (gate rows first) and `down_proj`
-# (E, H, I), run on rows grouped by expert through `grouped_linear` and `swiglu` (ops/12, ops/10). The shared
+# (E, H, I), run on rows grouped by expert through `expert_linear` (`grouped_linear`, or FP8 under `train.fp8`;
+# ops/15, ops/12) and `swiglu` (ops/10). The shared
 # expert is a plain SwiGLU `MLP` of three projections. The router, the shared expert's gate and the output head
 # stay in the model's dtype.
 

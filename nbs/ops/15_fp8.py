@@ -637,8 +637,8 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 # quantizing inside. Forward quantizes X both ways in one pass when the weight needs a gradient and keeps only the
 # FP8 column quantization for the weight gradient (about 1.1 bytes per element instead of bf16's 2), and W in
 # blocks. Backward quantizes dY both ways in one pass and quantizes W again, transposed: W is a parameter that the
-# backward holds anyway (FSDP2 gathers it again for the backward), so the FP8 copy is not kept alive between forward
-# and backward. The weight gradient either runs at once or waits in a `WeightGradQueue`, exactly as in
+# backward holds anyway (FSDP2 gathers it again for the backward), so the layer keeps no FP8 copy alive between
+# forward and backward (under `train.fp8` the step keeps one, below). The weight gradient either runs at once or waits in a `WeightGradQueue`, exactly as in
 # `grouped_linear`: the deferred closure holds the two FP8 column quantizations and hands its result to
 # `torch.autograd.backward(w, dW)`, which accumulates it into the parameter and fires its hooks.
 #
@@ -880,13 +880,14 @@ for bad, msg in [
 # optimizer step. So `train.fp8` quantizes each expert weight once per step and direction: `Fp8Weights` holds the
 # copies of one experts module (forward layout and transposed, made on first use) and `clear()` drops them; the
 # trainer clears every module after each optimizer step (`clear_fp8`). The copies cost 2 bytes per expert weight
-# element for the step (1 each way), as much as a bf16 copy of the weights, and save 2 of the 3 reads of each weight
-# per micro-batch that quantization would otherwise make. A copy made from a weight that has since changed would be
-# silently stale, so the check below changes a weight in place and shows both what `clear` prevents and that it does.
+# element for the step (1 each way), as much as a bf16 copy of the weights, and turn the 2 quantization passes over
+# each weight per micro-batch into 2 per step. A copy made from a weight that has since changed would be silently
+# stale, so the check below changes a weight in place and shows both what `clear` prevents and that it does.
 #
 # `expert_linear` is the experts' one projection call in all four models: `grouped_linear` in the compute dtype, or,
-# when the module's `fp8` holds an `Fp8Weights` (`set_fp8`), `fp8_grouped_linear` with the step's copy. The Triton
-# path uses the copies; the torch reference on a CPU quantizes inside as before (same values, a loop per expert).
+# when the module's `fp8` holds an `Fp8Weights` (`set_fp8`), `fp8_grouped_linear` with the step's copy. Both
+# implementations keep their copies there: the Triton kernels' on a GPU, `quantize_weight_ref`'s (the same values,
+# in plain torch) on a CPU.
 
 # %%
 #| export
