@@ -118,36 +118,29 @@ def _ws_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr,
     _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
 
 
-def ws(qa, sa, qb, sb, counts, cfg=GemmConfig(stages=3)):
+def _launch(kernel, qa, qb, counts, cfg, scales=(), **meta):
+    "One of the kernels above on ops/15's tile schedule: C (M, N) in bf16; `scales` (sa, sb) for the scaled ones."
     (M, K), (E, N) = qa.shape, qb.shape[:2]
     c = torch.empty(M, N, dtype=torch.bfloat16, device=qa.device)
     row_offs, tile_offs = _schedule(counts, cfg.block_m)
     grid = _max_tiles(M, E, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    _ws_kernel[(grid,)](qa, sa.t(), qb, sb.contiguous(), c, row_offs, tile_offs, M, N, K, E, BM=cfg.block_m,
-                        BN=cfg.block_n, BK=cfg.block_k, E_P2=_e_p2(E), STAGES=cfg.stages, num_warps=cfg.warps)
+    operands = (qa, scales[0].t(), qb, scales[1].contiguous()) if scales else (qa, qb)
+    kernel[(grid,)](*operands, c, row_offs, tile_offs, M, N, K, E, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                    E_P2=_e_p2(E), num_warps=cfg.warps, **meta)
     return c
+
+
+def ws(qa, sa, qb, sb, counts, cfg=GemmConfig(stages=3)):   # the stages go to tl.range
+    return _launch(_ws_kernel, qa, qb, counts, cfg, (sa, sb), STAGES=cfg.stages)
 
 
 def paired(qa, sa, qb, sb, counts, cfg=GemmConfig(stages=2)):   # each stage holds two K-steps
-    (M, K), (E, N) = qa.shape, qb.shape[:2]
-    assert K % (2 * cfg.block_k) == 0 and cfg.block_k == 128
-    c = torch.empty(M, N, dtype=torch.bfloat16, device=qa.device)
-    row_offs, tile_offs = _schedule(counts, cfg.block_m)
-    grid = _max_tiles(M, E, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    _paired_kernel[(grid,)](qa, sa.t(), qb, sb.contiguous(), c, row_offs, tile_offs, M, N, K, E, BM=cfg.block_m,
-                            BN=cfg.block_n, BK=cfg.block_k, E_P2=_e_p2(E), num_warps=cfg.warps,
-                            num_stages=cfg.stages)
-    return c
+    assert qa.shape[1] % (2 * cfg.block_k) == 0 and cfg.block_k == 128
+    return _launch(_paired_kernel, qa, qb, counts, cfg, (sa, sb), num_stages=cfg.stages)
 
 
 def unscaled(qa, qb, counts, cfg=GemmConfig()):
-    (M, K), (E, N) = qa.shape, qb.shape[:2]
-    c = torch.empty(M, N, dtype=torch.bfloat16, device=qa.device)
-    row_offs, tile_offs = _schedule(counts, cfg.block_m)
-    grid = _max_tiles(M, E, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    _unscaled_kernel[(grid,)](qa, qb, c, row_offs, tile_offs, M, N, K, E, BM=cfg.block_m, BN=cfg.block_n,
-                              BK=cfg.block_k, E_P2=_e_p2(E), num_warps=cfg.warps, num_stages=cfg.stages)
-    return c
+    return _launch(_unscaled_kernel, qa, qb, counts, cfg, num_stages=cfg.stages)
 
 
 def main():

@@ -918,12 +918,11 @@ def expert_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQ
     return fp8_grouped_linear(x, w, counts, wgrad_queue, weight=fp8.weight(name, w))
 
 
-def set_fp8(model: torch.nn.Module, on: bool) -> int:
-    "`train.fp8`: give every experts module (those with an `fp8` attribute) an `Fp8Weights`, or none; how many."
-    found = [m for m in model.modules() if hasattr(m, "fp8")]
-    for m in found:
-        m.fp8 = Fp8Weights() if on else None
-    return len(found)
+def set_fp8(model: torch.nn.Module, on: bool) -> None:
+    "`train.fp8`: give every experts module (those with an `fp8` attribute) an `Fp8Weights`, or none."
+    for m in model.modules():
+        if hasattr(m, "fp8"):
+            m.fp8 = Fp8Weights() if on else None
 
 
 def clear_fp8(model: torch.nn.Module) -> None:
