@@ -13,7 +13,8 @@ for every case):
   the block-scaled Triton kernels; TFLOP/s count 3 products of
   2·rows·in·out each; relative errors (Frobenius) of y, dx, dw against an fp32 per-expert reference on the same bf16
   inputs;
-- the forward GEMM alone on operands quantized beforehand (bf16 grouped_mm, Triton block-scaled);
+- the forward GEMM alone on operands quantized beforehand (bf16 grouped_mm, Triton block-scaled), and the
+  backward's two Triton GEMMs (input gradient, weight gradient) the same way;
 - the quantization passes alone, in GB/s (bytes read + written);
 - a tile sweep of the Triton forward GEMM and weight-gradient GEMM (Qwen3's gate/up shape), printing the best.
 
@@ -137,6 +138,16 @@ def bench_experts(name, shape, tokens, sweep):
         if q:
             fwd_only("fp8 triton fwd GEMM",
                      lambda: fp8.fp8_grouped_mm(q["a"].q, q["a"].s, *q["w"], counts, torch.bfloat16))
+            # the backward's two GEMMs alone, on operands quantized beforehand (the errors are against dx, dw)
+            gq, wt = fp8.quantize_act(dy, counts, cols=True), fp8.quantize_weight(wd, transposed=True)
+            aq = fp8.quantize_act(xd, counts, rows=False, cols=True)
+            for case, gemm, want in [
+                    ("fp8 triton dgrad GEMM", lambda: fp8.fp8_grouped_mm(gq.q, gq.s, *wt, counts, torch.bfloat16),
+                     ref[1]),
+                    ("fp8 triton wgrad GEMM", lambda: fp8.fp8_grouped_wgrad(gq.qt, gq.st, aq.qt, aq.st, counts,
+                                                                           torch.bfloat16), ref[2])]:
+                run(group, case, lambda: report(group, case, do_bench(gemm, return_mode="median"), flops,
+                                                errs=dict(err=rel(gemm(), want))))
 
         def quant(case, fn, nbytes):
             run(group, case, lambda: report(group, case, do_bench(fn, return_mode="median"), nbytes=nbytes))

@@ -9,7 +9,7 @@ At the Qwen3-30B-A3B expert shapes (128 experts × 1,032 rows, gate/up 2048 -> 1
   multiplied by the two scales and added to the fp32 accumulator (promotion every 128 of K);
 - `unscaled`: the same kernel, tiles and launch, with the scales dropped and the products accumulated inside
   `tl.dot` (`acc = tl.dot(a, b, acc)`): what Triton reaches on this schedule when nothing happens between steps;
-- `paired`: two 128-deep products issued before either is scaled, so that the second can run while the first
+- `paired`: two 128-deep products issued before either is promoted, so that the second can run while the first
   waits (each pipeline stage holds both K-steps);
 - `ws`: ops/15's kernel with its K loop warp-specialised by Triton (`tl.range(..., warp_specialize=True)`);
 - bf16 `F.grouped_mm` on the same rows.
@@ -27,8 +27,10 @@ from pith_lit.ops.fp8 import (GemmConfig, _e_p2, _expert_of_tile, _max_tiles, _s
 
 
 @triton.jit
-def _tile(row_offs_ptr, tile_offs_ptr, N, E, BM: tl.constexpr, BN: tl.constexpr, E_P2: tl.constexpr):
-    "This program's output tile, as ops/15's kernel takes it: expert (E past the last tile), rows, columns, masks."
+def _tile(a_ptr, b_ptr, row_offs_ptr, tile_offs_ptr, N, K, E, BM: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, E_P2: tl.constexpr):
+    """This program's output tile, as ops/15's kernel takes it: expert (E past the last tile), rows, columns, masks,
+    and the pointers to the first K-step of A and B."""
     n_tiles = tl.cdiv(N, BN)
     t = tl.program_id(0) // n_tiles
     j = tl.program_id(0) % n_tiles
@@ -37,7 +39,10 @@ def _tile(row_offs_ptr, tile_offs_ptr, N, E, BM: tl.constexpr, BN: tl.constexpr,
     rows = tl.load(row_offs_ptr + safe) + (t - tl.load(tile_offs_ptr + safe)) * BM + tl.arange(0, BM)
     row_ok = rows < tl.load(row_offs_ptr + safe + 1)
     cols = j * BN + tl.arange(0, BN)
-    return e, rows, row_ok, cols, cols < N
+    kk = tl.arange(0, BK)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
+    b_ptrs = b_ptr + safe.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
+    return e, rows, row_ok, cols, cols < N, a_ptrs, b_ptrs
 
 
 @triton.jit
@@ -47,14 +52,18 @@ def _store(c_ptr, acc, rows, row_ok, cols, col_ok, N):
 
 
 @triton.jit
+def _b_scales(sb_ptr, e, N, K, BN: tl.constexpr):
+    "B's scales of this program's tile, one per 128 of K (BN divides 128: the tile lies in one block of columns)."
+    return sb_ptr + (e * tl.cdiv(N, 128) + (tl.program_id(0) % tl.cdiv(N, BN)) * BN // 128) * tl.cdiv(K, 128)
+
+
+@triton.jit
 def _unscaled_kernel(a_ptr, b_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr):
-    e, rows, row_ok, cols, col_ok = _tile(row_offs_ptr, tile_offs_ptr, N, E, BM, BN, E_P2)
+    e, rows, row_ok, cols, col_ok, a_ptrs, b_ptrs = _tile(a_ptr, b_ptr, row_offs_ptr, tile_offs_ptr, N, K, E, BM, BN,
+                                                          BK, E_P2)
     if e >= E:
         return
-    kk = tl.arange(0, BK)
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
-    b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -69,14 +78,11 @@ def _unscaled_kernel(a_ptr, b_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, 
 def _paired_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr):
     # two 128-deep products per iteration, both issued before either is scaled (K a multiple of 2·BK)
-    e, rows, row_ok, cols, col_ok = _tile(row_offs_ptr, tile_offs_ptr, N, E, BM, BN, E_P2)
+    e, rows, row_ok, cols, col_ok, a_ptrs, b_ptrs = _tile(a_ptr, b_ptr, row_offs_ptr, tile_offs_ptr, N, K, E, BM, BN,
+                                                          BK, E_P2)
     if e >= E:
         return
-    kk = tl.arange(0, BK)
-    KB = tl.cdiv(K, 128)
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
-    b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
-    sb_ptrs = sb_ptr + (e * tl.cdiv(N, 128) + cols // 128) * KB
+    sb_ptrs = _b_scales(sb_ptr, e, N, K, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, 2 * BK):
         a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -88,9 +94,7 @@ def _paired_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_
         kb = k0 // 128
         sa0 = tl.load(sa_ptr + kb * M + rows, mask=row_ok, other=0.0)
         sa1 = tl.load(sa_ptr + (kb + 1) * M + rows, mask=row_ok, other=0.0)
-        sb0 = tl.load(sb_ptrs + kb, mask=col_ok, other=0.0)
-        sb1 = tl.load(sb_ptrs + kb + 1, mask=col_ok, other=0.0)
-        acc += d0 * (sa0[:, None] * sb0[None, :]) + d1 * (sa1[:, None] * sb1[None, :])
+        acc += d0 * (sa0 * tl.load(sb_ptrs + kb))[:, None] + d1 * (sa1 * tl.load(sb_ptrs + kb + 1))[:, None]
         a_ptrs += 2 * BK
         b_ptrs += 2 * BK
     _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
@@ -100,21 +104,66 @@ def _paired_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_
 def _ws_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr, STAGES: tl.constexpr):
     # ops/15's kernel with its K loop warp-specialised by Triton (loads in their own warps)
-    e, rows, row_ok, cols, col_ok = _tile(row_offs_ptr, tile_offs_ptr, N, E, BM, BN, E_P2)
+    e, rows, row_ok, cols, col_ok, a_ptrs, b_ptrs = _tile(a_ptr, b_ptr, row_offs_ptr, tile_offs_ptr, N, K, E, BM, BN,
+                                                          BK, E_P2)
     if e >= E:
         return
-    kk = tl.arange(0, BK)
-    KB = tl.cdiv(K, 128)
-    a_base = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
-    b_base = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
-    sb_ptrs = sb_ptr + (e * tl.cdiv(N, 128) + cols // 128) * KB
+    sb_ptrs = _b_scales(sb_ptr, e, N, K, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES, warp_specialize=True):
-        a = tl.load(a_base + k0, mask=row_ok[:, None], other=0.0)
-        b = tl.load(b_base + k0, mask=col_ok[:, None], other=0.0)
+        a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs + k0, mask=col_ok[:, None], other=0.0)
+        sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * (sa * tl.load(sb_ptrs + k0 // 128))[:, None]
+    _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
+
+
+@triton.jit
+def _outer_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr):
+    # ops/15's kernel as it was: B's scale loaded per column, so each step's scale is a BM × BN tile (a multiply
+    # and a multiply-add per accumulator element)
+    e, rows, row_ok, cols, col_ok, a_ptrs, b_ptrs = _tile(a_ptr, b_ptr, row_offs_ptr, tile_offs_ptr, N, K, E, BM, BN,
+                                                          BK, E_P2)
+    if e >= E:
+        return
+    sb_ptrs = sb_ptr + (e * tl.cdiv(N, 128) + cols // 128) * tl.cdiv(K, 128)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
         sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)
         sb = tl.load(sb_ptrs + k0 // 128, mask=col_ok, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        a_ptrs += BK
+        b_ptrs += BK
+    _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
+
+
+@triton.jit
+def _pipelined_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr):
+    # ops/15's kernel with the product of step i+1 issued before step i is promoted (BN divides 128)
+    e, rows, row_ok, cols, col_ok, a_ptrs, b_ptrs = _tile(a_ptr, b_ptr, row_offs_ptr, tile_offs_ptr, N, K, E, BM, BN,
+                                                          BK, E_P2)
+    if e >= E:
+        return
+    sb_base = _b_scales(sb_ptr, e, N, K, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+    b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+    d = tl.dot(a, tl.trans(b))
+    s = tl.load(sa_ptr + rows, mask=row_ok, other=0.0) * tl.load(sb_base)
+    for k0 in range(BK, K, BK):
+        a_ptrs += BK
+        b_ptrs += BK
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+        d_next = tl.dot(a, tl.trans(b))
+        acc += d * s[:, None]
+        d = d_next
+        s = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0) * tl.load(sb_base + k0 // 128)
+    acc += d * s[:, None]
     _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
 
 
@@ -139,6 +188,15 @@ def paired(qa, sa, qb, sb, counts, cfg=GemmConfig(stages=2)):   # each stage hol
     return _launch(_paired_kernel, qa, qb, counts, cfg, (sa, sb), num_stages=cfg.stages)
 
 
+def outer(qa, sa, qb, sb, counts, cfg=GemmConfig()):
+    return _launch(_outer_kernel, qa, qb, counts, cfg, (sa, sb), num_stages=cfg.stages)
+
+
+def pipelined(qa, sa, qb, sb, counts, cfg=GemmConfig()):
+    assert 128 % cfg.block_n == 0 and qa.shape[1] % cfg.block_k == 0
+    return _launch(_pipelined_kernel, qa, qb, counts, cfg, (sa, sb), num_stages=cfg.stages)
+
+
 def unscaled(qa, qb, counts, cfg=GemmConfig()):
     return _launch(_unscaled_kernel, qa, qb, counts, cfg, num_stages=cfg.stages)
 
@@ -158,6 +216,8 @@ def main():
         ref = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
         cases = {"fp8_grouped_mm (scaled every 128 of K)": lambda: fp8_grouped_mm(a.q, a.s, qw, sw, counts,
                                                                                  torch.bfloat16),
+                 "outer (a scale per element, as before)": lambda: outer(a.q, a.s, qw, sw, counts),
+                 "pipelined (next product issued first)": lambda: pipelined(a.q, a.s, qw, sw, counts),
                  "paired (two products, then both scaled)": lambda: paired(a.q, a.s, qw, sw, counts),
                  "warp-specialised K loop": lambda: ws(a.q, a.s, qw, sw, counts),
                  "unscaled (acc inside tl.dot)": lambda: unscaled(a.q, qw, counts),

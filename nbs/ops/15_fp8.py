@@ -417,8 +417,11 @@ print("weight quantization equals the reference; the transposed layout holds the
 # `(t, j)` with the N tile `j` varying fastest, so the programs that run together share one tile of A (read once
 # from memory, then from L2) and one expert's B (a few MB, which stays in L2). Each step of the K loop loads a
 # `BM × BK` tile of A and a `BN × BK` tile of B, both K-contiguous (the layout Hopper's FP8 tensor-core instruction
-# takes), their scales (A's per row, B's per 128 columns), multiplies in FP8 and adds `dot · (s_a s_b)` to the fp32
-# accumulator. `BK` divides 128, so a step never straddles two scale blocks.
+# takes), their scales, multiplies in FP8 and adds `dot · (s_a s_b)` to the fp32 accumulator. `BK` divides 128, so a
+# step never straddles two scale blocks, and `BN` divides 128, so a tile's columns lie in one block of B: B's scale
+# is one number per step and `s_a s_b` a column of `BM` numbers. Promotion is then one multiply-add per accumulator
+# element; a scale per column would add a multiply per element, which `benchmarks/fp8_bound.py` measures slower
+# (benchmarks/RESULTS.md, "FP8: one scale per row in the promotion").
 #
 # Promotion matters on the GPU: the tensor cores accumulate FP8 products with fewer bits than fp32, and Triton's
 # default on sm90 lets that accumulator run over the whole K. A fresh `tl.dot` per step bounds it to `BK`
@@ -444,7 +447,7 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_off
     KB = tl.cdiv(K, 128)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
     b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
-    sb_ptrs = sb_ptr + (e * tl.cdiv(N, 128) + cols // 128) * KB          # B's scales: (E, ceil(N/128), KB)
+    sb_ptr += (e * tl.cdiv(N, 128) + j * BN // 128) * KB     # B's scales (E, ceil(N/128), KB): one per step
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         if EVEN_K:
@@ -454,9 +457,8 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_off
             k_ok = (k0 + kk < K)[None, :]
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
-        sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)   # A's scales: (KB, M)
-        sb = tl.load(sb_ptrs + k0 // 128, mask=col_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        s = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0) * tl.load(sb_ptr + k0 // 128)
+        acc += tl.dot(a, tl.trans(b)) * s[:, None]                   # A's scales (KB, M) times B's one
         a_ptrs += BK
         b_ptrs += BK
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -496,6 +498,8 @@ def fp8_grouped_mm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, counts: Tenso
     `quantize_act` gives them, `qb (E, N, K)` with 128x128 scales `sb (E, ceil(N/128), ceil(K/128))`, `counts (E,)`
     rows per expert (sum at most M; later rows of C are left unwritten). Returns C `(M, N)` in `out_dtype`."""
     cfg = _check_config(config or GemmConfig())
+    if 128 % cfg.block_n:
+        raise ValueError(f"fp8_grouped_mm's block_n must divide 128 (B has one scale per 128 columns); got {cfg}")
     (M, K), (E, N) = qa.shape, qb.shape[:2]
     _check_fp8("qa", qa, (M, K))
     _check_fp8("qb", qb, (E, N, K))
@@ -865,7 +869,10 @@ for bad, msg in [
                                 torch.zeros(2, 1, 1, **cpu), torch.tensor([1, 3], **cpu), torch.float32), "float8"),
         (lambda: fp8_grouped_mm(torch.zeros(4, 8, **cpu).to(FP8), torch.ones(1, 4, **cpu).t(),
                                 torch.zeros(2, 16, 8, **cpu).to(FP8), torch.ones(2, 1, 1, **cpu),
-                                torch.tensor([1, 3], **cpu), torch.float32, GemmConfig(block_k=256)), "block_k")]:
+                                torch.tensor([1, 3], **cpu), torch.float32, GemmConfig(block_k=256)), "block_k"),
+        (lambda: fp8_grouped_mm(torch.zeros(4, 8, **cpu).to(FP8), torch.ones(1, 4, **cpu).t(),
+                                torch.zeros(2, 16, 8, **cpu).to(FP8), torch.ones(2, 1, 1, **cpu),
+                                torch.tensor([1, 3], **cpu), torch.float32, GemmConfig(block_n=256)), "divide 128")]:
     try:
         bad()
     except (ValueError, RuntimeError) as e:
@@ -1091,6 +1098,28 @@ def scaled_mm_meta_check(M=200, n_in=384, n_out=256):
 scaled_mm_meta_check()
 scaled_mm_meta_check(M=1000, n_in=768, n_out=2048)      # K/128 = 6: the weight scales need the padding to 8
 print(f"CPU checks done in {time.time() - T0:.1f} s")
+
+# %% [markdown]
+# ## Speed, and what bounds it
+#
+# On the H200 the expert layer in FP8 is slower than in bf16, forward and backward together, at both models' expert
+# shapes (benchmarks/RESULTS.md, "FP8: one scale per row in the promotion"). `benchmarks/fp8_bench.py` times each
+# piece and `benchmarks/fp8_bound.py` each variant of the GEMM; two things bound the layer:
+#
+# - **Promotion.** A step's scales apply to a finished 128-deep product, so each step waits for its tensor-core
+#   instruction to complete (`wgmma.wait_group 0` in the kernel's PTX) and then runs the multiply-adds while the
+#   tensor cores idle. The same kernel without scales, whose products chain inside `tl.dot` with one instruction in
+#   flight, is a quarter to a third faster. Issuing the next product before promoting the last changes nothing
+#   (Triton still waits right after each product), and Triton's warp specialisation of the loop does not overlap
+#   them either. The three FP8 GEMMs together run at about the speed of bf16's three, not at the tensor cores' FP8
+#   rate.
+# - **Quantization.** The activations (the input in the forward, the output gradient in the backward, each in both
+#   layouts in one pass) and the weights (both layouts, once per step) go through kernels of their own; at these
+#   shapes those passes are a quarter to a third of the layer's time.
+#
+# Lifting the first needs the promotion in warp groups of its own, overlapping the next product (DeepGEMM's
+# design), which Triton does not express here. Fusing the activations' quantization into the kernels that produce
+# them (SwiGLU's output, the permutation's gather) would remove part of the second, not the first.
 
 # %% [markdown]
 # ## On the GPU

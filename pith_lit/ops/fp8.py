@@ -202,7 +202,7 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_off
     KB = tl.cdiv(K, 128)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
     b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
-    sb_ptrs = sb_ptr + (e * tl.cdiv(N, 128) + cols // 128) * KB          # B's scales: (E, ceil(N/128), KB)
+    sb_ptr += (e * tl.cdiv(N, 128) + j * BN // 128) * KB     # B's scales (E, ceil(N/128), KB): one per step
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         if EVEN_K:
@@ -212,9 +212,8 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_off
             k_ok = (k0 + kk < K)[None, :]
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
-        sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)   # A's scales: (KB, M)
-        sb = tl.load(sb_ptrs + k0 // 128, mask=col_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        s = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0) * tl.load(sb_ptr + k0 // 128)
+        acc += tl.dot(a, tl.trans(b)) * s[:, None]                   # A's scales (KB, M) times B's one
         a_ptrs += BK
         b_ptrs += BK
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -247,6 +246,8 @@ def fp8_grouped_mm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, counts: Tenso
     `quantize_act` gives them, `qb (E, N, K)` with 128x128 scales `sb (E, ceil(N/128), ceil(K/128))`, `counts (E,)`
     rows per expert (sum at most M; later rows of C are left unwritten). Returns C `(M, N)` in `out_dtype`."""
     cfg = _check_config(config or GemmConfig())
+    if 128 % cfg.block_n:
+        raise ValueError(f"fp8_grouped_mm's block_n must divide 128 (B has one scale per 128 columns); got {cfg}")
     (M, K), (E, N) = qa.shape, qb.shape[:2]
     _check_fp8("qa", qa, (M, K))
     _check_fp8("qb", qb, (E, N, K))
