@@ -4,6 +4,7 @@ left to tests/test_readme.py).
 The notebook must end by printing PASS; a failing check raises, which makes papermill fail. The executed
 notebook is written under the pytest temporary directory for inspection.
 """
+import json
 import re
 import subprocess
 import sys
@@ -25,13 +26,32 @@ def test_the_readme_runs_a_validation_notebook():
     assert RUN_BY_README and RUN_BY_README <= {p.stem for p in (NBS / "validate").glob("v*.py")}, RUN_BY_README
 
 
+def run_validation(nb, tmp_path, **params) -> str:
+    "Execute a validation notebook with papermill (out_dir and `params` set); returns the executed notebook's text."
+    out = tmp_path / f"{nb.stem}.out.ipynb"
+    code = ("import json, jupytext, papermill, sys; "
+            "papermill.execute_notebook(jupytext.read(sys.argv[1]), sys.argv[2], cwd=sys.argv[4], "
+            "parameters={'out_dir': sys.argv[3], **json.loads(sys.argv[5])}, kernel_name='python3', "
+            "progress_bar=False)")
+    proc = subprocess.run([sys.executable, "-c", code, str(nb), str(out), str(tmp_path), str(nb.parent),
+                           json.dumps(params)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, f"{nb.name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    text = out.read_text()
+    assert "PASS" in text, f"{nb.name} did not print PASS"
+    return text
+
+
 @pytest.mark.parametrize("nb", VALIDATIONS, ids=[p.stem for p in VALIDATIONS])
 def test_validation(nb, tmp_path):
-    out = tmp_path / f"{nb.stem}.out.ipynb"
-    code = ("import jupytext, papermill, sys; "
-            "papermill.execute_notebook(jupytext.read(sys.argv[1]), sys.argv[2], cwd=sys.argv[4], "
-            "parameters={'out_dir': sys.argv[3]}, kernel_name='python3', progress_bar=False)")
-    proc = subprocess.run([sys.executable, "-c", code, str(nb), str(out), str(tmp_path), str(nb.parent)], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{nb.name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    assert "PASS" in out.read_text(), f"{nb.name} did not print PASS"
+    run_validation(nb, tmp_path)
+
+
+def test_fp8_validation_repeat(tmp_path):
+    "v05's repeat run: on the CPU, with the same thread count, the unquantized run repeats bitwise (spread 0)."
+    overrides = ["model.num_hidden_layers=2", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=8",
+                 "train.warmup=2", "log.eval_every=0"]
+    text = run_validation(NBS / "validate" / "v05_fp8.py", tmp_path, steps=8, tail=4, warm=2, repeat=True,
+                          overrides=overrides)
+    assert "unquantized, again" in text
+    assert "two unquantized runs end 0.00% apart (training loss) and 0.00% (held-out)" in text, text[-3000:]
