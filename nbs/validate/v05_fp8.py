@@ -24,15 +24,15 @@
 #
 # With `repeat = True` it trains the unquantized configuration a second time. On a GPU two identical runs are not
 # bitwise equal (kernels that add with atomics sum in a varying order), and 300 steps of a 12-layer model turn a
-# 1e-6 difference at step 3 into a few percent of the per-step loss, so that run measures how far the metrics
-# move without any change in arithmetic; each margin is then the larger of `max_gap` (or `max_val_gap`) and that
-# spread, and both are printed. On the CPU a run repeats bitwise, and the default leaves it off.
+# last-digit difference in the first steps into a few percent of the per-step loss, so that run measures how far
+# the metrics move without any change in arithmetic; each margin is then the larger of `max_gap` (or
+# `max_val_gap`) and that spread, and both are printed. On the CPU a run repeats bitwise, and the default leaves it
+# off.
 #
-# The CPU margins (3% and 10%) are wide because the FP8 run is sensitive to summation order there: the same two
-# runs with one thread instead of two, or on another machine, end with the FP8 run 0.3–2.1% above the
-# unquantized one in training loss and 1.2–7.1% in held-out loss (rounding onto E4M3 turns a last-bit difference
-# into a different rounding, and 300 steps amplify it), while the unquantized run itself moves by 0.1% and 2.4%
-# between one thread and two (benchmarks/RESULTS.md, "v05 on the CPU").
+# The CPU margins are wide because there the FP8 run is sensitive to summation order: with one thread instead of
+# two, or on another machine, its distance from the unquantized run changes by more than the
+# unquantized run itself moves (rounding onto E4M3 turns a last-bit difference into a different rounding, and 300
+# steps amplify it; benchmarks/RESULTS.md, "v05 on the CPU").
 #
 # CPU (the defaults: the tiny Qwen3-MoE cut to two layers, 300 steps of 8 × 64 tokens), from the repository root
 # with the venv active: `mkdir -p out && jupytext --to ipynb nbs/validate/v05_fp8.py -o - | papermill - out/v05.ipynb
