@@ -58,6 +58,12 @@ def _b_scales(sb_ptr, e, N, K, BN: tl.constexpr):
 
 
 @triton.jit
+def _step_scale(sa_ptr, sb_ptrs, k0, M, rows, row_ok):
+    "The scale of the K-step at k0 for each row of the tile: A's per row (stored (KB, M)) times B's one."
+    return tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0) * tl.load(sb_ptrs + k0 // 128)
+
+
+@triton.jit
 def _unscaled_kernel(a_ptr, b_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr):
     e, rows, row_ok, cols, col_ok, a_ptrs, b_ptrs = _tile(a_ptr, b_ptr, row_offs_ptr, tile_offs_ptr, N, K, E, BM, BN,
@@ -91,10 +97,8 @@ def _paired_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_
         b1 = tl.load(b_ptrs + BK, mask=col_ok[:, None], other=0.0)
         d0 = tl.dot(a0, tl.trans(b0))
         d1 = tl.dot(a1, tl.trans(b1))
-        kb = k0 // 128
-        sa0 = tl.load(sa_ptr + kb * M + rows, mask=row_ok, other=0.0)
-        sa1 = tl.load(sa_ptr + (kb + 1) * M + rows, mask=row_ok, other=0.0)
-        acc += d0 * (sa0 * tl.load(sb_ptrs + kb))[:, None] + d1 * (sa1 * tl.load(sb_ptrs + kb + 1))[:, None]
+        acc += (d0 * _step_scale(sa_ptr, sb_ptrs, k0, M, rows, row_ok)[:, None]
+                + d1 * _step_scale(sa_ptr, sb_ptrs, k0 + BK, M, rows, row_ok)[:, None])
         a_ptrs += 2 * BK
         b_ptrs += 2 * BK
     _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
@@ -113,15 +117,14 @@ def _ws_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr,
     for k0 in tl.range(0, K, BK, num_stages=STAGES, warp_specialize=True):
         a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
         b = tl.load(b_ptrs + k0, mask=col_ok[:, None], other=0.0)
-        sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * (sa * tl.load(sb_ptrs + k0 // 128))[:, None]
+        acc += tl.dot(a, tl.trans(b)) * _step_scale(sa_ptr, sb_ptrs, k0, M, rows, row_ok)[:, None]
     _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
 
 
 @triton.jit
 def _outer_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr):
-    # ops/15's kernel as it was: B's scale loaded per column, so each step's scale is a BM × BN tile (a multiply
+    # ops/15's kernel with B's scale loaded per column, so each step's scale is a BM × BN tile (a multiply
     # and a multiply-add per accumulator element)
     e, rows, row_ok, cols, col_ok, a_ptrs, b_ptrs = _tile(a_ptr, b_ptr, row_offs_ptr, tile_offs_ptr, N, K, E, BM, BN,
                                                           BK, E_P2)
@@ -148,12 +151,12 @@ def _pipelined_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_of
                                                           BK, E_P2)
     if e >= E:
         return
-    sb_base = _b_scales(sb_ptr, e, N, K, BN)
+    sb_ptrs = _b_scales(sb_ptr, e, N, K, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
     b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
     d = tl.dot(a, tl.trans(b))
-    s = tl.load(sa_ptr + rows, mask=row_ok, other=0.0) * tl.load(sb_base)
+    s = _step_scale(sa_ptr, sb_ptrs, 0, M, rows, row_ok)
     for k0 in range(BK, K, BK):
         a_ptrs += BK
         b_ptrs += BK
@@ -162,7 +165,7 @@ def _pipelined_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_of
         d_next = tl.dot(a, tl.trans(b))
         acc += d * s[:, None]
         d = d_next
-        s = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0) * tl.load(sb_base + k0 // 128)
+        s = _step_scale(sa_ptr, sb_ptrs, k0, M, rows, row_ok)
     acc += d * s[:, None]
     _store(c_ptr, acc, rows, row_ok, cols, col_ok, N)
 

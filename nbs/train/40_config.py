@@ -145,7 +145,9 @@ class TrainConfig:
     fp8: bool = cfg(False, "the routed experts' matmuls in FP8: E4M3 with power-of-two scales per 1×128 activation "
                            "tile and 128×128 weight block (DeepSeek-V3's recipe), each weight quantized once per step; "
                            "Triton kernels on CUDA (sm89 or newer), their torch reference on a CPU. Attention, the "
-                           "dense projections, router, norms and head stay in train.dtype (ops/15_fp8)")
+                           "dense projections, router, norms and head stay in train.dtype (ops/15_fp8). Measured "
+                           "slower than bf16 on the H200 and using more memory (benchmarks/RESULTS.md): for FP8 "
+                           "numerics and the FP8 kernel work, not for speed yet")
 
 
 @dataclass
