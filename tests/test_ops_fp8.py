@@ -9,7 +9,7 @@ import pytest
 
 from conftest import group_main, run_group
 
-GROUPS = ["quantize", "gemm", "layer", "dense"]
+GROUPS = ["quantize", "gemm", "layer", "swiglu", "dense"]
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -233,6 +233,57 @@ def group_layer():
             fp8_grouped_linear(**kw)
     with pytest.raises(RuntimeError, match="at most the 4"):
         fp8_grouped_linear(ok["x"], ok["w"], torch.tensor([4, 1]), impl="triton")
+
+
+def _ref_swiglu_experts(x, w1, w2, counts, dy):
+    """y, dx, dw1, dw2 of down(swiglu(gate_up(x))) in FP8, float64, one expert at a time: each product from its
+    operands' quantization, SwiGLU and its gradient exact between them."""
+    import torch
+    x, w1, w2, dy = (t.double() for t in (x, w1, w2, dy))
+    y, dx = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64), torch.zeros_like(x)
+    dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
+    for e, (a, b) in enumerate(_bounds(counts)):
+        q1, q2 = _fq(w1[e], (128, 128)), _fq(w2[e], (128, 128))
+        g, u = (_fq(x[a:b], (1, 128)) @ q1.T).chunk(2, -1)
+        s = torch.sigmoid(g)
+        h = g * s * u
+        y[a:b] = _fq(h, (1, 128)) @ q2.T
+        dh = _fq(dy[a:b], (1, 128)) @ q2
+        dw2[e] = _fq(dy[a:b], (128, 1)).T @ _fq(h, (128, 1))
+        dgu = torch.cat([dh * u * s * (1 + g * (1 - s)), dh * g * s], -1)
+        dx[a:b] = _fq(dgu, (1, 128)) @ q1
+        dw1[e] = _fq(dgu, (128, 1)).T @ _fq(x[a:b], (128, 1))
+    return y, dx, dw1, dw2
+
+
+def group_swiglu():
+    """fp8_swiglu_experts (SwiGLU inside the quantization passes) against float64; deferred == immediate."""
+    import torch
+    from pith_lit.ops.fp8 import fp8_swiglu_experts
+    from pith_lit.ops.grouped_linear import WeightGradQueue
+    for i, (counts, extra, hidden, inter) in enumerate([([70, 0, 1, 131], 3, 256, 72), ([0, 140], 0, 130, 128)]):
+        counts = torch.tensor(counts)
+        n = int(counts.sum())
+        x, w1, w2, dy = _randn(500 + i, (n + extra, hidden), (len(counts), 2 * inter, hidden),
+                               (len(counts), hidden, inter), (n + extra, hidden))
+        w1, w2 = w1 / hidden ** 0.5, w2 / inter ** 0.5
+        want = _ref_swiglu_experts(x, w1, w2, counts, dy)
+        got = {}
+        for impl, queue in [("triton", None), ("triton", WeightGradQueue()), ("torch", None)]:
+            xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
+            y = fp8_swiglu_experts(xl, w1l, w2l, counts, queue, impl)
+            y.backward(dy)
+            if queue is not None:
+                assert w1l.grad is None and w2l.grad is None and len(queue) == 2
+                queue.drain()
+            out = [y[:n], xl.grad[:n], w1l.grad, w2l.grad]
+            errs = [_rel(a, b) for a, b in zip(out, [want[0][:n], want[1][:n], *want[2:]])]
+            assert max(errs) < 1e-4, (i, impl, errs)
+            assert (w1l.grad[counts == 0] == 0).all() and (w2l.grad[counts == 0] == 0).all()
+            got[impl, queue is None] = out
+        assert all(torch.equal(a, b) for a, b in zip(got["triton", True], got["triton", False]))
+    with pytest.raises(ValueError, match="w_down"):
+        fp8_swiglu_experts(torch.zeros(4, 8), torch.zeros(2, 16, 8), torch.zeros(2, 8, 4), torch.tensor([1, 3]))
 
 
 def group_dense():

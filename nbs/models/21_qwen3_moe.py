@@ -34,8 +34,7 @@ from torch import Tensor, nn
 from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
-from pith_lit.ops.fp8 import expert_linear
-from pith_lit.ops.swiglu import swiglu
+from pith_lit.ops.fp8 import expert_mlp
 
 # %%
 #| export
@@ -174,7 +173,8 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # row range: `grouped_linear` (ops/grouped_linear) runs them as one `F.grouped_mm` kernel on CUDA and as a loop
 # over experts (one host synchronisation to read `counts`) elsewhere; `swiglu` (ops/swiglu) is
 # `silu(gate) · up`, a Triton kernel on CUDA. Both are checked against plain PyTorch in their own notebooks. The
-# experts call it through `expert_linear` (ops/fp8), which runs the FP8 layer instead under `train.fp8`.
+# experts call them through `expert_mlp` (ops/fp8), which runs the FP8 layers instead under `train.fp8`, with
+# SwiGLU computed inside their quantization passes.
 
 # %%
 #| export
@@ -193,8 +193,7 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(expert_linear(x, local(self.gate_up_proj), counts, wgrad_queue, self.fp8, "gate_up"))
-        return expert_linear(h, local(self.down_proj), counts, wgrad_queue, self.fp8, "down")
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
 
 # %% [markdown]
 # ## Attention

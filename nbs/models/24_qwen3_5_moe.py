@@ -47,8 +47,7 @@ from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared,
 from pith_lit.ops.attention import attention_mask, documents
 from pith_lit.ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
-from pith_lit.ops.fp8 import expert_linear
-from pith_lit.ops.swiglu import swiglu
+from pith_lit.ops.fp8 import expert_mlp
 
 # %% [markdown]
 # ## Config
@@ -235,8 +234,8 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 #
 # Every dense projection is made by `projection` and the routed experts are `Experts`, as in Qwen3-MoE: stacked
 # weights with transformers' names and layouts, `gate_up_proj` (E, 2I, H) (gate rows first) and `down_proj`
-# (E, H, I), run on rows grouped by expert through `expert_linear` (`grouped_linear`, or FP8 under `train.fp8`;
-# ops/15, ops/12) and `swiglu` (ops/10). The shared
+# (E, H, I), run on rows grouped by expert through `expert_mlp` (`grouped_linear` and `swiglu`, or FP8 under
+# `train.fp8`; ops/12, ops/10, ops/15). The shared
 # expert is a plain SwiGLU `MLP` of three projections. The router, the shared expert's gate and the output head
 # stay in the model's dtype.
 
@@ -257,8 +256,7 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(expert_linear(x, local(self.gate_up_proj), counts, wgrad_queue, self.fp8, "gate_up"))
-        return expert_linear(h, local(self.down_proj), counts, wgrad_queue, self.fp8, "down")
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
 
 
 class MLP(nn.Module):

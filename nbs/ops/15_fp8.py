@@ -35,8 +35,9 @@
 # (activations both ways in one pass, weights in either layout); a grouped FP8 GEMM over rows grouped by expert and
 # a grouped weight-gradient GEMM over tokens grouped by expert, both without a host sync; `fp8_grouped_linear`, the
 # autograd function for the experts, whose weight gradient can wait in ops/grouped_linear's `WeightGradQueue`;
-# `Fp8Weights` and `expert_linear`, through which the models' experts run in FP8 under `train.fp8` with one copy of
-# each weight per step; and `fp8_linear`, the dense layer through `F.scaled_mm`. On a CPU the kernels run under the
+# `fp8_swiglu_experts`, both projections of a SwiGLU expert with the activation and its gradient computed inside
+# the quantization passes; `Fp8Weights`, `expert_mlp` and `expert_linear`, through which the models' experts run in
+# FP8 under `train.fp8` with one copy of each weight per step; and `fp8_linear`, the dense layer through `F.scaled_mm`. On a CPU the kernels run under the
 # Triton interpreter, which is how the checks run in CI.
 
 # %%
@@ -53,6 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pith_lit.ops.grouped_linear import WeightGradQueue, grouped_linear
+from pith_lit.ops.swiglu import swiglu
 
 # %% [markdown]
 # The checks below run on the GPU when there is one (compiled kernels), otherwise on the CPU under the Triton
@@ -228,8 +230,28 @@ def _expert_of_tile(t, tile_offs_ptr, E, E_P2: tl.constexpr):
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_offs_ptr, tile_offs_ptr, M, K, E, LDT,
-                      ROWS: tl.constexpr, COLS: tl.constexpr, E_P2: tl.constexpr):
+def _act_tile(x_ptr, dh_ptr, rows, cols, mask, K, ACT: tl.constexpr):
+    "The fp32 tile [rows, cols] of what is quantized: x (ACT 0), swiglu(x) (1) or swiglu's input gradient (2)."
+    r64 = rows.to(tl.int64)[:, None]
+    if ACT == 0:                                              # x is (M, K)
+        return tl.load(x_ptr + r64 * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ACT == 1:                                              # x = [gate | up] is (M, 2K)
+        gate = tl.load(x_ptr + r64 * (2 * K) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + r64 * (2 * K) + K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return gate * tl.sigmoid(gate) * up
+    I = K // 2                                                # x = [gate | up] is (M, K), dh is (M, K/2)
+    is_gate = cols < I
+    j = tl.where(is_gate, cols, cols - I)[None, :]
+    gate = tl.load(x_ptr + r64 * K + j, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + r64 * K + I + j, mask=mask & is_gate[None, :], other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + r64 * I + j, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(gate)
+    return tl.where(is_gate[None, :], dh * up * s * (1 + gate * (1 - s)), dh * gate * s)
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, dh_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_offs_ptr, tile_offs_ptr, M, K, E, LDT,
+                      ROWS: tl.constexpr, COLS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr):
     t = tl.program_id(0)
     kb = tl.program_id(1)
     e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
@@ -241,7 +263,7 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_offs_ptr, tile_of
     cols = kb * 128 + r
     col_ok = cols < K
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & col_ok[None, :], K, ACT)
     if ROWS:
         s, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))
         tl.store(q_ptr + offs, _to_e4m3(x * inv[:, None]), mask=row_ok[:, None] & col_ok[None, :])
@@ -277,11 +299,26 @@ class Fp8Act(NamedTuple):
     st: Tensor | None    # (T, K) fp32, scale of column k in token tile t
 
 
-def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, cols: bool = False) -> Fp8Act:
+_ACTS = {None: 0, "swiglu": 1, "swiglu_grad": 2}
+
+
+def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, cols: bool = False,
+                 act: str | None = None, dh: Tensor | None = None) -> Fp8Act:
     """Quantize `x (M, K)` in one pass: along K in 1x128 tiles (`rows`) and/or along tokens in tiles of 128 rows that
-    start at each expert's first row (`cols`; `counts (E,)` int64 rows per expert, None = one group of all M rows)."""
-    M, K = x.shape
+    start at each expert's first row (`cols`; `counts (E,)` int64 rows per expert, None = one group of all M rows).
+    `act="swiglu"`: quantize `swiglu(x)` for `x = [gate | up] (M, 2K)`, computed in the pass; `act="swiglu_grad"`:
+    quantize the gradient of `swiglu` at `x (M, K)` given the output's gradient `dh (M, K/2)`."""
+    if act not in _ACTS:
+        raise ValueError(f"act must be None, 'swiglu' or 'swiglu_grad', got {act!r}")
     x = x.contiguous()
+    M, K = x.shape[0], x.shape[1] // 2 if act == "swiglu" else x.shape[1]
+    if act == "swiglu" and x.shape[1] % 2:
+        raise ValueError(f"act='swiglu' wants x = [gate | up] with an even width, got {tuple(x.shape)}")
+    if act == "swiglu_grad":
+        if dh is None or dh.shape != (M, K // 2) or K % 2:
+            raise ValueError(f"act='swiglu_grad' wants x (M, 2I) and dh (M, I), got x {tuple(x.shape)}, "
+                             f"dh {None if dh is None else tuple(dh.shape)}")
+        dh = dh.contiguous()
     counts = x.new_full((1,), M, dtype=torch.int64) if counts is None else counts
     E, T, KB = counts.numel(), _max_tiles(M, counts.numel(), 128), triton.cdiv(K, 128)
     row_offs, tile_offs = _schedule(counts, 128)
@@ -290,8 +327,8 @@ def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, col
     qt = torch.empty(K, 128 * T, dtype=FP8, device=x.device) if cols else None
     st = torch.empty(T, K, dtype=torch.float32, device=x.device) if cols else None
     if T * KB > 0 and (rows or cols):
-        _quant_act_kernel[(T, KB)](x, q, s, qt, st, row_offs, tile_offs, M, K, E, 128 * T,
-                                   ROWS=rows, COLS=cols, E_P2=_e_p2(E), num_warps=8)
+        _quant_act_kernel[(T, KB)](x, x if dh is None else dh, q, s, qt, st, row_offs, tile_offs, M, K, E, 128 * T,
+                                   ROWS=rows, COLS=cols, E_P2=_e_p2(E), ACT=_ACTS[act], num_warps=8)
     return Fp8Act(q, s.t() if rows else None, qt, st)
 
 # %% [markdown]
@@ -735,13 +772,16 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             dx, wgrad = _triton_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
         else:
             dx, wgrad = _torch_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
-        if not need_dw:
-            return dx, None, None, None, None, None
-        if ctx.queue is None:
-            return dx, wgrad(), None, None, None, None
-        w_in = ctx.param
-        ctx.queue.push(lambda: torch.autograd.backward(w_in, wgrad()))
-        return dx, None, None, None, None, None
+        return dx, _deliver(ctx.queue, ctx.param, wgrad), None, None, None, None
+
+
+def _deliver(queue: WeightGradQueue | None, param: Tensor | None, wgrad):
+    """A weight gradient for autograd to return: `wgrad()` now, or None when there is none (`wgrad` None) or it waits
+    in `queue`, as a closure that back-propagates it into `param` (the weight tensor the forward was given)."""
+    if wgrad is None or queue is None:
+        return wgrad() if wgrad is not None else None
+    queue.push(lambda: torch.autograd.backward(param, wgrad()))
+    return None
 
 
 def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
@@ -752,17 +792,21 @@ def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: Weight
     `wgrad_queue` the weight gradient waits for `wgrad_queue.drain()`. `impl`: "triton", "torch", or None (triton
     on CUDA, torch elsewhere). `weight(transposed, quantize)`: w's 128x128 quantization, `quantize(w, transposed)`
     when None, or a copy kept for the step (`Fp8Weights`)."""
+    impl = _check_args("fp8_grouped_linear", x, w, counts, impl)
+    return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl, weight)
+
+
+def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None) -> str:
+    "Refuse what an FP8 expert layer cannot take, in one line; return the implementation to run."
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
-        raise ValueError(f"fp8_grouped_linear wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
+        raise ValueError(f"{name} wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
                          f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
     if counts.dtype != torch.int64:
         raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
     if impl not in (None, "triton", "torch"):
         raise ValueError(f"impl must be 'triton', 'torch' or None (choose by device), got {impl!r}")
-    impl = impl or ("triton" if x.is_cuda else "torch")
-    torch._assert_async(counts.sum() <= x.shape[0],
-                        f"fp8_grouped_linear: counts must sum to at most the {x.shape[0]} rows of x")
-    return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl, weight)
+    torch._assert_async(counts.sum() <= x.shape[0], f"{name}: counts must sum to at most the {x.shape[0]} rows of x")
+    return impl or ("triton" if x.is_cuda else "torch")
 
 # %% [markdown]
 # ## Checks of the layer
@@ -881,6 +925,141 @@ for bad, msg in [
         raise AssertionError(f"no error for {msg}")
 
 # %% [markdown]
+# ## SwiGLU experts: the activation inside the quantization passes
+#
+# Between its two projections a SwiGLU expert computes `h = silu(gate) · up` from `gate_up (M, 2I)`, and in FP8 the
+# down projection's first act is to quantize `h`; in backward the gate-up projection's first act is to quantize
+# the gradient SwiGLU's backward just wrote. Each time one kernel writes an activation in bf16 and the next reads
+# it back to quantize it. `quantize_act` takes the activation's inputs instead (`act`): with `"swiglu"` it reads
+# `gate_up` and quantizes `swiglu(gate_up)`, with `"swiglu_grad"` it reads `gate_up` and `dh` and quantizes the
+# gradient `[dgate | dup]` (each 128-wide tile finds its columns' gate, up and dh; a tile may straddle the two
+# halves). Neither `h` nor its gradient is ever written in bf16: per layer that saves a write and a read of
+# `(M, I)` forward and of `(M, 2I)` backward.
+#
+# `fp8_swiglu_experts(x, w_gate_up, w_down, counts)` is `down(swiglu(gate_up(x)))` in FP8. With the Triton kernels
+# it is one autograd function around the fused passes; it saves what the two layers and SwiGLU saved apart (the
+# input's and `h`'s column quantizations for the weight gradients, and `gate_up` for SwiGLU's gradient) and defers
+# both weight gradients to a queue the same way. The torch implementation is the two layers and SwiGLU apart.
+# GPT-OSS's experts (biases, a clamped SwiGLU on interleaved columns) call the layers one by one.
+
+# %%
+#| export
+class _Fp8SwiGLUExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w2, counts, wgrad_queue, weight1, weight2):
+        keep1, keep2 = ctx.needs_input_grad[1:3]
+        a = quantize_act(x, counts, rows=True, cols=keep1)
+        gate_up = fp8_grouped_mm(a.q, a.s, *weight1(False, quantize_weight), counts, x.dtype)
+        h = quantize_act(gate_up, counts, rows=True, cols=keep2, act="swiglu")
+        y = fp8_grouped_mm(h.q, h.s, *weight2(False, quantize_weight), counts, x.dtype)
+        ctx.queue, ctx.weights, ctx.keep = wgrad_queue, (weight1, weight2), (keep1, keep2)
+        ctx.params = (w1, w2) if wgrad_queue is not None else (None, None)
+        ctx.save_for_backward(w1, w2, counts, gate_up, *((a.qt, a.st) if keep1 else ()),
+                              *((h.qt, h.st) if keep2 else ()))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w1, w2, counts, gate_up, *saved = ctx.saved_tensors
+        (keep1, keep2), (weight1, weight2), need_dx = ctx.keep, ctx.weights, ctx.needs_input_grad[0]
+        xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
+        g = quantize_act(dy.contiguous(), counts, rows=True, cols=keep2)
+        dh = fp8_grouped_mm(g.q, g.s, *weight2(True, quantize_weight), counts, dy.dtype)
+        dw2 = _deliver(ctx.queue, ctx.params[1],
+                       (lambda: fp8_grouped_wgrad(g.qt, g.st, *hs, counts, w2.dtype)) if keep2 else None)
+        gg = quantize_act(gate_up, counts, rows=need_dx, cols=keep1, act="swiglu_grad", dh=dh)
+        dx = fp8_grouped_mm(gg.q, gg.s, *weight1(True, quantize_weight), counts, dy.dtype) if need_dx else None
+        dw1 = _deliver(ctx.queue, ctx.params[0],
+                       (lambda: fp8_grouped_wgrad(gg.qt, gg.st, *xs, counts, w1.dtype)) if keep1 else None)
+        return dx, dw1, dw2, None, None, None, None
+
+
+def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
+                       wgrad_queue: WeightGradQueue | None = None, impl: str | None = None,
+                       weight_gate_up=None, weight_down=None) -> Tensor:
+    """`down(swiglu(gate_up(x)))` in FP8 for SwiGLU experts: `x (N, H)`, `w_gate_up (E, 2I, H)` (gate rows, then
+    up), `w_down (E, H, I)`, `counts (E,)`; the arguments as `fp8_grouped_linear`'s, one weight copy for each
+    projection. The Triton implementation computes SwiGLU and its gradient inside the quantization passes."""
+    impl = _check_args("fp8_swiglu_experts", x, w_gate_up, counts, impl)
+    if w_down.dim() != 3 or w_down.shape[0] != w_gate_up.shape[0] or 2 * w_down.shape[2] != w_gate_up.shape[1]:
+        raise ValueError(f"fp8_swiglu_experts wants w_down (E, H, I) for w_gate_up (E, 2I, H), got "
+                         f"{tuple(w_down.shape)} and {tuple(w_gate_up.shape)}")
+    if impl == "torch":
+        h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up), impl="torch")
+        return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down)
+    own = lambda w: lambda transposed, quantize: quantize(w, transposed)
+    return _Fp8SwiGLUExperts.apply(x, w_gate_up, w_down, counts, wgrad_queue, weight_gate_up or own(w_gate_up),
+                                   weight_down or own(w_down))
+
+# %% [markdown]
+# The fused passes quantize exactly what the unfused ones do: in fp32 (under the interpreter, or in fp32 on a GPU)
+# `swiglu` in ops/swiglu and these passes compute each element with the same expression, so the quantizations
+# must be **bitwise equal** — at a width `I` that is no multiple of 128 (tiles of the gradient straddle the gate and
+# up halves), with an empty expert and rows past the last one. Then the whole function against the two layers and
+# SwiGLU's Triton kernel apart: output and the three gradients bitwise equal, immediate and deferred to a queue.
+
+# %%
+def check_fused_act(counts, M, I, seed):
+    gate_up, dh = randn(seed, (M, 2 * I), (M, I))
+    counts = torch.tensor(counts)
+    n = int(counts.sum())
+    fwd = quantize_act(gate_up, counts, rows=True, cols=True, act="swiglu")
+    ref = quantize_act(swiglu(gate_up, impl="triton"), counts, rows=True, cols=True)
+    grad = quantize_act(gate_up, counts, rows=True, cols=True, act="swiglu_grad", dh=dh)
+    gate_up_ = gate_up.clone().requires_grad_()
+    swiglu(gate_up_, impl="triton").backward(dh)
+    ref_grad = quantize_act(gate_up_.grad, counts, rows=True, cols=True)
+    tiles = int(((counts + 127) // 128).sum())                # the column tiles in use (the rest is never written)
+    for got, want in ((fwd, ref), (grad, ref_grad)):
+        assert torch.equal(got.q[:n].float(), want.q[:n].float()) and torch.equal(got.s[:n], want.s[:n])
+        assert torch.equal(got.qt[:, :128 * tiles].float(), want.qt[:, :128 * tiles].float())
+        assert torch.equal(got.st[:tiles], want.st[:tiles])
+
+t = time.time()
+check_fused_act([70, 0, 1, 131], 205, 72, seed=8)        # 2I = 144: the gradient's second tile straddles
+check_fused_act([5], 5, 128, seed=9)
+
+
+def check_fused_experts(counts, n_in, inter, extra, seed):
+    counts = torch.tensor(counts)
+    n = int(counts.sum())
+    x, w1, w2, dy = randn(seed, (n + extra, n_in), (len(counts), 2 * inter, n_in), (len(counts), n_in, inter),
+                          (n + extra, n_in))
+    x, w1, w2 = x.requires_grad_(), (w1 / n_in ** 0.5).requires_grad_(), (w2 / inter ** 0.5).requires_grad_()
+    runs = []
+    for fused in (True, False):
+        for queue in (None, WeightGradQueue()):
+            for p in (x, w1, w2):
+                p.grad = None
+            if fused:
+                y = fp8_swiglu_experts(x, w1, w2, counts, queue, impl="triton")
+            else:
+                h = swiglu(fp8_grouped_linear(x, w1, counts, queue, "triton"), impl="triton")
+                y = fp8_grouped_linear(h, w2, counts, queue, "triton")
+            y.backward(dy)
+            if queue is not None:
+                assert w1.grad is None and w2.grad is None and len(queue) == 2
+                queue.drain()
+            runs.append([y[:n].detach(), x.grad[:n], w1.grad, w2.grad])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+    assert (runs[0][2][counts == 0] == 0).all() and (runs[0][3][counts == 0] == 0).all()
+
+check_fused_experts([70, 0, 1, 131], 160, 72, 3, seed=10)
+for bad, msg in [(lambda: quantize_act(torch.zeros(4, 9), act="swiglu"), "even width"),
+                 (lambda: quantize_act(torch.zeros(4, 8), act="swiglu_grad"), "dh (M, I)"),
+                 (lambda: quantize_act(torch.zeros(4, 8), act="gelu"), "act must be"),
+                 (lambda: fp8_swiglu_experts(torch.zeros(4, 8), torch.zeros(2, 16, 8), torch.zeros(2, 8, 6),
+                                             torch.tensor([1, 3])), "w_down (E, H, I)")]:
+    try:
+        bad()
+    except ValueError as e:
+        assert msg in str(e), e
+    else:
+        raise AssertionError(f"no error for {msg}")
+print(f"fused SwiGLU passes equal the unfused ones, bitwise; the experts too ({time.time() - t:.1f} s)")
+
+# %% [markdown]
 # ## One FP8 copy of each expert weight per step
 #
 # A step runs every expert layer once per micro-batch, forward and backward, and the weights change only at the
@@ -891,8 +1070,9 @@ for bad, msg in [
 # each weight per micro-batch into 2 per step. A copy made from a weight that has since changed would be silently
 # stale, so the check below changes a weight in place and shows both what `clear` prevents and that it does.
 #
-# `expert_linear` is the experts' one projection call in all four models: `grouped_linear` in the compute dtype, or,
-# when the module's `fp8` holds an `Fp8Weights` (`set_fp8`), `fp8_grouped_linear` with the step's copy. Both
+# `expert_mlp` is the SwiGLU experts' call (Qwen3, DeepSeek-V2, Qwen3.5) and `expert_linear` one projection (GPT-OSS,
+# whose experts add biases and clamp): `grouped_linear` in the compute dtype, or, when the module's `fp8` holds an
+# `Fp8Weights` (`set_fp8`), `fp8_swiglu_experts` or `fp8_grouped_linear` with the step's copies. Both
 # implementations keep their copies there: the Triton kernels' on a GPU, `quantize_weight_ref`'s (the same values,
 # in plain torch) on a CPU.
 
@@ -923,6 +1103,15 @@ def expert_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQ
     if fp8 is None:
         return grouped_linear(x, w, counts, wgrad_queue)
     return fp8_grouped_linear(x, w, counts, wgrad_queue, weight=fp8.weight(name, w))
+
+
+def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
+               wgrad_queue: WeightGradQueue | None = None, fp8: Fp8Weights | None = None) -> Tensor:
+    "SwiGLU experts, `down(swiglu(gate_up(x)))`: in the compute dtype, or with `fp8` in FP8 on the step's copies."
+    if fp8 is None:
+        return grouped_linear(swiglu(grouped_linear(x, w_gate_up, counts, wgrad_queue)), w_down, counts, wgrad_queue)
+    return fp8_swiglu_experts(x, w_gate_up, w_down, counts, wgrad_queue, weight_gate_up=fp8.weight("gate_up", w_gate_up),
+                              weight_down=fp8.weight("down", w_down))
 
 
 def set_fp8(model: torch.nn.Module, on: bool) -> None:
@@ -1145,3 +1334,24 @@ for impl in ("scaled_mm", "torch"):
 errs = [rel_err(a, b) for a, b in zip(*got)]
 print(f"fp8_linear scaled_mm vs reference: {errs}")
 assert max(errs) < 1e-2, errs
+
+# %% [markdown]
+# The fused SwiGLU experts against the layers apart, in bf16: apart, `h` and its gradient are rounded to bf16
+# between the kernels, fused they go from fp32 straight to E4M3, so the two differ by about bf16's rounding.
+
+# %%
+#| cuda
+counts = torch.tensor([300, 0, 1, 1000, 517], device="cuda")
+x, w1, w2, dy = randn(11, (1818, 1024), (5, 1536, 1024), (5, 1024, 768), (1818, 1024))
+x, dy = x.bfloat16().requires_grad_(), dy.bfloat16()
+w1, w2 = (w1 / 32).bfloat16().requires_grad_(), (w2 / 28).bfloat16().requires_grad_()
+got = []
+for fused in (True, False):
+    x.grad = w1.grad = w2.grad = None
+    y = (fp8_swiglu_experts(x, w1, w2, counts) if fused else
+         fp8_grouped_linear(swiglu(fp8_grouped_linear(x, w1, counts)), w2, counts))
+    y.backward(dy)
+    got.append((y.detach(), x.grad, w1.grad, w2.grad))
+errs = [rel_err(a, b) for a, b in zip(*got)]
+print(f"fused SwiGLU experts vs apart, bf16 on the GPU: {errs}")
+assert max(errs) < 2e-2, errs

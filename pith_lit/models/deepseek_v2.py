@@ -16,8 +16,7 @@ from torch import Tensor, nn
 from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import ring_attention
-from ..ops.fp8 import expert_linear
-from ..ops.swiglu import swiglu
+from ..ops.fp8 import expert_mlp
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #2e1664ca
 YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -172,8 +171,7 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(expert_linear(x, local(self.gate_up_proj), counts, wgrad_queue, self.fp8, "gate_up"))
-        return expert_linear(h, local(self.down_proj), counts, wgrad_queue, self.fp8, "down")
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #0502191e
 class Attention(nn.Module):

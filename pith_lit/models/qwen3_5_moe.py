@@ -17,8 +17,7 @@ from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_lay
 from ..ops.attention import attention_mask, documents
 from ..ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
-from ..ops.fp8 import expert_linear
-from ..ops.swiglu import swiglu
+from ..ops.fp8 import expert_mlp
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #b18712f4
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -155,8 +154,7 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(expert_linear(x, local(self.gate_up_proj), counts, wgrad_queue, self.fp8, "gate_up"))
-        return expert_linear(h, local(self.down_proj), counts, wgrad_queue, self.fp8, "down")
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
 
 
 class MLP(nn.Module):

@@ -15,8 +15,7 @@ from torch import Tensor, nn
 from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
-from ..ops.fp8 import expert_linear
-from ..ops.swiglu import swiglu
+from ..ops.fp8 import expert_mlp
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #8eb992f3
 @dataclass
@@ -113,8 +112,7 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        h = swiglu(expert_linear(x, local(self.gate_up_proj), counts, wgrad_queue, self.fp8, "gate_up"))
-        return expert_linear(h, local(self.down_proj), counts, wgrad_queue, self.fp8, "down")
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #0e8794b9
 class Attention(nn.Module):
