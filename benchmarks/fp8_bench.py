@@ -1,7 +1,7 @@
 """FP8 expert and dense linear layers (pith_lit.ops.fp8) against bf16, on one GPU (written for an H200, torch 2.11,
 Triton 3.6). Run from the repository root:
 
-    PYTHONPATH=. python benchmarks/fp8_bench.py [--tokens 16384] [--json /tmp/fp8_bench.json] [--no-sweep]
+    PYTHONPATH=. python benchmarks/fp8_bench.py [--tokens 16384] [--json /tmp/fp8_bench.json] [--no-sweep] [--mlp-only] [--quant-sweep]
 
 For each model's expert shapes (Qwen3-30B-A3B: hidden 2048, expert FFN 768, 128 experts, top-8; DeepSeek-V2-Lite:
 hidden 2048, expert FFN 1408, 64 experts, top-6) and each projection (gate/up: hidden -> 2·FFN, down: FFN -> hidden),
@@ -16,6 +16,8 @@ for every case):
 - the forward GEMM alone on operands quantized beforehand (bf16 grouped_mm, Triton block-scaled), and the
   backward's two Triton GEMMs (input gradient, weight gradient) the same way;
 - the quantization passes alone, in GB/s (bytes read + written);
+- the whole SwiGLU expert MLP forward + backward: bf16, FP8 with the layers apart, FP8 with SwiGLU fused into the
+  quantization passes (`fp8_swiglu_experts`), the weights' FP8 copies made beforehand as in a step;
 - a tile sweep of the Triton forward GEMM and weight-gradient GEMM (Qwen3's gate/up shape), printing the best.
 
 Then the dense layer: `fp8_linear` (F.scaled_mm with 1x128 / 128x128 block scales) forward + backward and the forward
@@ -181,6 +183,63 @@ def bench_experts(name, shape, tokens, sweep):
                           f"(default {GemmConfig()})")
 
 
+def bench_mlp(name, shape, tokens):
+    """A SwiGLU expert MLP, forward + backward: bf16 (grouped_mm, swiglu, grouped_mm), FP8 with the layers apart
+    (`fp8_grouped_linear`, swiglu, `fp8_grouped_linear`) and FP8 fused (`fp8_swiglu_experts`). The FP8 cases use one
+    `Fp8Weights` made before timing, as a step's copies: the weights' quantization is not timed."""
+    from pith_lit.ops.grouped_linear import grouped_linear
+    from pith_lit.ops.swiglu import swiglu
+    counts = routed_counts(tokens, shape["experts"], shape["top_k"])
+    n, H, I, E = int(counts.sum()), shape["hidden"], shape["ffn"], shape["experts"]
+    group = f"{name} SwiGLU MLP {H}->{2 * I}->{H}"
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(n, H, device=DEV, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H ** 0.5).bfloat16().requires_grad_()
+    w2 = (torch.randn(E, H, I, device=DEV, generator=g) / I ** 0.5).bfloat16().requires_grad_()
+    dy = torch.randn(n, H, device=DEV, generator=g).bfloat16()
+    copies = fp8.Fp8Weights()
+    c1, c2 = copies.weight("gate_up", w1), copies.weight("down", w2)
+    cases = {"bf16": lambda: grouped_linear(swiglu(grouped_linear(x, w1, counts)), w2, counts),
+             "fp8 apart": lambda: fp8.fp8_grouped_linear(swiglu(fp8.fp8_grouped_linear(x, w1, counts, weight=c1)),
+                                                         w2, counts, weight=c2),
+             "fp8 fused": lambda: fp8.fp8_swiglu_experts(x, w1, w2, counts, weight_gate_up=c1, weight_down=c2)}
+    outs = {}
+    for case, mlp in cases.items():
+        def go(case=case, mlp=mlp):
+            outs[case] = [mlp().detach(), *torch.autograd.grad(mlp(), (x, w1, w2), dy)]
+            errs = {} if case == "bf16" else {
+                f"err_{k}": rel(a, b) for k, a, b in zip(("y", "dx", "dw1", "dw2"), outs[case], outs["bf16"])}
+            if case == "fp8 fused" and "fp8 apart" in outs:
+                errs["vs_apart"] = max(rel(a, b) for a, b in zip(outs[case], outs["fp8 apart"]))
+            ms = do_bench(lambda: torch.autograd.grad(mlp(), (x, w1, w2), dy), return_mode="median")
+            report(group, f"{case} fwd+bwd", ms, 6 * n * H * 2 * I + 6 * n * I * H, errs=errs)
+        run(group, case, go)
+
+
+def bench_quant_sweep(name, shape, tokens, warps=(4, 8, 16)):
+    "quantize_act's passes at each warp count (`fp8.QUANT_WARPS`), GB/s of bytes read + written."
+    counts = routed_counts(tokens, shape["experts"], shape["top_k"])
+    n, H, I = int(counts.sum()), shape["hidden"], shape["ffn"]
+    g = torch.Generator(device=DEV).manual_seed(4)
+    x = torch.randn(n, H, device=DEV, generator=g).bfloat16()
+    gate_up = torch.randn(n, 2 * I, device=DEV, generator=g).bfloat16()
+    dh = torch.randn(n, I, device=DEV, generator=g).bfloat16()
+    passes = {f"x rows+cols ({H})": (lambda: fp8.quantize_act(x, counts, cols=True), n * H * 4),
+              f"x rows ({H})": (lambda: fp8.quantize_act(x, counts), n * H * 3),
+              f"swiglu rows+cols ({I})": (lambda: fp8.quantize_act(gate_up, counts, cols=True, act="swiglu"),
+                                          n * I * 6),
+              f"swiglu_grad rows+cols ({2 * I})": (lambda: fp8.quantize_act(gate_up, counts, cols=True,
+                                                                            act="swiglu_grad", dh=dh), n * I * 10)}
+    default = fp8.QUANT_WARPS
+    for w in warps:
+        fp8.QUANT_WARPS = w
+        for case, (fn, nbytes) in passes.items():
+            run(f"{name} quantize_act", f"{case} {w} warps",
+                lambda: report(f"{name} quantize_act", f"{case} {w} warps", do_bench(fn, return_mode="median"),
+                               nbytes=nbytes))
+    fp8.QUANT_WARPS = default
+
+
 def bench_dense(tokens):
     for n_in, n_out in [(2048, 4096), (4096, 2048)]:
         group = f"dense {tokens}x{n_in}->{n_out}"
@@ -219,6 +278,8 @@ def main():
     parser.add_argument("--json", help="also write the rows, with the GPU and versions, to this file")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    parser.add_argument("--mlp-only", action="store_true", help="only the SwiGLU expert MLPs")
+    parser.add_argument("--quant-sweep", action="store_true", help="also time quantize_act at 4, 8 and 16 warps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fp8_bench needs a CUDA GPU (sm90 for the FP8 tensor cores)")
@@ -227,8 +288,13 @@ def main():
                tokens=args.tokens)
     print(env)
     for name in args.models.split(","):
-        run(name, "setup", lambda: bench_experts(name, MODELS[name], args.tokens, not args.no_sweep))
-    run("dense", "setup", lambda: bench_dense(args.tokens))
+        if not args.mlp_only:
+            run(name, "setup", lambda: bench_experts(name, MODELS[name], args.tokens, not args.no_sweep))
+        run(name, "setup", lambda: bench_mlp(name, MODELS[name], args.tokens))
+        if args.quant_sweep:
+            run(name, "setup", lambda: bench_quant_sweep(name, MODELS[name], args.tokens))
+    if not args.mlp_only:
+        run("dense", "setup", lambda: bench_dense(args.tokens))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=ROWS), f, indent=1)

@@ -300,6 +300,7 @@ class Fp8Act(NamedTuple):
 
 
 _ACTS = {None: 0, "swiglu": 1, "swiglu_grad": 2}
+QUANT_WARPS = 8   # warps per 128x128 tile of quantize_act (benchmarks/fp8_bench.py --quant-sweep times others)
 
 
 def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, cols: bool = False,
@@ -328,7 +329,7 @@ def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, col
     st = torch.empty(T, K, dtype=torch.float32, device=x.device) if cols else None
     if T * KB > 0 and (rows or cols):
         _quant_act_kernel[(T, KB)](x, x if dh is None else dh, q, s, qt, st, row_offs, tile_offs, M, K, E, 128 * T,
-                                   ROWS=rows, COLS=cols, E_P2=_e_p2(E), ACT=_ACTS[act], num_warps=8)
+                                   ROWS=rows, COLS=cols, E_P2=_e_p2(E), ACT=_ACTS[act], num_warps=QUANT_WARPS)
     return Fp8Act(q, s.t() if rows else None, qt, st)
 
 # %% [markdown]
