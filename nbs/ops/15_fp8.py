@@ -1334,8 +1334,14 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   shapes those passes are a quarter to a third of the layer's time.
 #
 # Lifting the first needs the promotion in warp groups of its own, overlapping the next product (DeepGEMM's
-# design), which Triton does not express here. Fusing the activations' quantization into the kernels that produce
-# them (SwiGLU's output, the permutation's gather) would remove part of the second, not the first.
+# design), which Triton does not express here. Of the second, SwiGLU's passes are fused (`fp8_swiglu_experts`
+# above): the activation and its gradient are computed where they are quantized. The quantization of the experts'
+# input stays a pass of its own: the rows it reads are gathered by the dispatcher's `expand` (the engine's
+# permutation, one per dispatcher: one rank, or expert parallelism after the all-to-all) just before the model's
+# `stage3` (models/20), and folding that gather into the experts' first kernel would make the model's experts
+# depend on each dispatcher's row layout, which the layer protocol keeps on the engine's side. The passes that write
+# the column (transposed) quantization run at under half the memory bandwidth (a reduction across 128 rows and a
+# store through shared memory); benchmarks/RESULTS.md has their rates.
 
 # %% [markdown]
 # ## On the GPU
