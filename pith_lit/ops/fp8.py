@@ -568,8 +568,8 @@ def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
     "SwiGLU experts, `down(swiglu(gate_up(x)))`: in the compute dtype, or with `fp8` in FP8 on the step's copies."
     if fp8 is None:
         return grouped_linear(swiglu(grouped_linear(x, w_gate_up, counts, wgrad_queue)), w_down, counts, wgrad_queue)
-    return fp8_swiglu_experts(x, w_gate_up, w_down, counts, wgrad_queue, weight_gate_up=fp8.weight("gate_up", w_gate_up),
-                              weight_down=fp8.weight("down", w_down))
+    return fp8_swiglu_experts(x, w_gate_up, w_down, counts, wgrad_queue,
+                              weight_gate_up=fp8.weight("gate_up", w_gate_up), weight_down=fp8.weight("down", w_down))
 
 
 def set_fp8(model: torch.nn.Module, on: bool) -> None:
