@@ -250,25 +250,6 @@ def _act_tile(x_ptr, dh_ptr, rows, cols, mask, K, ACT: tl.constexpr):
 
 
 @triton.jit
-def _quant_store(x, t, kb, rows, row_ok, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, LDT, ROWS: tl.constexpr,
-                 COLS: tl.constexpr):
-    "Quantize the fp32 tile x, token tile t's rows × columns [128kb, 128kb + 128), along rows and/or columns; store."
-    r = tl.arange(0, 128)
-    cols = kb * 128 + r
-    col_ok = cols < K
-    if ROWS:
-        s, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], _to_e4m3(x * inv[:, None]),
-                 mask=row_ok[:, None] & col_ok[None, :])
-        tl.store(s_ptr + kb * M + rows, s, mask=row_ok)
-    if COLS:
-        s, inv = _pow2_scale(tl.max(tl.abs(x), axis=0))
-        qt = _to_e4m3(x * inv[None, :])                           # rows past the expert's end are zero
-        tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * 128 + r)[:, None], qt, mask=col_ok[None, :])
-        tl.store(st_ptr + t * K + cols, s, mask=col_ok)
-
-
-@triton.jit
 def _quant_act_kernel(x_ptr, dh_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_offs_ptr, tile_offs_ptr, M, K, E, LDT,
                       ROWS: tl.constexpr, COLS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr):
     t = tl.program_id(0)
@@ -279,21 +260,19 @@ def _quant_act_kernel(x_ptr, dh_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_offs_ptr,
     r = tl.arange(0, 128)
     rows = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * 128 + r
     row_ok = rows < tl.load(row_offs_ptr + e + 1)
-    if ACT == 3:   # swiglu's gradient, I a multiple of 128: one read of gate, up and dh makes a tile of each half
-        I = K // 2
-        r64, j = rows.to(tl.int64)[:, None], (kb * 128 + r)[None, :]
-        gate = tl.load(x_ptr + r64 * K + j, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + r64 * K + I + j, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        dh = tl.load(dh_ptr + r64 * I + j, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sigmoid(gate)
-        _quant_store(dh * up * s * (1 + gate * (1 - s)), t, kb, rows, row_ok, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
-                     LDT, ROWS, COLS)
-        _quant_store(dh * gate * s, t, kb + I // 128, rows, row_ok, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, LDT, ROWS,
-                     COLS)
-    else:
-        cols = kb * 128 + r
-        x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & (cols < K)[None, :], K, ACT)
-        _quant_store(x, t, kb, rows, row_ok, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, LDT, ROWS, COLS)
+    cols = kb * 128 + r
+    col_ok = cols < K
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & col_ok[None, :], K, ACT)
+    if ROWS:
+        s, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))
+        tl.store(q_ptr + offs, _to_e4m3(x * inv[:, None]), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(s_ptr + kb * M + rows, s, mask=row_ok)
+    if COLS:
+        s, inv = _pow2_scale(tl.max(tl.abs(x), axis=0))
+        qt = _to_e4m3(x * inv[None, :])                           # rows past the expert's end are zero
+        tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * 128 + r)[:, None], qt, mask=col_ok[None, :])
+        tl.store(st_ptr + t * K + cols, s, mask=col_ok)
 
 
 def _schedule(counts: Tensor, bm: int) -> tuple[Tensor, Tensor]:
@@ -348,12 +327,9 @@ def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, col
     s = torch.empty(KB, M, dtype=torch.float32, device=x.device) if rows else None
     qt = torch.empty(K, 128 * T, dtype=FP8, device=x.device) if cols else None
     st = torch.empty(T, K, dtype=torch.float32, device=x.device) if cols else None
-    code = _ACTS[act]
-    if act == "swiglu_grad" and K % 256 == 0:          # both halves' tiles from one program (ACT 3)
-        code, KB = 3, K // 256
     if T * KB > 0 and (rows or cols):
         _quant_act_kernel[(T, KB)](x, x if dh is None else dh, q, s, qt, st, row_offs, tile_offs, M, K, E, 128 * T,
-                                   ROWS=rows, COLS=cols, E_P2=_e_p2(E), ACT=code, num_warps=QUANT_WARPS)
+                                   ROWS=rows, COLS=cols, E_P2=_e_p2(E), ACT=_ACTS[act], num_warps=QUANT_WARPS)
     return Fp8Act(q, s.t() if rows else None, qt, st)
 
 # %% [markdown]
@@ -957,11 +933,9 @@ for bad, msg in [
 # the gradient SwiGLU's backward just wrote. Each time one kernel writes an activation in bf16 and the next reads
 # it back to quantize it. `quantize_act` takes the activation's inputs instead (`act`): with `"swiglu"` it reads
 # `gate_up` and quantizes `swiglu(gate_up)`, with `"swiglu_grad"` it reads `gate_up` and `dh` and quantizes the
-# gradient `[dgate | dup]`. When `I` is a multiple of 128 one program reads a 128-wide slice of gate, up and dh
-# once and quantizes the two gradient tiles it makes (one in each half); otherwise each 128-wide tile of the
-# gradient reads its own columns' gate, up and dh, and a tile may straddle the two halves. Neither `h` nor its
-# gradient is ever written in bf16: per layer that saves a write and a read of `(M, I)` forward and of `(M, 2I)`
-# backward.
+# gradient `[dgate | dup]` (each 128-wide tile finds its columns' gate, up and dh; a tile may straddle the two
+# halves). Neither `h` nor its gradient is ever written in bf16: per layer that saves a write and a read of
+# `(M, I)` forward and of `(M, 2I)` backward.
 #
 # `fp8_swiglu_experts(x, w_gate_up, w_down, counts)` is `down(swiglu(gate_up(x)))` in FP8. With the Triton kernels
 # it is one autograd function around the fused passes; it saves what the two layers and SwiGLU saved apart (the
