@@ -935,7 +935,10 @@ for bad, msg in [
 # `gate_up` and quantizes `swiglu(gate_up)`, with `"swiglu_grad"` it reads `gate_up` and `dh` and quantizes the
 # gradient `[dgate | dup]` (each 128-wide tile finds its columns' gate, up and dh; a tile may straddle the two
 # halves). Neither `h` nor its gradient is ever written in bf16: per layer that saves a write and a read of
-# `(M, I)` forward and of `(M, 2I)` backward.
+# `(M, I)` forward and of `(M, 2I)` backward. The gradient pass gives part of that back, since the tiles of both
+# halves read gate and dh for their columns; on the H200 the fused experts run as fast as the layers apart at
+# Qwen3's shape and slightly faster at DeepSeek-V2-Lite's (benchmarks/RESULTS.md, "FP8: SwiGLU and its gradient
+# inside the quantization passes").
 #
 # `fp8_swiglu_experts(x, w_gate_up, w_down, counts)` is `down(swiglu(gate_up(x)))` in FP8. With the Triton kernels
 # it is one autograd function around the fused passes; it saves what the two layers and SwiGLU saved apart (the
