@@ -1347,7 +1347,9 @@ assert max(errs) < 1e-2, errs
 
 # %% [markdown]
 # The fused SwiGLU experts against the layers apart, in bf16: apart, `h` and its gradient are rounded to bf16
-# between the kernels, fused they go from fp32 straight to E4M3, so the two differ by about bf16's rounding.
+# between the kernels, fused they go from fp32 straight to E4M3. A bf16 rounding moves about one value in 64 across
+# an E4M3 rounding boundary (a step of 2⁻³ relative), so the two differ by 1–2% (1.7e-2 at the bench shapes in
+# `benchmarks/fp8_bench.py`); a mistake in the fused passes would differ by order one.
 
 # %%
 #| cuda
@@ -1364,4 +1366,4 @@ for fused in (True, False):
     got.append((y.detach(), x.grad, w1.grad, w2.grad))
 errs = [rel_err(a, b) for a, b in zip(*got)]
 print(f"fused SwiGLU experts vs apart, bf16 on the GPU: {errs}")
-assert max(errs) < 2e-2, errs
+assert max(errs) < 3e-2, errs
