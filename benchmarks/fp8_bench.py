@@ -1,7 +1,8 @@
 """FP8 expert and dense linear layers (pith_lit.ops.fp8) against bf16, on one GPU (written for an H200, torch 2.11,
 Triton 3.6). Run from the repository root:
 
-    PYTHONPATH=. python benchmarks/fp8_bench.py [--tokens 16384] [--json /tmp/fp8_bench.json] [--no-sweep] [--mlp-only] [--quant-sweep]
+    PYTHONPATH=. python benchmarks/fp8_bench.py [--tokens 16384] [--json /tmp/fp8_bench.json] [--no-sweep]
+        [--mlp-only] [--quant-sweep]
 
 For each model's expert shapes (Qwen3-30B-A3B: hidden 2048, expert FFN 768, 128 experts, top-8; DeepSeek-V2-Lite:
 hidden 2048, expert FFN 1408, 64 experts, top-6) and each projection (gate/up: hidden -> 2·FFN, down: FFN -> hidden),
@@ -206,7 +207,8 @@ def bench_mlp(name, shape, tokens):
     outs = {}
     for case, mlp in cases.items():
         def go(case=case, mlp=mlp):
-            outs[case] = [mlp().detach(), *torch.autograd.grad(mlp(), (x, w1, w2), dy)]
+            y = mlp()
+            outs[case] = [y.detach(), *torch.autograd.grad(y, (x, w1, w2), dy)]
             errs = {} if case == "bf16" else {
                 f"err_{k}": rel(a, b) for k, a, b in zip(("y", "dx", "dw1", "dw2"), outs[case], outs["bf16"])}
             if case == "fp8 fused" and "fp8 apart" in outs:

@@ -90,6 +90,12 @@ def _tiles(n_cols: int) -> tuple[int, int, int]:
 # %%
 #| export
 @triton.jit
+def swiglu_tile(gate, up):
+    "silu(gate) · up of fp32 tiles: the forward's one formula (ops/15's fused quantization uses it too)."
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _swiglu_fwd_kernel(x_ptr, y_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,7 +103,7 @@ def _swiglu_fwd_kernel(x_ptr, y_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOC
     x_row = x_ptr + rows.to(tl.int64)[:, None] * (2 * n_cols)
     gate = tl.load(x_row + cols[None, :], mask=mask).to(tl.float32)
     up = tl.load(x_row + n_cols + cols[None, :], mask=mask).to(tl.float32)
-    y = gate * tl.sigmoid(gate) * up
+    y = swiglu_tile(gate, up)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -144,6 +150,13 @@ for n, i in [(37, 50), (1, 768), (300, 1), (17, 257)]:
 # %%
 #| export
 @triton.jit
+def swiglu_grad_tiles(gate, up, dy):
+    "(dgate, dup) of fp32 tiles given the output's gradient dy: the backward's formulas (shared with ops/15)."
+    s = tl.sigmoid(gate)
+    return dy * up * s * (1 + gate * (1 - s)), dy * gate * s
+
+
+@triton.jit
 def _swiglu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -152,9 +165,7 @@ def _swiglu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n_rows, n_cols, BLOCK_M: tl.conste
     gate = tl.load(x_ptr + x_row, mask=mask).to(tl.float32)
     up = tl.load(x_ptr + x_row + n_cols, mask=mask).to(tl.float32)
     dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask).to(tl.float32)
-    s = tl.sigmoid(gate)
-    dgate = dy * up * s * (1 + gate * (1 - s))
-    dup = dy * gate * s
+    dgate, dup = swiglu_grad_tiles(gate, up, dy)
     tl.store(dx_ptr + x_row, dgate.to(dx_ptr.dtype.element_ty), mask=mask)
     tl.store(dx_ptr + x_row + n_cols, dup.to(dx_ptr.dtype.element_ty), mask=mask)
 

@@ -37,8 +37,8 @@
 # autograd function for the experts, whose weight gradient can wait in ops/grouped_linear's `WeightGradQueue`;
 # `fp8_swiglu_experts`, both projections of a SwiGLU expert with the activation and its gradient computed inside
 # the quantization passes; `Fp8Weights`, `expert_mlp` and `expert_linear`, through which the models' experts run in
-# FP8 under `train.fp8` with one copy of each weight per step; and `fp8_linear`, the dense layer through `F.scaled_mm`. On a CPU the kernels run under the
-# Triton interpreter, which is how the checks run in CI.
+# FP8 under `train.fp8` with one copy of each weight per step; and `fp8_linear`, the dense layer through
+# `F.scaled_mm`. On a CPU the kernels run under the Triton interpreter, which is how the checks run in CI.
 
 # %%
 #| default_exp ops.fp8
@@ -54,7 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pith_lit.ops.grouped_linear import WeightGradQueue, grouped_linear
-from pith_lit.ops.swiglu import swiglu
+from pith_lit.ops.swiglu import swiglu, swiglu_grad_tiles, swiglu_tile
 
 # %% [markdown]
 # The checks below run on the GPU when there is one (compiled kernels), otherwise on the CPU under the Triton
@@ -238,15 +238,15 @@ def _act_tile(x_ptr, dh_ptr, rows, cols, mask, K, ACT: tl.constexpr):
     if ACT == 1:                                              # x = [gate | up] is (M, 2K)
         gate = tl.load(x_ptr + r64 * (2 * K) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + r64 * (2 * K) + K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        return gate * tl.sigmoid(gate) * up
+        return swiglu_tile(gate, up)
     I = K // 2                                                # x = [gate | up] is (M, K), dh is (M, K/2)
     is_gate = cols < I
     j = tl.where(is_gate, cols, cols - I)[None, :]
     gate = tl.load(x_ptr + r64 * K + j, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + r64 * K + I + j, mask=mask & is_gate[None, :], other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + r64 * I + j, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(gate)
-    return tl.where(is_gate[None, :], dh * up * s * (1 + gate * (1 - s)), dh * gate * s)
+    dgate, dup = swiglu_grad_tiles(gate, up, dh)
+    return tl.where(is_gate[None, :], dgate, dup)
 
 
 @triton.jit
@@ -754,7 +754,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, counts, wgrad_queue, impl, weight):
         keep = ctx.needs_input_grad[1]
-        weight = weight or (lambda transposed, quantize: quantize(w, transposed))
+        weight = weight or _own_weight(w)
         if impl == "triton":
             y, saved = _triton_forward(x, w, counts, keep, weight)
         else:
@@ -776,11 +776,18 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         return dx, _deliver(ctx.queue, ctx.param, wgrad), None, None, None, None
 
 
+def _own_weight(w: Tensor):
+    "The `weight(transposed, quantize)` of a layer given no copy: quantize w itself, in the direction asked."
+    return lambda transposed, quantize: quantize(w, transposed)
+
+
 def _deliver(queue: WeightGradQueue | None, param: Tensor | None, wgrad):
     """A weight gradient for autograd to return: `wgrad()` now, or None when there is none (`wgrad` None) or it waits
     in `queue`, as a closure that back-propagates it into `param` (the weight tensor the forward was given)."""
-    if wgrad is None or queue is None:
-        return wgrad() if wgrad is not None else None
+    if wgrad is None:
+        return None
+    if queue is None:
+        return wgrad()
     queue.push(lambda: torch.autograd.backward(param, wgrad()))
     return None
 
@@ -991,9 +998,8 @@ def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Ten
     if impl == "torch":
         h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up), impl="torch")
         return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down)
-    own = lambda w: lambda transposed, quantize: quantize(w, transposed)
-    return _Fp8SwiGLUExperts.apply(x, w_gate_up, w_down, counts, wgrad_queue, weight_gate_up or own(w_gate_up),
-                                   weight_down or own(w_down))
+    return _Fp8SwiGLUExperts.apply(x, w_gate_up, w_down, counts, wgrad_queue,
+                                   weight_gate_up or _own_weight(w_gate_up), weight_down or _own_weight(w_down))
 
 # %% [markdown]
 # The fused passes quantize exactly what the unfused ones do: in fp32 (under the interpreter, or in fp32 on a GPU)

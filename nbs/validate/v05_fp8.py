@@ -49,7 +49,8 @@
 # %% tags=["parameters"]
 config = "configs/tiny.toml"  # a path relative to the repository's root, or absolute
 steps = 300
-overrides = ["model.num_hidden_layers=2", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=8", "train.warmup=20", "log.eval_every=0"]
+overrides = ["model.num_hidden_layers=2", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=8",
+             "train.warmup=20", "log.eval_every=0"]
 max_gap = 0.03
 max_val_gap = 0.10
 tail = 20
