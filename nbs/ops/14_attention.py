@@ -1385,6 +1385,14 @@ torch._dynamo.reset()
 # faster than these kernels, which in turn are faster than the flash backend (benchmarks/RESULTS.md, "Attention
 # against each SDPA backend"). So Qwen3 and DeepSeek-V2 call SDPA for plain causal attention and these kernels
 # only for packed documents, and GPT-OSS calls these kernels for its sinks and windows.
+#
+# Where the time goes: the backward is about three quarters of forward+backward at every shape, and its `dq` kernel
+# recomputes the scores and `dP` that the `dk, dv` kernel also computes. Loading `Q, K, V` by TMA (tensor descriptors)
+# instead of pointer arithmetic makes the forward only a few per cent faster (`benchmarks/attention_tma.py`;
+# benchmarks/RESULTS.md, "Attention and FP8 experiments"), so the kernels keep pointer loads, which take any head dim
+# and stride (a descriptor needs 16-byte rows). Reaching cuDNN needs a different backward (`dq` accumulated in the
+# `dk, dv` pass) and a forward whose softmax overlaps the next block's products (FlashAttention-3's warp
+# specialisation).
 
 # %%
 #| export

@@ -1316,15 +1316,22 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   layouts in one pass) and the weights (both layouts, once per step) go through kernels of their own; at these
 #   shapes those passes are a quarter to a third of the layer's time.
 #
-# Lifting the first needs the promotion in warp groups of its own, overlapping the next product (DeepGEMM's
-# design), which Triton does not express here. Of the second, SwiGLU's passes are fused (`fp8_swiglu_experts`
-# above): the activation and its gradient are computed where they are quantized. The quantization of the experts'
-# input stays a pass of its own: the rows it reads are gathered by the dispatcher's `expand` (the engine's
-# permutation, one per dispatcher: one rank, or expert parallelism after the all-to-all) just before the model's
-# `stage3` (models/20), and folding that gather into the experts' first kernel would make the model's experts
-# depend on each dispatcher's row layout, which the layer protocol keeps on the engine's side. The passes that write
-# the column (transposed) quantization run at under half the memory bandwidth (a reduction across 128 rows and a
-# store through shared memory); benchmarks/RESULTS.md has their rates.
+# Lifting the first needs the promotion to overlap the next product. Triton does not express that here; Gluon
+# (Triton's lower-level language) does: `benchmarks/fp8_gluon.py` issues each product asynchronously and promotes the
+# previous one while it runs, with tiles loaded by TMA into a ring of stages. It gives this kernel's results bit for
+# bit, and `ptxas` keeps one product in flight during each promotion at 128 × 64 and 64 × 64 tiles (at 128 × 128 the
+# three live accumulators exceed the registers and `ptxas` serialises the products), yet it runs at half this kernel's
+# speed with or without the overlap (benchmarks/RESULTS.md, "Attention and FP8 experiments"): in one partition every
+# warp meets several CTA-wide barriers per step around the loads. What remains is DeepGEMM's whole design, a producer
+# warp for the loads and math warp groups with registers moved to them (`gl.warp_specialize`).
+#
+# Of the second, SwiGLU's passes are fused (`fp8_swiglu_experts` above): the activation and its gradient are computed
+# where they are quantized. The quantization of the experts' input stays a pass of its own: the rows it reads are
+# gathered by the dispatcher's `expand` (the engine's permutation, one per dispatcher: one rank, or expert parallelism
+# after the all-to-all) just before the model's `stage3` (models/20), and folding that gather into the experts' first
+# kernel would make the model's experts depend on each dispatcher's row layout, which the layer protocol keeps on the
+# engine's side. The passes that write the column (transposed) quantization run at under half the memory bandwidth (a
+# reduction across 128 rows and a store through shared memory); benchmarks/RESULTS.md has their rates.
 
 # %% [markdown]
 # ## On the GPU
