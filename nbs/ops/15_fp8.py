@@ -1321,9 +1321,10 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 # previous one while it runs, with tiles loaded by TMA into a ring of stages. It gives this kernel's results bit for
 # bit, and `ptxas` keeps one product in flight during each promotion at 128 × 64 and 64 × 64 tiles (at 128 × 128 the
 # three live accumulators exceed the registers and `ptxas` serialises the products), yet it runs at half this kernel's
-# speed with or without the overlap (benchmarks/RESULTS.md, "Attention and FP8 experiments"): in one partition every
-# warp meets several CTA-wide barriers per step around the loads. What remains is DeepGEMM's whole design, a producer
-# warp for the loads and math warp groups with registers moved to them (`gl.warp_specialize`).
+# speed with or without the overlap (benchmarks/RESULTS.md, "Attention and FP8 experiments"), so in one partition
+# something other than the promotion bounds it (its PTX has several CTA-wide barriers per step around the loads; it
+# was not profiled). What remains to try is DeepGEMM's whole design: a producer warp for the loads and math warp
+# groups with registers moved to them (`gl.warp_specialize`).
 #
 # Of the second, SwiGLU's passes are fused (`fp8_swiglu_experts` above): the activation and its gradient are computed
 # where they are quantized. The quantization of the experts' input stays a pass of its own: the rows it reads are
