@@ -1316,15 +1316,15 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   layouts in one pass) and the weights (both layouts, once per step) go through kernels of their own; at these
 #   shapes those passes are a quarter to a third of the layer's time.
 #
-# Lifting the first needs the promotion to overlap the next product. Triton does not express that here; Gluon
-# (Triton's lower-level language) does: `benchmarks/fp8_gluon.py` issues each product asynchronously and promotes the
-# previous one while it runs, with tiles loaded by TMA into a ring of stages. It gives this kernel's results bit for
-# bit, and `ptxas` keeps one product in flight during each promotion at 128 × 64 and 64 × 64 tiles (at 128 × 128 the
-# three live accumulators exceed the registers and `ptxas` serialises the products), yet it runs at half this kernel's
-# speed with or without the overlap (benchmarks/RESULTS.md, "Attention and FP8 experiments"), so in one partition
-# something other than the promotion bounds it (its PTX has several CTA-wide barriers per step around the loads; it
-# was not profiled). What remains to try is DeepGEMM's whole design: a producer warp for the loads and math warp
-# groups with registers moved to them (`gl.warp_specialize`).
+# Lifting the first needs the promotion to run while the tensor cores compute, which Triton does not express here.
+# Gluon (Triton's lower-level language) does, and `benchmarks/fp8_gluon.py` builds up to DeepGEMM's structure in it:
+# one warp issuing the TMA loads, two math warp groups as partitions of their own (each with half the tile's rows, so
+# that one can promote while the other multiplies), each step's scales read a step ahead. That kernel gives this one's
+# results bit for bit and runs a few per cent faster at three of the four expert shapes, slower at the fourth
+# (benchmarks/RESULTS.md, "Attention and FP8 experiments"); the single-partition forms run at half this kernel's speed
+# whether or not each promotion overlaps the next product. So the package keeps this kernel, which also runs under the
+# interpreter and on every GPU with FP8 tensor cores, not only sm90; what remains toward the FP8 rate is a persistent
+# grid, an overlapped promotion within each math group, and the weight gradient in the same structure.
 #
 # Of the second, SwiGLU's passes are fused (`fp8_swiglu_experts` above): the activation and its gradient are computed
 # where they are quantized. The quantization of the experts' input stays a pass of its own: the rows it reads are
