@@ -40,20 +40,30 @@ def _step(a_s, b_s, ready, a_desc, b_desc, zero, prev, i, row0, b_row, KB, BK: g
 
 
 @gluon.jit
-def _fp8_gemm_gluon(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, E,
-                    K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, E_P2: gl.constexpr,
-                    STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+def _program_tile(tile_offs_ptr, N, E, BN: gl.constexpr, E_P2: gl.constexpr, num_warps: gl.constexpr):
+    "(row tile t, column tile j, expert e) of this program; e = #{e : tile_offs[e+1] <= t}, E past the last tile."
     n_tiles = gl.cdiv(N, BN)
     t = gl.program_id(0) // n_tiles
     j = gl.program_id(0) % n_tiles
-    # the expert of tile t: #{e : tile_offs[e+1] <= t}
     lane_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     lanes = gl.arange(0, E_P2, lane_l)
     ends = gl.load(tile_offs_ptr + 1 + lanes, mask=lanes < E, other=2147483647)
-    e = gl.sum((ends <= t).to(gl.int32), axis=0)
+    return t, j, gl.sum((ends <= t).to(gl.int32), axis=0)
+
+
+@gluon.jit
+def _tile_rows(row_offs_ptr, tile_offs_ptr, t, e, BM: gl.constexpr):
+    "The first row of row tile t (of expert e) and the end of the expert's rows."
+    return gl.load(row_offs_ptr + e) + (t - gl.load(tile_offs_ptr + e)) * BM, gl.load(row_offs_ptr + e + 1)
+
+
+@gluon.jit
+def _fp8_gemm_gluon(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, E,
+                    K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, E_P2: gl.constexpr,
+                    STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+    t, j, e = _program_tile(tile_offs_ptr, N, E, BN, E_P2, num_warps)
     if e < E:
-        row0 = gl.load(row_offs_ptr + e) + (t - gl.load(tile_offs_ptr + e)) * BM
-        row_end = gl.load(row_offs_ptr + e + 1)
+        row0, row_end = _tile_rows(row_offs_ptr, tile_offs_ptr, t, e, BM)
         col0 = j * BN
         KB: gl.constexpr = (K + BK - 1) // BK
 
@@ -156,16 +166,9 @@ def _fp8_gemm_gluon_ws(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, tile
                        K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, E_P2: gl.constexpr,
                        STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     "The same GEMM with a producer warp for the loads (gl.warp_specialize) and the default warps for the math."
-    n_tiles = gl.cdiv(N, BN)
-    t = gl.program_id(0) // n_tiles
-    j = gl.program_id(0) % n_tiles
-    lane_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    lanes = gl.arange(0, E_P2, lane_l)
-    ends = gl.load(tile_offs_ptr + 1 + lanes, mask=lanes < E, other=2147483647)
-    e = gl.sum((ends <= t).to(gl.int32), axis=0)
+    t, j, e = _program_tile(tile_offs_ptr, N, E, BN, E_P2, num_warps)
     if e < E:
-        row0 = gl.load(row_offs_ptr + e) + (t - gl.load(tile_offs_ptr + e)) * BM
-        row_end = gl.load(row_offs_ptr + e + 1)
+        row0, row_end = _tile_rows(row_offs_ptr, tile_offs_ptr, t, e, BM)
         col0 = j * BN
         KB: gl.constexpr = (K + BK - 1) // BK
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -234,16 +237,9 @@ def _fp8_gemm_gluon_ws2(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, til
     """DeepGEMM's structure: a producer warp for the loads and two math warp groups as partitions of their own, each
     with half the tile's rows, so that one's promotion can run while the other's product is on the tensor cores."""
     gl.static_assert(num_warps == 4)
-    n_tiles = gl.cdiv(N, BN)
-    t = gl.program_id(0) // n_tiles
-    j = gl.program_id(0) % n_tiles
-    lane_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    lanes = gl.arange(0, E_P2, lane_l)
-    ends = gl.load(tile_offs_ptr + 1 + lanes, mask=lanes < E, other=2147483647)
-    e = gl.sum((ends <= t).to(gl.int32), axis=0)
+    t, j, e = _program_tile(tile_offs_ptr, N, E, BN, E_P2, num_warps)
     if e < E:
-        row0 = gl.load(row_offs_ptr + e) + (t - gl.load(tile_offs_ptr + e)) * BM
-        row_end = gl.load(row_offs_ptr + e + 1)
+        row0, row_end = _tile_rows(row_offs_ptr, tile_offs_ptr, t, e, BM)
         col0 = j * BN
         KB: gl.constexpr = (K + BK - 1) // BK
         sb_base = sb_ptr + (e * gl.cdiv(N, 128) + col0 // 128) * KB
