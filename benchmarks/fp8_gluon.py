@@ -58,22 +58,27 @@ def _tile_rows(row_offs_ptr, tile_offs_ptr, t, e, BM: gl.constexpr):
 
 
 @gluon.jit
+def _tile_setup(row_offs_ptr, tile_offs_ptr, sb_ptr, t, j, e, N, BM: gl.constexpr, BN: gl.constexpr,
+                KB: gl.constexpr, mma_l: gl.constexpr):
+    "(first row, the tile's rows and which are the expert's, first column, B's scales) of a whole-tile kernel."
+    row0, row_end = _tile_rows(row_offs_ptr, tile_offs_ptr, t, e, BM)
+    col0 = j * BN
+    rows = row0 + gl.arange(0, BM, gl.SliceLayout(1, mma_l))
+    return row0, rows, rows < row_end, col0, sb_ptr + (e * gl.cdiv(N, 128) + col0 // 128) * KB
+
+
+@gluon.jit
 def _fp8_gemm_gluon(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, E,
                     K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, E_P2: gl.constexpr,
                     STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     t, j, e = _program_tile(tile_offs_ptr, N, E, BN, E_P2, num_warps)
     if e < E:
-        row0, row_end = _tile_rows(row_offs_ptr, tile_offs_ptr, t, e, BM)
-        col0 = j * BN
         KB: gl.constexpr = (K + BK - 1) // BK
-
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BN, 32])
-        row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
-        rows = row0 + gl.arange(0, BM, row_l)
-        row_ok = rows < row_end
-        sb_base = sb_ptr + (e * gl.cdiv(N, 128) + col0 // 128) * KB
+        row0, rows, row_ok, col0, sb_base = _tile_setup(row_offs_ptr, tile_offs_ptr, sb_ptr, t, j, e, N, BM, BN, KB,
+                                                        mma_l)
 
         a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -162,28 +167,32 @@ def _ws_math(a_s, b_s, ready, empty, sa_ptr, sb_base, rows, row_ok, M, KB: gl.co
 
 
 @gluon.jit
+def _ring(a_desc, b_desc, STAGES: gl.constexpr, RELEASERS: gl.constexpr):
+    "The warp-specialised kernels' ring: A and B stages, a `ready` barrier (the loads) and an `empty` one per stage."
+    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=RELEASERS)
+    fence_async_shared()
+    return a_s, b_s, ready, empty
+
+
+@gluon.jit
 def _fp8_gemm_gluon_ws(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, E,
                        K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, E_P2: gl.constexpr,
                        STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     "The same GEMM with a producer warp for the loads (gl.warp_specialize) and the default warps for the math."
     t, j, e = _program_tile(tile_offs_ptr, N, E, BN, E_P2, num_warps)
     if e < E:
-        row0, row_end = _tile_rows(row_offs_ptr, tile_offs_ptr, t, e, BM)
-        col0 = j * BN
         KB: gl.constexpr = (K + BK - 1) // BK
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BN, 32])
-        rows = row0 + gl.arange(0, BM, gl.SliceLayout(1, mma_l))
-        row_ok = rows < row_end
-        sb_base = sb_ptr + (e * gl.cdiv(N, 128) + col0 // 128) * KB
-        a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        fence_async_shared()
+        row0, rows, row_ok, col0, sb_base = _tile_setup(row_offs_ptr, tile_offs_ptr, sb_ptr, t, j, e, N, BM, BN, KB,
+                                                        mma_l)
+        a_s, b_s, ready, empty = _ring(a_desc, b_desc, STAGES, 1)
         res = gl.warp_specialize([(_ws_math, (a_s, b_s, ready, empty, sa_ptr, sb_base, rows, row_ok, M, KB, STAGES,
                                               BM, BN, OVERLAP, num_warps)),
                                   (_ws_loader, (a_desc, b_desc, a_s, b_s, ready, empty, row0, e * N + col0, KB, BK,
@@ -243,14 +252,7 @@ def _fp8_gemm_gluon_ws2(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, til
         col0 = j * BN
         KB: gl.constexpr = (K + BK - 1) // BK
         sb_base = sb_ptr + (e * gl.cdiv(N, 128) + col0 // 128) * KB
-        a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)   # both math warp groups release each stage
-        fence_async_shared()
+        a_s, b_s, ready, empty = _ring(a_desc, b_desc, STAGES, 2)   # both math warp groups release a stage
         gl.warp_specialize([(_ws2_math, (a_s, b_s, ready, empty, sa_ptr, sb_base, c_ptr, row0, row_end, col0, M, N,
                                          0, KB, STAGES, BM // 2, BN, EARLY)),
                             (_ws2_math, (a_s, b_s, ready, empty, sa_ptr, sb_base, c_ptr, row0, row_end, col0, M, N,
