@@ -4,7 +4,8 @@ A and B tiles loaded by TMA into a ring of shared-memory stages, in three forms:
 - `_fp8_gemm_gluon`: one partition; each 128-deep product issued as an async warpgroup MMA, and with `overlap` the
   previous product promoted (acc += partial · scale) while the next one runs. K is a compile-time constant and the
   steps are unrolled, so no in-flight accumulator is a loop-carried value (ptxas serialises the MMAs otherwise).
-- `_fp8_gemm_gluon_ws`: a producer warp issues the loads (`gl.warp_specialize`); the default warps multiply and promote.
+- `_fp8_gemm_gluon_ws`: a producer warp issues the loads (`gl.warp_specialize`); the default warps multiply and
+  promote.
 - `_fp8_gemm_gluon_ws2`: DeepGEMM's structure: the producer warp and two math partitions of one warp group each, with
   half the tile's rows, their own loop and their own store; `early` says when each step's scales are read.
 On the H200 the last, with the scales read a step ahead, runs at 0.89-1.08x ops/15's kernel; the first at about half
@@ -348,8 +349,9 @@ def main():
             res[f"{name} {proj} ops15"] = t_ref
             res[f"{name} {proj} bf16"] = t_bf
             for bm, bn, stages, warps, overlap, ws in CONFIGS:
+                mode = ('late', 'early', 'ahead')[overlap] if ws == 2 else 'overlap' if overlap else 'serial'
                 key = (f"{name} {proj} gluon{' ws' * bool(ws)}{'2' if ws == 2 else ''} bm{bm} bn{bn} st{stages} "
-                       f"w{warps} {('late', 'early', 'ahead')[overlap] if ws == 2 else 'overlap' if overlap else 'serial'}")
+                       f"w{warps} {mode}")
                 try:
                     out = fp8_grouped_mm_gluon(a.q, a.s, qw, sw, counts, torch.bfloat16, bm, bn, stages, warps,
                                                overlap, ws)
