@@ -18,7 +18,7 @@ INTERP = A.INTERPRET
 
 @triton.jit
 def _ld(desc, b, h, r0, c0, S, D: tl.constexpr, R: tl.constexpr, C: tl.constexpr, FOUR: tl.constexpr):
-    "An (R, C) tile at rows r0.., columns c0.. of head (b, h), by a 4-D (B, H, S, D) or a 2-D (B·S, H·D) descriptor."
+    "An (R, C) tile at rows r0.., columns c0.. of head (b, h), by a 4-D (B, H, S, D) or 2-D (B·S, H·D) descriptor."
     if FOUR:
         x = desc.load([b, h, r0, c0]).reshape(R, C)
     else:
