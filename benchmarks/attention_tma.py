@@ -6,7 +6,7 @@ exponent's argument. Results: benchmarks/RESULTS.md, "Attention and FP8 experime
 repository root:
     PYTHONPATH=. OUT=/tmp python3 benchmarks/attention_tma.py
 With TRITON_INTERPRET=1 on the CPU it checks the variants against ops/14's kernel at small awkward shapes."""
-import json, os, sys
+import json, os
 import torch
 import triton
 import triton.language as tl
@@ -36,18 +36,16 @@ def _fwd_step(acc, m_i, l_i, qa, qb, rows, KA, KB, VD, b, hk, n0, Sk, delta, qk_
     if DB > 0:
         kb = _ld(KB, b, hk, n0, DA, Sk, DQK, BLOCK_N, DB, FOUR).to(DOT)
         s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
-    if FMA:  # the tutorial's form: max of the raw scores, then one FMA per element
-        if MASK:
-            keep = (cols[None, :] <= rows[:, None] + delta) & (cols < Sk)[None, :]
-            s = tl.where(keep, s, float("-inf"))
+    if MASK:   # ops/14's causal mask (a positive scale keeps -inf where it is, before or after scaling)
+        keep = A._visible((cols < Sk)[None, :], rows[:, None], cols[None, :], rows[:, None], cols[None, :], delta, 0,
+                          True, False, False)
+        s = tl.where(keep, s, float("-inf"))
+    if FMA:  # max of the raw scores, then one FMA per element
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s * qk_scale - shift[:, None])
-    else:
+    else:    # ops/14's form: scale, then max and subtract
         s = s * qk_scale
-        if MASK:
-            keep = (cols[None, :] <= rows[:, None] + delta) & (cols < Sk)[None, :]
-            s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - shift[:, None])
@@ -86,7 +84,7 @@ def _fwd_tma_kernel(QA, QB, KA, KB, VD, O, LSE, stride_ob, stride_oh, stride_om,
                                   DA, DB, BDV, BLOCK_N, True, FOUR, FMA, DOT, PREC)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * A._LN2, float("-inf"))
     Oh = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     A._store_tile(Oh, rows, stride_om, stride_od, Sq, out.to(O.dtype.element_ty), 0, DV, BDV)
     tl.store(LSE + bh.to(tl.int64) * Sq + rows, lse, mask=rows < Sq)

@@ -12,6 +12,8 @@ On the H200 the last, with the scales read a step ahead, runs at 0.89-1.08x ops/
 (benchmarks/RESULTS.md, "Attention and FP8 experiments"). Run on a GPU (sm90) from the repository root:
     PYTHONPATH=. python3 benchmarks/fp8_gluon.py --small    # awkward shapes against fp8_grouped_mm
     PYTHONPATH=. python3 benchmarks/fp8_gluon.py            # the bench shapes: times against ops/15 and bf16"""
+import sys
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -132,38 +134,20 @@ def _ws_loader(a_desc, b_desc, a_s, b_s, ready, empty, row0, b_row, KB: gl.const
 
 @gluon.jit
 def _ws_math(a_s, b_s, ready, empty, sa_ptr, sb_base, rows, row_ok, M, KB: gl.constexpr, STAGES: gl.constexpr,
-             BM: gl.constexpr, BN: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
-    "Math warps: each product waited for, its stage released, then promoted (OVERLAP: promoted one step later)."
+             BM: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+    "Math warps: each product waited for, its stage released, then promoted (nothing in flight across iterations)."
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BN, 32])
     zero = gl.zeros([BM, BN], gl.float32, mma_l)
     acc = gl.zeros([BM, BN], gl.float32, mma_l)
-    if OVERLAP:
-        mbarrier.wait(ready.index(0), 0)
-        part = warpgroup_mma(a_s.index(0), b_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        scale = gl.load(sa_ptr + rows, mask=row_ok, other=0.0) * gl.load(sb_base)
-        for i in gl.static_range(1, KB):
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            nxt = warpgroup_mma(a_s.index(slot), b_s.index(slot).permute((1, 0)), zero, use_acc=False,
-                                is_async=True)
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))
-            mbarrier.arrive(empty.index((i - 1) % STAGES))
-            acc += done * scale[:, None]
-            scale = gl.load(sa_ptr + i * M + rows, mask=row_ok, other=0.0) * gl.load(sb_base + i)
-            part = nxt
+    for i in range(KB):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        part = warpgroup_mma(a_s.index(slot), b_s.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
         done = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+        mbarrier.arrive(empty.index(slot))
+        scale = gl.load(sa_ptr + i * M + rows, mask=row_ok, other=0.0) * gl.load(sb_base + i)
         acc += done * scale[:, None]
-    else:   # nothing in flight across iterations: a loop, not unrolled
-        for i in range(KB):
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            part = warpgroup_mma(a_s.index(slot), b_s.index(slot).permute((1, 0)), zero, use_acc=False,
-                                 is_async=True)
-            done = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-            mbarrier.arrive(empty.index(slot))
-            scale = gl.load(sa_ptr + i * M + rows, mask=row_ok, other=0.0) * gl.load(sb_base + i)
-            acc += done * scale[:, None]
     return (acc, )
 
 
@@ -184,7 +168,7 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr, RELEASERS: gl.constexpr):
 @gluon.jit
 def _fp8_gemm_gluon_ws(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, E,
                        K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, E_P2: gl.constexpr,
-                       STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+                       STAGES: gl.constexpr, num_warps: gl.constexpr):
     "The same GEMM with a producer warp for the loads (gl.warp_specialize) and the default warps for the math."
     t, j, e = _program_tile(tile_offs_ptr, N, E, BN, E_P2, num_warps)
     if e < E:
@@ -195,7 +179,7 @@ def _fp8_gemm_gluon_ws(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, tile
                                                         mma_l)
         a_s, b_s, ready, empty = _ring(a_desc, b_desc, STAGES, 1)
         res = gl.warp_specialize([(_ws_math, (a_s, b_s, ready, empty, sa_ptr, sb_base, rows, row_ok, M, KB, STAGES,
-                                              BM, BN, OVERLAP, num_warps)),
+                                              BM, BN, num_warps)),
                                   (_ws_loader, (a_desc, b_desc, a_s, b_s, ready, empty, row0, e * N + col0, KB, BK,
                                                 STAGES))], [1], [24])
         acc = res[0]
@@ -242,8 +226,7 @@ def _ws2_math(a_s, b_s, ready, empty, sa_ptr, sb_base, c_ptr, row0, row_end, col
 @gluon.jit
 def _fp8_gemm_gluon_ws2(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, E,
                         K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, E_P2: gl.constexpr,
-                        STAGES: gl.constexpr, MATH_REGS: gl.constexpr, EARLY: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        STAGES: gl.constexpr, EARLY: gl.constexpr, num_warps: gl.constexpr):
     """DeepGEMM's structure: a producer warp for the loads and two math warp groups as partitions of their own, each
     with half the tile's rows, so that one's promotion can run while the other's product is on the tensor cores."""
     gl.static_assert(num_warps == 4)
@@ -259,7 +242,7 @@ def _fp8_gemm_gluon_ws2(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, row_offs_ptr, til
                             (_ws2_math, (a_s, b_s, ready, empty, sa_ptr, sb_base, c_ptr, row0, row_end, col0, M, N,
                                          1, KB, STAGES, BM // 2, BN, EARLY)),
                             (_ws_loader, (a_desc, b_desc, a_s, b_s, ready, empty, row0, e * N + col0, KB, BK,
-                                          STAGES))], [4, 1], [MATH_REGS, 24])
+                                          STAGES))], [4, 1], [232, 24])   # registers: math group, loader
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
             mbarrier.invalidate(empty.index(s))
@@ -272,7 +255,6 @@ def fp8_grouped_mm_gluon(qa, sa, qb, sb, counts, out_dtype, bm=128, bn=128, stag
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from pith_lit.ops import fp8
     (M, K), (E, N) = qa.shape, qb.shape[:2]
-    KB = triton.cdiv(K, 128)
     c = torch.empty(M, N, dtype=out_dtype, device=qa.device)
     grid = fp8._max_tiles(M, E, bm) * triton.cdiv(N, bn)
     row_offs, tile_offs = fp8._schedule(counts, bm)
@@ -285,10 +267,11 @@ def fp8_grouped_mm_gluon(qa, sa, qb, sb, counts, out_dtype, bm=128, bn=128, stag
     consts = dict(K=K, BM=bm, BN=bn, BK=128, E_P2=fp8._e_p2(E), STAGES=stages)
     if ws == 2:   # two math partitions of 4 warps; `overlap` then says when each step's scales are read: 0 after
         # its product, 1 before it, 2 one step ahead
-        _fp8_gemm_gluon_ws2[(grid,)](*args, **consts, MATH_REGS=232, EARLY=overlap, num_warps=4)
+        _fp8_gemm_gluon_ws2[(grid,)](*args, **consts, EARLY=overlap, num_warps=4)
+    elif ws:      # one producer warp, the default warps multiply and promote; `overlap` unused
+        _fp8_gemm_gluon_ws[(grid,)](*args, **consts, num_warps=warps)
     else:
-        kernel = _fp8_gemm_gluon_ws if ws else _fp8_gemm_gluon
-        kernel[(grid,)](*args, **consts, OVERLAP=overlap, num_warps=warps)
+        _fp8_gemm_gluon[(grid,)](*args, **consts, OVERLAP=overlap, num_warps=warps)
     return c
 
 
@@ -312,20 +295,18 @@ def small():
         ref = fp8.fp8_grouped_mm(a.q, a.s, qw, sw, counts, torch.bfloat16)[:n].float()
         for bm, bn, warps, overlap, ws in [(64, 64, 4, True, False), (128, 128, 8, False, True),
                                            (128, 128, 4, 0, 2), (128, 128, 4, 1, 2), (128, 128, 4, 2, 2)]:
-            for _ in (0,):
-                out = fp8_grouped_mm_gluon(a.q, a.s, qw, sw, counts, torch.bfloat16, bm, bn, 4, warps, overlap, ws)
-                torch.cuda.synchronize()
-                err = ((out[:n].float() - ref).norm() / ref.norm()).item()
-                print("small", counts.tolist(), K, N, bm, bn, warps, overlap, ws, f"{err:.2e}", flush=True)
-                assert err < 1e-2, err
+            out = fp8_grouped_mm_gluon(a.q, a.s, qw, sw, counts, torch.bfloat16, bm, bn, 4, warps, overlap, ws)
+            torch.cuda.synchronize()
+            err = ((out[:n].float() - ref).norm() / ref.norm()).item()
+            print("small", counts.tolist(), K, N, bm, bn, warps, overlap, ws, f"{err:.2e}", flush=True)
+            assert err < 1e-2, err
 
 
 def main():
     import torch
     from triton.testing import do_bench
     from pith_lit.ops import fp8
-    sys_path = __import__("sys").path
-    sys_path.insert(0, "benchmarks")
+    sys.path.insert(0, "benchmarks")
     from fp8_bench import routed_counts
     res = {}
     for name, (H, I, E, k) in {"qwen3": (2048, 768, 128, 8), "dsv2": (2048, 1408, 64, 6)}.items():
@@ -368,7 +349,7 @@ def main():
 
 
 if __name__ == "__main__":
-    import json, os, sys
+    import json, os
     if "--small" in sys.argv:
         small()
         sys.exit(0)
