@@ -3,7 +3,9 @@ program already holds dSᵀ for its key block against every query block it visit
 more product, added into an fp32 dq buffer by atomic reductions, either element-wise (`tl.atomic_add`, REDUCE=0) or
 by TMA tile reductions (a tensor descriptor's `atomic_add`, REDUCE=1). The dq kernel, which recomputes S and dP, is
 gone; the price is the reduction traffic and a cast of the fp32 buffer. Masks, windows, documents, sinks, dlse and
-GQA are ops/14's (its helpers are called). Results: benchmarks/RESULTS.md. Run on a GPU from the repository root:
+GQA are ops/14's (its helpers are called). MODE=split times ops/14's dq kernel and the dk/dv kernel (with pointer
+or TMA loads) apart; the pointer-load dq rows in RESULTS.md ran with this script at 0482fac, against the package at
+b57213c, before ops/14 took TMA loads. Results: benchmarks/RESULTS.md. Run on a GPU from the repository root:
     PYTHONPATH=. OUT=/tmp python3 benchmarks/attention_fused_bwd.py
 (with WARM=1 PART=i NPARTS=n it only compiles the i-th of n shares of the variants, to fill Triton's cache from
 several processes before the timed run).
@@ -153,89 +155,6 @@ def _attn_bwd_fused_kernel(Q, K, V, DO, LSE, DELTA, DK, DVv, DQP, DQA, DQB, QA, 
                   dv.to(DVv.dtype.element_ty), 0, DV, BDV)
 
 
-@triton.jit
-def _dq_block_tma(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOC, b, hk, n0, Sk, delta, window,
-                  qk_scale, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
-                  DOT: tl.constexpr, PREC: tl.constexpr):
-    "ops/14's _dq_block with the key and value tiles by TMA."
-    cols = n0 + tl.arange(0, BLOCK_N)
-    ka = KA.load([b, hk, n0, 0]).reshape(BLOCK_N, DA).to(DOT)
-    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
-    kb = ka
-    if DB > 0:
-        kb = KB.load([b, hk, n0, DA]).reshape(BLOCK_N, DB).to(DOT)
-        s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
-    p = tl.exp2(s * qk_scale - lse2[:, None])
-    if MASK:
-        kdoc = cols
-        if HAS_DOC:
-            kdoc = tl.load(KDOC + cols, mask=cols < Sk, other=-1)
-        keep = A._visible((cols < Sk)[None, :], rows[:, None], cols[None, :], qdoc[:, None], kdoc[None, :], delta,
-                          window, CAUSAL, HAS_WINDOW, HAS_DOC)
-        p = tl.where(keep, p, 0.0)
-    v = VD.load([b, hk, n0, 0]).reshape(BLOCK_N, BDV).to(DOT)
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds = (p * (dp - dd[:, None])).to(DOT)
-    dqa = tl.dot(ds, ka, dqa, input_precision=PREC)
-    if DB > 0:
-        dqb = tl.dot(ds, kb, dqb, input_precision=PREC)
-    return dqa, dqb
-
-
-@triton.jit
-def _dq_tma_kernel(Q, KA, KB, VD, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
-                   stride_qb, stride_qh, stride_qm, stride_qd, stride_db, stride_dh, stride_dm, stride_dd,
-                   stride_gb, stride_gh, stride_gm, stride_gd, Sq, Sk, H, GROUP, delta, window, qk_scale, scale,
-                   DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_DOC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    "ops/14's dq kernel with the key and value tiles by TMA."
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
-    rows = m0 + tl.arange(0, BLOCK_M)
-    Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    qa = A._tile(Qh, rows, stride_qm, stride_qd, Sq, 0, DQK, DA, True).to(DOT)
-    qb = qa
-    if DB > 0:
-        qb = A._tile(Qh, rows, stride_qm, stride_qd, Sq, DA, DQK, DB, True).to(DOT)
-    do = A._tile(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh, rows, stride_dm, stride_dd, Sq, 0,
-                 DV, BDV, True).to(DOT)
-    off = bh.to(tl.int64) * Sq + rows
-    lse = tl.load(LSE + off, mask=rows < Sq, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * A._LOG2E)
-    dd = tl.load(DELTA + off, mask=rows < Sq, other=0.0)
-    qdoc = rows
-    KDOCb = KDOC
-    if HAS_DOC:
-        qdoc = tl.load(QDOC + b.to(tl.int64) * Sq + rows, mask=rows < Sq, other=-2)
-        KDOCb = KDOC + b.to(tl.int64) * Sk
-    start, int_lo, int_hi, hi = A._block_range(m0, Sq, Sk, delta, window,
-                                               RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N,
-                                               True, CAUSAL, HAS_WINDOW, HAS_DOC)
-    dqa = tl.zeros([BLOCK_M, DA], tl.float32)
-    dqb = dqa
-    if DB > 0:
-        dqb = tl.zeros([BLOCK_M, DB], tl.float32)
-    for n0 in range(start, int_lo, BLOCK_N):
-        dqa, dqb = _dq_block_tma(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                 window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        dqa, dqb = _dq_block_tma(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                 window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        dqa, dqb = _dq_block_tma(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                 window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    DQh = DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
-    A._store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqa * scale).to(DQ.dtype.element_ty), 0, DQK, DA)
-    if DB > 0:
-        A._store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqb * scale).to(DQ.dtype.element_ty), DA, DQK, DB)
-
-
 def _desc4(t, rows, cols):
     "A 4-D descriptor over (B, H, S, D) as laid out, (rows, cols) blocks: rows past S and columns past D read 0."
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
@@ -254,25 +173,18 @@ def pre(q, out, dout, dlse):
     return delta_
 
 
-def dq_only(q, k, v, sinks, out, lse, dout, dlse, m, scale, q_doc, k_doc, cfg, delta_, tma):
-    "dq alone: ops/14's kernel (tma False) or the one with K, V by TMA."
+def dq_only(q, k, v, sinks, out, lse, dout, dlse, m, scale, q_doc, k_doc, cfg, delta_):
+    "ops/14's dq kernel alone (its key and value tiles by TMA) at the tiles of cfg."
     (B, Hq, Sq, Dqk), (Hkv, Sk, Dv) = q.shape, (k.shape[1], k.shape[2], v.shape[3])
     dq = torch.empty_like(q)
     consts, flags = A._head_consts(Dqk, Dv), A._kernel_flags(q, m, q_doc)
     docs = (q_doc, k_doc) if q_doc is not None else (lse, lse)
     ranges = A._doc_ranges(q_doc, k_doc, cfg.block_m) if q_doc is not None else lse
-    args = (m.q_offset - m.k_offset, m.window or 0, scale * A.LOG2E, scale)
-    launch = dict(**consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
-    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
-    if tma:
-        da, db = consts["DA"], consts["DB"]
-        kd = (_desc4(k, cfg.block_n, da), _desc4(k, cfg.block_n, max(db, 16)), _desc4(v, cfg.block_n, consts["BDV"]))
-        _dq_tma_kernel[grid](q, *kd, dout, lse, delta_, dq, *docs, ranges, *q.stride(), *dout.stride(), *dq.stride(),
-                             Sq, Sk, Hq, Hq // Hkv, *args, **launch)
-    else:
-        A._attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta_, dq, *docs, ranges, *q.stride(), *k.stride(),
-                                    *v.stride(), *dout.stride(), *dq.stride(), Sq, Sk, Hq, Hq // Hkv, *args, **launch)
+    A._attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
+        q, *A._descs(k, cfg.block_n, (consts["DA"], consts["DB"])), *A._descs(v, cfg.block_n, (consts["BDV"],)), dout,
+        lse, delta_, dq, *docs, ranges, *q.stride(), *dout.stride(), *dq.stride(), Sq, Sk, Hq, Hq // Hkv,
+        m.q_offset - m.k_offset, m.window or 0, scale * A.LOG2E, scale, **consts, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq
 
 
@@ -342,7 +254,7 @@ def check_cpu():
         for tma in (False, True):  # the interpreter has TMA loads but not TMA reductions
             got = bwd_fused(*args, C(16, 32, 4, 1), 0, tma)
             errs = [rel(a, b) for a, b in zip(got, want) if b is not None]
-            dq = dq_only(*args, C(16, 32, 4, 1), delta_, tma)
+            dq = dq_only(*args, C(16, 32, 4, 1), delta_)
             _, dk, dv, _ = bwd_fused(*args, C(16, 32, 4, 1), -1, tma, delta_)
             errs += [rel(dq, want[0]), rel(dk, want[1]), rel(dv, want[2])]
             print(c, "tma" if tma else "ptr", " ".join(f"{e:.1e}" for e in errs))
@@ -409,8 +321,8 @@ def bench(part=0, nparts=1, warm=False):
 
 
 def bench_split(part=0, nparts=1, warm=False):
-    """ops/14's dq and dk/dv kernels timed apart, each as it is and with its per-step tiles by TMA, over tiles, at
-    three shapes; ops/14's whole backward and forward, and SDPA's, beside them. (warm: as for bench.)"""
+    """ops/14's dq kernel, and the dk/dv kernel with its per-step tiles by pointer loads or by TMA, timed apart over
+    tiles at three shapes; ops/14's whole backward and forward, and SDPA's, beside them. (warm: as for bench.)"""
     from triton.testing import do_bench
     import torch.nn.functional as F
     C = A._Config
@@ -429,13 +341,13 @@ def bench_split(part=0, nparts=1, warm=False):
                          C(64, 64, 8, 3)],
                "gptoss_win": [C(64, 64, 4, 3), C(64, 64, 4, 2), C(32, 64, 4, 3), C(64, 128, 8, 3)]}
     variants = [(name, kind, cfg, tma) for name in shapes for kind, table in (("dq", dq_cfgs), ("dkdv", kv_cfgs))
-                for cfg in table[name] for tma in (False, True)]
+                for cfg in table[name] for tma in ((True,) if kind == "dq" else (False, True))]
     for name, shape in shapes.items():
         mine = [(kind, cfg, t) for i, (n, kind, cfg, t) in enumerate(variants) if n == name and i % nparts == part]
         args = _case(**shape, dev="cuda", dtype=torch.bfloat16)
         q, k, v = args[:3]
         delta_ = pre(q, args[4], args[6], args[7])
-        run = lambda kind, cfg, tma: (dq_only(*args, cfg, delta_, tma) if kind == "dq" else
+        run = lambda kind, cfg, tma: (dq_only(*args, cfg, delta_) if kind == "dq" else
                                       bwd_fused(*args, cfg, -1, tma, delta_))
         if warm:
             for kind, cfg, tma in mine:

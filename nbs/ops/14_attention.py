@@ -34,7 +34,6 @@
 # %%
 #| export
 import contextlib
-import functools
 import os
 from typing import NamedTuple
 
@@ -42,6 +41,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pith_lit.ops.grouped_linear import MATMUL_CEILING
 
@@ -324,11 +324,11 @@ class _Config(NamedTuple):
 
 CUDA_CONFIGS = {  # widest head dim class -> kernel -> config (bf16/fp16 on sm_90)
     64: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(64, 64, 4, 3), "dq": _Config(64, 64, 4, 2),
-         "dkdv": _Config(64, 64, 4, 3)},
+         "dkdv": _Config(64, 64, 4, 2)},
     128: {"fwd": _Config(128, 128, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(64, 64, 4, 2),
           "dkdv": _Config(32, 64, 4, 3)},
     256: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(128, 64, 8, 3),
-          "dkdv": _Config(64, 128, 8, 3)},
+          "dkdv": _Config(32, 64, 4, 3)},
 }
 FP32_CONFIG = _Config(64, 32, 4, 1)  # fp32 tiles take twice the shared memory
 
@@ -796,17 +796,17 @@ def _attn_bwd_pre_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, st
 # %%
 #| export
 @triton.jit
-def _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOC, n0, Sk, stride_kn, stride_kd, stride_vn,
-              stride_vd, delta, window, qk_scale, DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr,
-              DB: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    "One key block of dq: recompute P, dP, dS and accumulate dS·K (unscaled)."
+def _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOC, b, hk, n0, Sk, delta, window,
+              qk_scale, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
+              DOT: tl.constexpr, PREC: tl.constexpr):
+    "One key block of dq: recompute P, dP, dS and accumulate dS·K (unscaled). K and V tiles by TMA."
     cols = n0 + tl.arange(0, BLOCK_N)
-    ka = _tile(Kh, cols, stride_kn, stride_kd, Sk, 0, DQK, DA, MASK).to(DOT)
+    ka = KA.load([b, hk, n0, 0]).reshape(BLOCK_N, DA).to(DOT)
     s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
     kb = ka
     if DB > 0:
-        kb = _tile(Kh, cols, stride_kn, stride_kd, Sk, DA, DQK, DB, MASK).to(DOT)
+        kb = KB.load([b, hk, n0, DA]).reshape(BLOCK_N, DB).to(DOT)
         s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
     p = tl.exp2(s * qk_scale - lse2[:, None])
     if MASK:
@@ -816,7 +816,7 @@ def _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOC, n0, Sk, 
         keep = _visible((cols < Sk)[None, :], rows[:, None], cols[None, :], qdoc[:, None], kdoc[None, :], delta,
                         window, CAUSAL, HAS_WINDOW, HAS_DOC)
         p = tl.where(keep, p, 0.0)
-    v = _tile(Vh, cols, stride_vn, stride_vd, Sk, 0, DV, BDV, MASK).to(DOT)
+    v = VD.load([b, hk, n0, 0]).reshape(BLOCK_N, BDV).to(DOT)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = (p * (dp - dd[:, None])).to(DOT)
     dqa = tl.dot(ds, ka, dqa, input_precision=PREC)
@@ -826,9 +826,8 @@ def _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOC, n0, Sk, 
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
-                        stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                        stride_vb, stride_vh, stride_vn, stride_vd, stride_db, stride_dh, stride_dm, stride_dd,
+def _attn_bwd_dq_kernel(Q, KA, KB, VD, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
+                        stride_qb, stride_qh, stride_qm, stride_qd, stride_db, stride_dh, stride_dm, stride_dd,
                         stride_gb, stride_gh, stride_gm, stride_gd,
                         Sq, Sk, H, GROUP, delta, window, qk_scale, scale,
                         DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr,
@@ -839,11 +838,10 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    hk = h // GROUP
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    Kh = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
-    Vh = V + b.to(tl.int64) * stride_vb + (h // GROUP).to(tl.int64) * stride_vh
     qa = _tile(Qh, rows, stride_qm, stride_qd, Sq, 0, DQK, DA, True).to(DOT)
     qb = qa
     if DB > 0:
@@ -867,17 +865,14 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
     if DB > 0:
         dqb = tl.zeros([BLOCK_M, DB], tl.float32)
     for n0 in range(start, int_lo, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOCb, n0, Sk, stride_kn, stride_kd,
-                             stride_vn, stride_vd, delta, window, qk_scale, DQK, DV, DA, DB, BDV, BLOCK_N, True,
-                             CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
     for n0 in range(int_lo, int_hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOCb, n0, Sk, stride_kn, stride_kd,
-                             stride_vn, stride_vd, delta, window, qk_scale, DQK, DV, DA, DB, BDV, BLOCK_N, False,
-                             CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                             window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
     for n0 in range(int_hi, hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOCb, n0, Sk, stride_kn, stride_kd,
-                             stride_vn, stride_vd, delta, window, qk_scale, DQK, DV, DA, DB, BDV, BLOCK_N, True,
-                             CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
     DQh = DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
     _store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqa * scale).to(DQ.dtype.element_ty), 0, DQK, DA)
     if DB > 0:
@@ -885,18 +880,17 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
 
 
 @triton.jit
-def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m0, Sq, stride_qm, stride_qd,
-                stride_dm, stride_dd, delta, window, qk_scale, DQK: tl.constexpr, DV: tl.constexpr,
-                DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr,
-                PREC: tl.constexpr):
-    "One query block of dk, dv for a fixed key block: Pᵀ and dSᵀ as (keys, queries)."
+def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOC, b, h, m0, Sq, delta, window,
+                qk_scale, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
+                DOT: tl.constexpr, PREC: tl.constexpr):
+    "One query block of dk, dv for a fixed key block: Pᵀ and dSᵀ as (keys, queries). Q and dO tiles by TMA."
     rows = m0 + tl.arange(0, BLOCK_M)
-    qa = _tile(Qh, rows, stride_qm, stride_qd, Sq, 0, DQK, DA, MASK).to(DOT)
+    qa = QA.load([b, h, m0, 0]).reshape(BLOCK_M, DA).to(DOT)
     st = tl.dot(ka, tl.trans(qa), input_precision=PREC)
     qb = qa
     if DB > 0:
-        qb = _tile(Qh, rows, stride_qm, stride_qd, Sq, DA, DQK, DB, MASK).to(DOT)
+        qb = QB.load([b, h, m0, DA]).reshape(BLOCK_M, DB).to(DOT)
         st = tl.dot(kb, tl.trans(qb), st, input_precision=PREC)
     if MASK:
         lse = tl.load(LSEh + rows, mask=rows < Sq, other=float("inf"))
@@ -913,7 +907,7 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m
         keep = _visible((rows < Sq)[None, :], rows[None, :], cols[:, None], qdoc[None, :], kdoc[:, None], delta,
                         window, CAUSAL, HAS_WINDOW, HAS_DOC)
         pt = tl.where(keep, pt, 0.0)
-    do = _tile(DOh, rows, stride_dm, stride_dd, Sq, 0, DV, BDV, MASK).to(DOT)
+    do = DOD.load([b, h, m0, 0]).reshape(BLOCK_M, BDV).to(DOT)
     dv = tl.dot(pt.to(DOT), do, dv, input_precision=PREC)
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
     dst = (pt * (dpt - dd[None, :])).to(DOT)
@@ -924,9 +918,8 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
-                          stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                          stride_vb, stride_vh, stride_vn, stride_vd, stride_db, stride_dh, stride_dm, stride_dd,
+def _attn_bwd_dkdv_kernel(QA, QB, DOD, K, V, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
+                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                           stride_gkb, stride_gkh, stride_gkn, stride_gkd, stride_gvb, stride_gvh, stride_gvn,
                           stride_gvd, Sq, Sk, HKV, GROUP, delta, window, qk_scale, scale,
                           DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
@@ -961,22 +954,20 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
     dv = tl.zeros([BLOCK_N, BDV], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
-        Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        DOh = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
         LSEh = LSE + (b * HKV * GROUP + h).to(tl.int64) * Sq
         DDh = DELTA + (b * HKV * GROUP + h).to(tl.int64) * Sq
         for m0 in range(start, int_lo, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOCb, m0, Sq,
-                                       stride_qm, stride_qd, stride_dm, stride_dd, delta, window, qk_scale, DQK, DV,
-                                       DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOCb, b, h, m0,
+                                       Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW,
+                                       HAS_DOC, DOT, PREC)
         for m0 in range(int_lo, int_hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOCb, m0, Sq,
-                                       stride_qm, stride_qd, stride_dm, stride_dd, delta, window, qk_scale, DQK, DV,
-                                       DA, DB, BDV, BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOCb, b, h, m0,
+                                       Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, False, CAUSAL, HAS_WINDOW,
+                                       HAS_DOC, DOT, PREC)
         for m0 in range(int_hi, hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOCb, m0, Sq,
-                                       stride_qm, stride_qd, stride_dm, stride_dd, delta, window, qk_scale, DQK, DV,
-                                       DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOCb, b, h, m0,
+                                       Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW,
+                                       HAS_DOC, DOT, PREC)
     DKh = DK + b.to(tl.int64) * stride_gkb + hk.to(tl.int64) * stride_gkh
     _store_tile(DKh, cols, stride_gkn, stride_gkd, Sk, (dka * scale).to(DK.dtype.element_ty), 0, DQK, DA)
     if DB > 0:
@@ -989,12 +980,39 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
 # The backward launcher: `D'` first, then the two gradient kernels, then the sink gradient as one torch reduction
 # over the `(B, Hq, Sq)` fp32 tensors. Gradients keep the inputs' memory layout (`empty_like`), so a transposed
 # `(B, S, H, D)` view gets its gradient back in that layout.
+#
+# The tiles a gradient kernel reads at every step of its loop (`K` and `V` in the `dq` kernel, `Q` and `dO` in the
+# `dk, dv` kernel) come in by TMA, through tensor descriptors over the 4-D tensors as they are laid out: the copy
+# engine computes the addresses and fills rows past `S` and columns past `D` with zeros, which is what `_tile`'s
+# masks do. A pointer load keeps a 64-bit address per element in registers; at these tiles that is what pushed the
+# kernels' accumulators into spills (ptxas: 1,136 bytes in the Qwen3-shaped `dk, dv` kernel, 96 with descriptors),
+# and the kernels run faster with them at every shape measured (RESULTS.md, "Attention backward by TMA"). The
+# descriptors are built on the host, four per backward (five with a split head dim like MLA's 128 + 64), and each
+# costs Triton's launcher some tens of microseconds of CPU time per launch. Built inside the kernels instead
+# (`tl.make_tensor_descriptor`) they cost no host time but some GPU time at the start of every program, which
+# measured slower on the GPU; the GPU's time is what a training step waits for. A descriptor needs a unit last
+# stride and 16-byte aligned base and strides; a tensor that has neither (an odd head dim, a strided view) is copied
+# once into one that has, with the head dim padded by zero columns. The interpreter runs the same descriptor loads,
+# so the checks below exercise them.
 
 # %%
 #| export
-@functools.cache
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` if a TMA descriptor can address it (unit last stride, base and other strides positive multiples of 16
+    bytes), else a contiguous copy with the last dim padded by zeros to a multiple of 16 bytes."""
+    size = t.element_size()
+    aligned = all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1])
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and aligned:
+        return t
+    d = t.shape[-1]
+    return F.pad(t, (0, -(-d * size // 16) * 16 // size - d)).contiguous()
+
+
+def _descs(t: torch.Tensor, rows: int, widths) -> list[TensorDescriptor | None]:
+    """Descriptors over the 4-D tensor t (its layout made TMA-ready), one per tile width (None for a width of 0, a
+    second tile the head dim does not need), each of `rows` rows."""
+    t = _tma_ready(t)
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w else None for w in widths]
 
 
 def _bwd(q, k, v, sinks, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_doc, blocks=None):
@@ -1013,23 +1031,27 @@ def _bwd(q, k, v, sinks, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_
             *dout.stride(), Sq, Hq, DV=Dv, BDV=consts["BDV"], BLOCK_M=pre_m, HAS_DLSE=dlse is not None)
     args = (m.q_offset - m.k_offset, m.window or 0, scale * LOG2E, scale)
     docs = (q_doc, k_doc) if q_doc is not None else (lse, lse)
+    qk_widths = (consts["DA"], consts["DB"])
     cfg = cfgs["dq"]
-    if B * Hq * Sq:
+    if B * Hq * Sq and B * Hkv * Sk:
         ranges = _doc_ranges(q_doc, k_doc, cfg.block_m) if q_doc is not None else lse
         _attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-            q, k, v, dout, lse, delta_, dq, *docs, ranges, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            *dq.stride(), Sq, Sk, Hq, Hq // Hkv, *args, **consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            q, *_descs(k, cfg.block_n, qk_widths), *_descs(v, cfg.block_n, (consts["BDV"],)), dout, lse, delta_, dq,
+            *docs, ranges, *q.stride(), *dout.stride(), *dq.stride(), Sq, Sk, Hq, Hq // Hkv, *args, **consts,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    elif B * Hq * Sq:  # no keys at all: nothing to attend to
+        dq.zero_()
     cfg = cfgs["dkdv"]
-    if blocks is None and q.is_cuda and cfg.block_n > 64 and \
-            triton.cdiv(Sk, cfg.block_n) * B * Hkv < 2 * _sm_count(q.device):
-        cfg = cfg._replace(block_n=64)  # few KV heads: more, smaller programs to fill the GPU
-    if B * Hkv * Sk:
+    if B * Hkv * Sk and B * Hq * Sq:
         ranges = _doc_ranges(k_doc, q_doc, cfg.block_n) if q_doc is not None else lse
         _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-            q, k, v, dout, lse, delta_, dk, dv, *docs, ranges, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            *dk.stride(), *dv.stride(), Sq, Sk, Hkv, Hq // Hkv, *args, **consts, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            *_descs(q, cfg.block_m, qk_widths), *_descs(dout, cfg.block_m, (consts["BDV"],)), k, v, lse, delta_, dk,
+            dv, *docs, ranges, *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), Sq, Sk, Hkv, Hq // Hkv, *args,
+            **consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    elif B * Hkv * Sk:
+        dk.zero_()
+        dv.zero_()
     dsinks = None
     if sinks is not None:
         dsinks = -(torch.exp(sinks.float().view(1, Hq, 1) - lse) * delta_).sum((0, 2)).to(sinks.dtype)
@@ -1082,6 +1104,28 @@ got = _bwd(q, k, v, sinks, out, lse, None, dlse, _Mask(True, None, 0, 0), 0.25, 
 want = ref_grads(q, k, v, sinks, torch.zeros_like(out), dlse)
 assert max(rel_err(a, b) for a, b in zip(got, want)) < 1e-5 and got[0].abs().max() > 0.1
 check_bwd(FWD_CASES[:2], seed0=200, grad_lse=False)
+
+# %% [markdown]
+# Tensors a descriptor cannot address are copied first: a head dim of 5 fp32 (20-byte rows), a head-major layout
+# transposed in its last two dims (last stride not 1), and keys broadcast over heads (stride 0). The copy holds the
+# same values with zero columns after them, and the gradients come out as with any other layout (to rounding:
+# on the GPU the layout of `dO` changes the order of the sum in `D'`):
+
+# %%
+x = torch.randn(1, 3, 9, 8)
+for t, copied in [(torch.randn(1, 2, 9, 5), True), (x, False), (x.transpose(2, 3), True),
+                  (torch.randn(1, 1, 9, 8).expand(1, 2, 9, 8), True), (x[..., 1:], True), (x[:, 1:], False)]:
+    r = _tma_ready(t)
+    assert (r is not t) == copied and torch.equal(r[..., :t.shape[-1]], t) and not r[..., t.shape[-1]:].any()
+check_bwd([(1, 2, 1, 33, 33, 5, 3, {}, (16, 16))], seed0=300)
+q, k, v, sinks, kw = split_opts({}, 301, 1, 2, 1, 33, 33, 16, 16)
+out, lse = fwd_of(q, k, v, None, (16, 16))
+dout = torch.randn_like(out)
+want = _bwd(q, k, v, None, out, lse, dout, None, _Mask(True, None, 0, 0), 0.25, None, None, (16, 16))
+k0 = k.as_strided(k.shape, (k.stride(0), 0, k.stride(2), k.stride(3)))  # one KV head, stride 0
+got = _bwd(q.transpose(2, 3).contiguous().transpose(2, 3), k0, v, None, out, lse,
+           dout.transpose(2, 3).contiguous().transpose(2, 3), None, _Mask(True, None, 0, 0), 0.25, None, None, (16, 16))
+assert max(rel_err(a, b) for a, b in zip(got[:3], want[:3])) < 1e-6
 
 # %% [markdown]
 # ## Skipped blocks in the backward

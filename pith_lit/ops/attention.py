@@ -6,7 +6,6 @@ __all__ = ['INTERPRET', 'LOG2E', 'CUDA_CONFIGS', 'FP32_CONFIG', 'BENCH_SHAPES', 
 
 # %% ../../nbs/ops/14_attention.ipynb #e0784306
 import contextlib
-import functools
 import os
 from typing import NamedTuple
 
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .grouped_linear import MATMUL_CEILING
 
@@ -155,11 +155,11 @@ class _Config(NamedTuple):
 
 CUDA_CONFIGS = {  # widest head dim class -> kernel -> config (bf16/fp16 on sm_90)
     64: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(64, 64, 4, 3), "dq": _Config(64, 64, 4, 2),
-         "dkdv": _Config(64, 64, 4, 3)},
+         "dkdv": _Config(64, 64, 4, 2)},
     128: {"fwd": _Config(128, 128, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(64, 64, 4, 2),
           "dkdv": _Config(32, 64, 4, 3)},
     256: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(128, 64, 8, 3),
-          "dkdv": _Config(64, 128, 8, 3)},
+          "dkdv": _Config(32, 64, 4, 3)},
 }
 FP32_CONFIG = _Config(64, 32, 4, 1)  # fp32 tiles take twice the shared memory
 
@@ -418,17 +418,17 @@ def _attn_bwd_pre_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, st
 
 # %% ../../nbs/ops/14_attention.ipynb #04f74128
 @triton.jit
-def _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOC, n0, Sk, stride_kn, stride_kd, stride_vn,
-              stride_vd, delta, window, qk_scale, DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr,
-              DB: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    "One key block of dq: recompute P, dP, dS and accumulate dS·K (unscaled)."
+def _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOC, b, hk, n0, Sk, delta, window,
+              qk_scale, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
+              DOT: tl.constexpr, PREC: tl.constexpr):
+    "One key block of dq: recompute P, dP, dS and accumulate dS·K (unscaled). K and V tiles by TMA."
     cols = n0 + tl.arange(0, BLOCK_N)
-    ka = _tile(Kh, cols, stride_kn, stride_kd, Sk, 0, DQK, DA, MASK).to(DOT)
+    ka = KA.load([b, hk, n0, 0]).reshape(BLOCK_N, DA).to(DOT)
     s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
     kb = ka
     if DB > 0:
-        kb = _tile(Kh, cols, stride_kn, stride_kd, Sk, DA, DQK, DB, MASK).to(DOT)
+        kb = KB.load([b, hk, n0, DA]).reshape(BLOCK_N, DB).to(DOT)
         s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
     p = tl.exp2(s * qk_scale - lse2[:, None])
     if MASK:
@@ -438,7 +438,7 @@ def _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOC, n0, Sk, 
         keep = _visible((cols < Sk)[None, :], rows[:, None], cols[None, :], qdoc[:, None], kdoc[None, :], delta,
                         window, CAUSAL, HAS_WINDOW, HAS_DOC)
         p = tl.where(keep, p, 0.0)
-    v = _tile(Vh, cols, stride_vn, stride_vd, Sk, 0, DV, BDV, MASK).to(DOT)
+    v = VD.load([b, hk, n0, 0]).reshape(BLOCK_N, BDV).to(DOT)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = (p * (dp - dd[:, None])).to(DOT)
     dqa = tl.dot(ds, ka, dqa, input_precision=PREC)
@@ -448,9 +448,8 @@ def _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOC, n0, Sk, 
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
-                        stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                        stride_vb, stride_vh, stride_vn, stride_vd, stride_db, stride_dh, stride_dm, stride_dd,
+def _attn_bwd_dq_kernel(Q, KA, KB, VD, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
+                        stride_qb, stride_qh, stride_qm, stride_qd, stride_db, stride_dh, stride_dm, stride_dd,
                         stride_gb, stride_gh, stride_gm, stride_gd,
                         Sq, Sk, H, GROUP, delta, window, qk_scale, scale,
                         DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr,
@@ -461,11 +460,10 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    hk = h // GROUP
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    Kh = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
-    Vh = V + b.to(tl.int64) * stride_vb + (h // GROUP).to(tl.int64) * stride_vh
     qa = _tile(Qh, rows, stride_qm, stride_qd, Sq, 0, DQK, DA, True).to(DOT)
     qb = qa
     if DB > 0:
@@ -489,17 +487,14 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
     if DB > 0:
         dqb = tl.zeros([BLOCK_M, DB], tl.float32)
     for n0 in range(start, int_lo, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOCb, n0, Sk, stride_kn, stride_kd,
-                             stride_vn, stride_vd, delta, window, qk_scale, DQK, DV, DA, DB, BDV, BLOCK_N, True,
-                             CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
     for n0 in range(int_lo, int_hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOCb, n0, Sk, stride_kn, stride_kd,
-                             stride_vn, stride_vd, delta, window, qk_scale, DQK, DV, DA, DB, BDV, BLOCK_N, False,
-                             CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                             window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
     for n0 in range(int_hi, hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, Kh, Vh, KDOCb, n0, Sk, stride_kn, stride_kd,
-                             stride_vn, stride_vd, delta, window, qk_scale, DQK, DV, DA, DB, BDV, BLOCK_N, True,
-                             CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
     DQh = DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
     _store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqa * scale).to(DQ.dtype.element_ty), 0, DQK, DA)
     if DB > 0:
@@ -507,18 +502,17 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
 
 
 @triton.jit
-def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m0, Sq, stride_qm, stride_qd,
-                stride_dm, stride_dd, delta, window, qk_scale, DQK: tl.constexpr, DV: tl.constexpr,
-                DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr,
-                PREC: tl.constexpr):
-    "One query block of dk, dv for a fixed key block: Pᵀ and dSᵀ as (keys, queries)."
+def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOC, b, h, m0, Sq, delta, window,
+                qk_scale, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
+                DOT: tl.constexpr, PREC: tl.constexpr):
+    "One query block of dk, dv for a fixed key block: Pᵀ and dSᵀ as (keys, queries). Q and dO tiles by TMA."
     rows = m0 + tl.arange(0, BLOCK_M)
-    qa = _tile(Qh, rows, stride_qm, stride_qd, Sq, 0, DQK, DA, MASK).to(DOT)
+    qa = QA.load([b, h, m0, 0]).reshape(BLOCK_M, DA).to(DOT)
     st = tl.dot(ka, tl.trans(qa), input_precision=PREC)
     qb = qa
     if DB > 0:
-        qb = _tile(Qh, rows, stride_qm, stride_qd, Sq, DA, DQK, DB, MASK).to(DOT)
+        qb = QB.load([b, h, m0, DA]).reshape(BLOCK_M, DB).to(DOT)
         st = tl.dot(kb, tl.trans(qb), st, input_precision=PREC)
     if MASK:
         lse = tl.load(LSEh + rows, mask=rows < Sq, other=float("inf"))
@@ -535,7 +529,7 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m
         keep = _visible((rows < Sq)[None, :], rows[None, :], cols[:, None], qdoc[None, :], kdoc[:, None], delta,
                         window, CAUSAL, HAS_WINDOW, HAS_DOC)
         pt = tl.where(keep, pt, 0.0)
-    do = _tile(DOh, rows, stride_dm, stride_dd, Sq, 0, DV, BDV, MASK).to(DOT)
+    do = DOD.load([b, h, m0, 0]).reshape(BLOCK_M, BDV).to(DOT)
     dv = tl.dot(pt.to(DOT), do, dv, input_precision=PREC)
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
     dst = (pt * (dpt - dd[None, :])).to(DOT)
@@ -546,9 +540,8 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOC, m
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
-                          stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                          stride_vb, stride_vh, stride_vn, stride_vd, stride_db, stride_dh, stride_dm, stride_dd,
+def _attn_bwd_dkdv_kernel(QA, QB, DOD, K, V, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
+                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                           stride_gkb, stride_gkh, stride_gkn, stride_gkd, stride_gvb, stride_gvh, stride_gvn,
                           stride_gvd, Sq, Sk, HKV, GROUP, delta, window, qk_scale, scale,
                           DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
@@ -583,22 +576,20 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
     dv = tl.zeros([BLOCK_N, BDV], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
-        Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        DOh = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
         LSEh = LSE + (b * HKV * GROUP + h).to(tl.int64) * Sq
         DDh = DELTA + (b * HKV * GROUP + h).to(tl.int64) * Sq
         for m0 in range(start, int_lo, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOCb, m0, Sq,
-                                       stride_qm, stride_qd, stride_dm, stride_dd, delta, window, qk_scale, DQK, DV,
-                                       DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOCb, b, h, m0,
+                                       Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW,
+                                       HAS_DOC, DOT, PREC)
         for m0 in range(int_lo, int_hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOCb, m0, Sq,
-                                       stride_qm, stride_qd, stride_dm, stride_dd, delta, window, qk_scale, DQK, DV,
-                                       DA, DB, BDV, BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOCb, b, h, m0,
+                                       Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, False, CAUSAL, HAS_WINDOW,
+                                       HAS_DOC, DOT, PREC)
         for m0 in range(int_hi, hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOCb, m0, Sq,
-                                       stride_qm, stride_qd, stride_dm, stride_dd, delta, window, qk_scale, DQK, DV,
-                                       DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOCb, b, h, m0,
+                                       Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW,
+                                       HAS_DOC, DOT, PREC)
     DKh = DK + b.to(tl.int64) * stride_gkb + hk.to(tl.int64) * stride_gkh
     _store_tile(DKh, cols, stride_gkn, stride_gkd, Sk, (dka * scale).to(DK.dtype.element_ty), 0, DQK, DA)
     if DB > 0:
@@ -607,9 +598,22 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
                 dv.to(DVv.dtype.element_ty), 0, DV, BDV)
 
 # %% ../../nbs/ops/14_attention.ipynb #e22b2be5
-@functools.cache
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` if a TMA descriptor can address it (unit last stride, base and other strides positive multiples of 16
+    bytes), else a contiguous copy with the last dim padded by zeros to a multiple of 16 bytes."""
+    size = t.element_size()
+    aligned = all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1])
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and aligned:
+        return t
+    d = t.shape[-1]
+    return F.pad(t, (0, -(-d * size // 16) * 16 // size - d)).contiguous()
+
+
+def _descs(t: torch.Tensor, rows: int, widths) -> list[TensorDescriptor | None]:
+    """Descriptors over the 4-D tensor t (its layout made TMA-ready), one per tile width (None for a width of 0, a
+    second tile the head dim does not need), each of `rows` rows."""
+    t = _tma_ready(t)
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w else None for w in widths]
 
 
 def _bwd(q, k, v, sinks, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_doc, blocks=None):
@@ -628,23 +632,27 @@ def _bwd(q, k, v, sinks, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_
             *dout.stride(), Sq, Hq, DV=Dv, BDV=consts["BDV"], BLOCK_M=pre_m, HAS_DLSE=dlse is not None)
     args = (m.q_offset - m.k_offset, m.window or 0, scale * LOG2E, scale)
     docs = (q_doc, k_doc) if q_doc is not None else (lse, lse)
+    qk_widths = (consts["DA"], consts["DB"])
     cfg = cfgs["dq"]
-    if B * Hq * Sq:
+    if B * Hq * Sq and B * Hkv * Sk:
         ranges = _doc_ranges(q_doc, k_doc, cfg.block_m) if q_doc is not None else lse
         _attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-            q, k, v, dout, lse, delta_, dq, *docs, ranges, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            *dq.stride(), Sq, Sk, Hq, Hq // Hkv, *args, **consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            q, *_descs(k, cfg.block_n, qk_widths), *_descs(v, cfg.block_n, (consts["BDV"],)), dout, lse, delta_, dq,
+            *docs, ranges, *q.stride(), *dout.stride(), *dq.stride(), Sq, Sk, Hq, Hq // Hkv, *args, **consts,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    elif B * Hq * Sq:  # no keys at all: nothing to attend to
+        dq.zero_()
     cfg = cfgs["dkdv"]
-    if blocks is None and q.is_cuda and cfg.block_n > 64 and \
-            triton.cdiv(Sk, cfg.block_n) * B * Hkv < 2 * _sm_count(q.device):
-        cfg = cfg._replace(block_n=64)  # few KV heads: more, smaller programs to fill the GPU
-    if B * Hkv * Sk:
+    if B * Hkv * Sk and B * Hq * Sq:
         ranges = _doc_ranges(k_doc, q_doc, cfg.block_n) if q_doc is not None else lse
         _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-            q, k, v, dout, lse, delta_, dk, dv, *docs, ranges, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            *dk.stride(), *dv.stride(), Sq, Sk, Hkv, Hq // Hkv, *args, **consts, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            *_descs(q, cfg.block_m, qk_widths), *_descs(dout, cfg.block_m, (consts["BDV"],)), k, v, lse, delta_, dk,
+            dv, *docs, ranges, *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), Sq, Sk, Hkv, Hq // Hkv, *args,
+            **consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    elif B * Hkv * Sk:
+        dk.zero_()
+        dv.zero_()
     dsinks = None
     if sinks is not None:
         dsinks = -(torch.exp(sinks.float().view(1, Hq, 1) - lse) * delta_).sum((0, 2)).to(sinks.dtype)
