@@ -101,8 +101,11 @@ def test_matches_transformers(case, tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     ids = torch.randint(0, hf.config.vocab_size, (2, 9))
     # transformers computes norms, RoPE and the router in float32 even in a float64 model, so float64 agrees only
-    # to float32's rounding (measured: logits within 8e-7, gradients within 1.1e-6 of the largest, both dtypes)
-    for dtype, rel, grel in ((torch.float32, 1e-5, 1e-4), (torch.float64, 4e-6, 1e-5)):
+    # to float32's rounding (measured: logits within 8e-7, gradients within 1.1e-6 of the largest, both dtypes).
+    # Qwen3.5's linear-attention layers run their gated delta rule in float32 too (it casts q, k, v, beta and the
+    # decay), which leaves float64 gradients within 1.3e-5 of the largest (measured, transformers 5.23 and 5.24)
+    grel64 = 4e-5 if case.startswith("qwen3_5") else 1e-5
+    for dtype, rel, grel in ((torch.float32, 1e-5, 1e-4), (torch.float64, 4e-6, grel64)):
         ours, theirs = load_hf(tmp_path / "hf", dtype), hf.to(dtype)
         assert config_to_hf(ours.config)["model_type"] == theirs.config.model_type
         logits, ref = ours(ids)[0], theirs(input_ids=ids).logits
