@@ -134,19 +134,19 @@ def _attn_bwd_fused_kernel(Q, K, V, DO, LSE, DELTA, DK, DVv, DQP, DQA, DQB, QA, 
         DDh = DELTA + bhq.to(tl.int64) * Sq
         for m0 in range(start, int_lo, BLOCK_M):
             dka, dkb, dv = _fused_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOCb, DQP, DQA, DQB,
-                                        QA, QB, DOD, b, h, bhq, m0, Sq, stride_qm, stride_qd, stride_dm, stride_dd, delta, window,
-                                        qk_scale, scale, DQK, DV, DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW,
-                                        HAS_DOC, DOT, PREC, REDUCE, TMA)
+                                        QA, QB, DOD, b, h, bhq, m0, Sq, stride_qm, stride_qd, stride_dm, stride_dd,
+                                        delta, window, qk_scale, scale, DQK, DV, DA, DB, BDV, BLOCK_M, True, CAUSAL,
+                                        HAS_WINDOW, HAS_DOC, DOT, PREC, REDUCE, TMA)
         for m0 in range(int_lo, int_hi, BLOCK_M):
             dka, dkb, dv = _fused_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOCb, DQP, DQA, DQB,
-                                        QA, QB, DOD, b, h, bhq, m0, Sq, stride_qm, stride_qd, stride_dm, stride_dd, delta, window,
-                                        qk_scale, scale, DQK, DV, DA, DB, BDV, BLOCK_M, False, CAUSAL, HAS_WINDOW,
-                                        HAS_DOC, DOT, PREC, REDUCE, TMA)
+                                        QA, QB, DOD, b, h, bhq, m0, Sq, stride_qm, stride_qd, stride_dm, stride_dd,
+                                        delta, window, qk_scale, scale, DQK, DV, DA, DB, BDV, BLOCK_M, False, CAUSAL,
+                                        HAS_WINDOW, HAS_DOC, DOT, PREC, REDUCE, TMA)
         for m0 in range(int_hi, hi, BLOCK_M):
             dka, dkb, dv = _fused_block(dka, dkb, dv, ka, kb, v, cols, kdoc, Qh, DOh, LSEh, DDh, QDOCb, DQP, DQA, DQB,
-                                        QA, QB, DOD, b, h, bhq, m0, Sq, stride_qm, stride_qd, stride_dm, stride_dd, delta, window,
-                                        qk_scale, scale, DQK, DV, DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW,
-                                        HAS_DOC, DOT, PREC, REDUCE, TMA)
+                                        QA, QB, DOD, b, h, bhq, m0, Sq, stride_qm, stride_qd, stride_dm, stride_dd,
+                                        delta, window, qk_scale, scale, DQK, DV, DA, DB, BDV, BLOCK_M, True, CAUSAL,
+                                        HAS_WINDOW, HAS_DOC, DOT, PREC, REDUCE, TMA)
     DKh = DK + b.to(tl.int64) * stride_gkb + hk.to(tl.int64) * stride_gkh
     A._store_tile(DKh, cols, stride_gkn, stride_gkd, Sk, (dka * scale).to(DK.dtype.element_ty), 0, DQK, DA)
     if DB > 0:
@@ -261,17 +261,31 @@ def check_cpu():
             assert max(errs) < 1e-5
 
 
+SHAPES = {"mla": dict(B=4, Hq=16, Hkv=16, Sq=2048, Sk=2048, dqk=192, dv=128),
+          "qwen3": dict(B=2, Hq=32, Hkv=4, Sq=4096, Sk=4096, dqk=128, dv=128),
+          "gptoss_win": dict(B=2, Hq=64, Hkv=8, Sq=4096, Sk=4096, dqk=64, dv=64, sinks=True, window=128)}
+
+
+def _sdpa_times(res, name, q, k, v):
+    "SDPA's forward and forward+backward (causal, as dispatched) on the same tensors, into res."
+    from triton.testing import do_bench
+    import torch.nn.functional as F
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    sdpa = lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+    do_ = torch.randn_like(sdpa())
+    res[f"{name} sdpa fwd"] = do_bench(sdpa, return_mode="median")
+    res[f"{name} sdpa fwd+bwd"] = do_bench(lambda: torch.autograd.grad(sdpa(), (qq, kk, vv), do_), return_mode="median")
+    print(name, f"sdpa fwd {res[f'{name} sdpa fwd']:.3f} fwd+bwd {res[f'{name} sdpa fwd+bwd']:.3f}", flush=True)
+
+
 def bench(part=0, nparts=1, warm=False):
     """Time ops/14's backward and the fused one over tiles at three shapes (warm: only compile this process's share
     of the variants, so that several processes fill Triton's cache at once before one timed run)."""
     from triton.testing import do_bench
-    import torch.nn.functional as F
     C = A._Config
     out_dir = os.environ.get("OUT", "/tmp")
     res = {}
-    shapes = {"mla": dict(B=4, Hq=16, Hkv=16, Sq=2048, Sk=2048, dqk=192, dv=128),
-              "qwen3": dict(B=2, Hq=32, Hkv=4, Sq=4096, Sk=4096, dqk=128, dv=128),
-              "gptoss_win": dict(B=2, Hq=64, Hkv=8, Sq=4096, Sk=4096, dqk=64, dv=64, sinks=True, window=128)}
+    shapes = SHAPES
     cfgs = {"mla": [C(64, 64, 8, 2), C(64, 64, 8, 3), C(32, 128, 8, 2), C(64, 128, 8, 2), C(32, 64, 8, 2),
                     C(32, 64, 4, 2)],
             "qwen3": [C(64, 64, 8, 2), C(32, 128, 8, 2), C(32, 64, 4, 3), C(64, 128, 8, 2), C(32, 64, 8, 2)],
@@ -297,14 +311,7 @@ def bench(part=0, nparts=1, warm=False):
                                                  return_mode="median")
         print(name, f"ops14 fwd {tf:.3f} bwd {t:.3f}", flush=True)
         if name != "gptoss_win":
-            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            sdpa = lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
-            do_ = torch.randn_like(sdpa())
-            res[f"{name} sdpa fwd"] = do_bench(sdpa, return_mode="median")
-            res[f"{name} sdpa fwd+bwd"] = do_bench(lambda: torch.autograd.grad(sdpa(), (qq, kk, vv), do_),
-                                                   return_mode="median")
-            print(name, f"sdpa fwd {res[f'{name} sdpa fwd']:.3f} fwd+bwd {res[f'{name} sdpa fwd+bwd']:.3f}",
-                  flush=True)
+            _sdpa_times(res, name, q, k, v)
         for _, cfg, reduce, tma in mine:
             key = f"{name} fused {tuple(cfg)} reduce {reduce} {'tma' if tma else 'ptr'}"
             try:
@@ -324,13 +331,10 @@ def bench_split(part=0, nparts=1, warm=False):
     """ops/14's dq kernel, and the dk/dv kernel with its per-step tiles by pointer loads or by TMA, timed apart over
     tiles at three shapes; ops/14's whole backward and forward, and SDPA's, beside them. (warm: as for bench.)"""
     from triton.testing import do_bench
-    import torch.nn.functional as F
     C = A._Config
     out_dir = os.environ.get("OUT", "/tmp")
     res = {}
-    shapes = {"mla": dict(B=4, Hq=16, Hkv=16, Sq=2048, Sk=2048, dqk=192, dv=128),
-              "qwen3": dict(B=2, Hq=32, Hkv=4, Sq=4096, Sk=4096, dqk=128, dv=128),
-              "gptoss_win": dict(B=2, Hq=64, Hkv=8, Sq=4096, Sk=4096, dqk=64, dv=64, sinks=True, window=128)}
+    shapes = SHAPES
     dq_cfgs = {"mla": [C(128, 64, 8, 3), C(128, 64, 8, 2), C(64, 64, 4, 2), C(64, 64, 4, 3), C(128, 32, 8, 3),
                        C(64, 128, 8, 2)],
                "qwen3": [C(64, 64, 4, 2), C(64, 64, 4, 3), C(128, 64, 8, 3), C(128, 64, 8, 2), C(64, 128, 8, 2)],
@@ -363,14 +367,7 @@ def bench_split(part=0, nparts=1, warm=False):
             res[key] = do_bench(fn, return_mode="median")
             print(key, f"{res[key]:.3f}", flush=True)
         if name != "gptoss_win":
-            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            sdpa = lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
-            do_ = torch.randn_like(sdpa())
-            res[f"{name} sdpa fwd"] = do_bench(sdpa, return_mode="median")
-            res[f"{name} sdpa fwd+bwd"] = do_bench(lambda: torch.autograd.grad(sdpa(), (qq, kk, vv), do_),
-                                                   return_mode="median")
-            print(name, f"sdpa fwd {res[f'{name} sdpa fwd']:.3f} fwd+bwd {res[f'{name} sdpa fwd+bwd']:.3f}",
-                  flush=True)
+            _sdpa_times(res, name, q, k, v)
         for kind, cfg, tma in mine:
             key = f"{name} {kind} {tuple(cfg)} {'tma' if tma else 'ptr'}"
             try:
