@@ -307,10 +307,11 @@ assert [_split_dim(d) for d in (8, 16, 24, 64, 128, 192, 40, 96)] == \
 # `GPUTarget("cuda", 90, 32)` reports ptxas's register and spill counts without a GPU, to see why a tile is slow
 # (benchmarks/RESULTS.md, "Attention kernel" and "Attention backward").
 #
-# Two scheduling choices go with them: the forward and `dq` programs take their query blocks last-first, so that
-# under a causal mask the longest programs start first and the short ones fill the tail; and when `B · Hkv` is
-# small the `dk, dv` kernel halves a 128-key block to get at least two programs per SM. fp32 input (for checks,
-# not training) uses small tiles, since its operands take twice the shared memory. `blocks=(BLOCK_M, BLOCK_N)`
+# One scheduling choice goes with them: the forward and `dq` programs take their query blocks last-first, so that
+# under a causal mask the longest programs start first and the short ones fill the tail. The `dk, dv` tiles are
+# narrow (64 keys, 32 or 64 queries a step): its per-step tiles come in by TMA (below), which frees the registers
+# that wider tiles needed for addresses, and at 64 keys a program even Qwen3's four KV heads fill the GPU. fp32
+# input (for checks, not training) uses small tiles, since its operands take twice the shared memory. `blocks=(BLOCK_M, BLOCK_N)`
 # overrides the tiles of all three kernels (the checks use small tiles to get many blocks at small sizes).
 
 # %%
@@ -1431,11 +1432,13 @@ torch._dynamo.reset()
 # only for packed documents, and GPT-OSS calls these kernels for its sinks and windows.
 #
 # Where the time goes: the backward is about three quarters of forward+backward at every shape, and its `dq` kernel
-# recomputes the scores and `dP` that the `dk, dv` kernel also computes. Loading `Q, K, V` by TMA (tensor descriptors)
-# instead of pointer arithmetic makes the forward only a few per cent faster (`benchmarks/attention_tma.py`;
-# benchmarks/RESULTS.md, "Attention and FP8 experiments"), so the kernels keep pointer loads, which take any head dim
-# and stride (a descriptor needs 16-byte rows). Reaching cuDNN needs a different backward (`dq` accumulated in the
-# `dk, dv` pass) and a forward whose softmax overlaps the next block's products (FlashAttention-3's warp
+# recomputes the scores and `dP` that the `dk, dv` kernel also computes. Loading the backward's per-step tiles by
+# TMA helps (above); loading the forward's by TMA makes it only a few per cent faster (`benchmarks/attention_tma.py`),
+# so the forward keeps pointer loads. Accumulating `dq` inside the `dk, dv` pass instead of recomputing it
+# (`benchmarks/attention_fused_bwd.py`) is slower at every shape measured: each key block adds its share of `dq` for
+# every query block it sees, and that fp32 reduction traffic costs more than the products it saves, whether added
+# element by element or as TMA tile reductions (RESULTS.md, "Attention backward by TMA"). What remains toward cuDNN
+# is a forward and backward whose softmax overlaps the next block's products (FlashAttention-3's warp
 # specialisation).
 
 # %%
