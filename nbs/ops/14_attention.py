@@ -987,7 +987,7 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, K, V, LSE, DELTA, DK, DVv, QDOC, KDOC, RA
 # engine computes the addresses and fills rows past `S` and columns past `D` with zeros, which is what `_tile`'s
 # masks do. A pointer load keeps a 64-bit address per element in registers; at these tiles that is what pushed the
 # kernels' accumulators into spills (ptxas: 1,136 bytes in the Qwen3-shaped `dk, dv` kernel, 96 with descriptors),
-# and the kernels run faster with them at every shape measured (RESULTS.md, "Attention backward by TMA"). The
+# and the backward runs faster with them at every bench shape (RESULTS.md, "Attention backward by TMA"). The
 # descriptors are built on the host, four per backward (five with a split head dim like MLA's 128 + 64), and each
 # costs Triton's launcher some tens of microseconds of CPU time per launch. Built inside the kernels instead
 # (`tl.make_tensor_descriptor`) they cost no host time but some GPU time at the start of every program, which
