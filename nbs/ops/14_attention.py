@@ -311,8 +311,9 @@ assert [_split_dim(d) for d in (8, 16, 24, 64, 128, 192, 40, 96)] == \
 # under a causal mask the longest programs start first and the short ones fill the tail. The `dk, dv` tiles are
 # narrow (64 keys, 32 or 64 queries a step): its per-step tiles come in by TMA (below), which frees the registers
 # that wider tiles needed for addresses, and at 64 keys a program even Qwen3's four KV heads fill the GPU. fp32
-# input (for checks, not training) uses small tiles, since its operands take twice the shared memory. `blocks=(BLOCK_M, BLOCK_N)`
-# overrides the tiles of all three kernels (the checks use small tiles to get many blocks at small sizes).
+# input (for checks, not training) uses small tiles, since its operands take twice the shared memory.
+# `blocks=(BLOCK_M, BLOCK_N)` overrides the tiles of all three kernels (the checks use small tiles to get many
+# blocks at small sizes).
 
 # %%
 #| export
@@ -988,7 +989,7 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, K, V, LSE, DELTA, DK, DVv, QDOC, KDOC, RA
 # masks do. A pointer load keeps a 64-bit address per element in registers; at these tiles that is what pushed the
 # kernels' accumulators into spills (ptxas: 1,136 bytes in the Qwen3-shaped `dk, dv` kernel, 96 with descriptors),
 # and the backward runs faster with them at every bench shape (RESULTS.md, "Attention backward by TMA"). The
-# descriptors are built on the host, four per backward (five with a split head dim like MLA's 128 + 64), and each
+# descriptors are built on the host, four per backward (six with a split head dim like MLA's 128 + 64), and each
 # costs Triton's launcher some tens of microseconds of CPU time per launch. Built inside the kernels instead
 # (`tl.make_tensor_descriptor`) they cost no host time but some GPU time at the start of every program, which
 # measured slower on the GPU; the GPU's time is what a training step waits for. A descriptor needs a unit last
