@@ -137,10 +137,25 @@ def group_forward():
     assert out.shape == (1, 2, 0, 16) and lse.shape == (1, 2, 0)
 
 
+def _force_stored_ds():
+    """From here on every backward takes dq from a stored dSᵀ (whatever the head dims), its buffer filled with NaN
+    first: an entry read but never written shows up in dq."""
+    import pith_lit.ops.attention as A
+    real = A._ds_buffer
+
+    def forced(q, Sk, Dv, dot, budget):
+        t = real(q, Sk, Dv, dot, 1 << 40)
+        return None if t is None else t.fill_(float("nan"))
+    A._ds_buffer = forced
+
+
 def group_backward():
-    for i, case in enumerate(CASES):
-        _check_case(case, seed=2000 + i, blocks=(32, 16) if i % 2 else (16, 32))
-    _check_case(((2, 4, 1, 100, 100, 16, 16), dict(sinks=True, layout="contiguous")), seed=2100, blocks=None)
+    for stored in (False, True):  # dq recomputed (these head dims' default), then from dSᵀ
+        if stored:
+            _force_stored_ds()
+        for i, case in enumerate(CASES):
+            _check_case(case, seed=2000 + i, blocks=(32, 16) if i % 2 else (16, 32))
+        _check_case(((2, 4, 1, 100, 100, 16, 16), dict(sinks=True, layout="contiguous")), seed=2100, blocks=None)
 
 
 def group_skipping():
@@ -150,8 +165,10 @@ def group_skipping():
     from pith_lit.ops.attention import _bwd, _check_args, _fwd, attention_mask
     warnings.filterwarnings("ignore", "All-NaN slice", RuntimeWarning)
     bm, bn, S = 16, 16, 80
-    for seed, opts in enumerate([dict(window=11), dict(cu=[0, 2, 3, 40, 80], window=25, sinks=True),
-                                 dict(cu=[0, 17, 18, 50, 80]), {}], 3000):
+    cases = [dict(window=11), dict(cu=[0, 2, 3, 40, 80], window=25, sinks=True), dict(cu=[0, 17, 18, 50, 80]), {}]
+    for seed, opts in enumerate(cases + cases, 3000):
+        if seed == 3000 + len(cases):  # the same again with dq from dSᵀ
+            _force_stored_ds()
         opts = dict(opts)
         q, k, v, sinks, kw = _inputs(1, 2, 1, S, S, 16, 16, seed, opts.pop("sinks", False), opts.pop("cu", None))
         kw.update(opts)

@@ -55,6 +55,7 @@ from torch import nn
 from pith_lit.engine.dualpipev import dualpipev_schedule, simulate, split_model
 from pith_lit.engine.ep import is_expert_param, shard_experts
 from pith_lit.engine.mesh import stage_layers
+from pith_lit.ops.attention import ds_bytes
 
 # %% [markdown]
 # ## What one step runs
@@ -88,6 +89,7 @@ class Workload:
     sync_free: bool = False       # parallel.ep_sync_free
     stage_layers: tuple = ()      # parallel.pp_stage_layers (empty: even)
     fp8: bool = False             # train.fp8: the step's FP8 copies of the expert weights (ops/15)
+    document_mask: bool = False   # data.document_mask: attention within documents, by ops/14's kernels
 
     @property
     def world(self) -> int:
@@ -253,6 +255,22 @@ def _qwen3_5(c, i: int, b: int, f: int, comp: bool) -> dict:
 FAMILIES = {"qwen3_moe": _qwen3, "deepseek_v2": _deepseek_v2, "gpt_oss": _gpt_oss, "qwen3_5_moe": _qwen3_5}
 
 
+def attention_transient(c, w: Workload) -> float:
+    """Bytes that ops/14's backward holds for one attention layer's stored dSᵀ (`ds_bytes`; 0 where it recomputes
+    dq or where SDPA attends: Qwen3 and DeepSeek-V2 use the kernels for documents and ring steps, GPT-OSS always,
+    Qwen3.5 never). A ring step attends a rank's tokens to one chunk of keys of the same length."""
+    if c.model_type == "deepseek_v2":
+        hq, dqk, dv = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    elif c.model_type in ("qwen3_moe", "gpt_oss"):
+        hq, dqk, dv = c.num_attention_heads, c.head_dim, c.head_dim
+    else:
+        return 0.0
+    if c.model_type != "gpt_oss" and not (w.document_mask or w.cp > 1):
+        return 0.0
+    s = w.seq_len // w.cp
+    return float(ds_bytes(w.micro_batch, hq, s, s, dqk, dv, w.compute_bytes))
+
+
 def _moe_shape(c) -> tuple[int, int, int]:
     "(routed experts, top-k, expert width) of a model config."
     inter = c.intermediate_size if c.model_type == "gpt_oss" else c.moe_intermediate_size
@@ -352,6 +370,17 @@ for (name, i, comp, rec), got in MEASURED_LAYER_BYTES.items():
           f"measured {got:9,.0f} B/token  {want / got - 1:+.1%}")
 worst = max(abs(r[-1]) for r in rows if r[1] > 0)
 assert worst < 0.08, worst
+
+# %% [markdown]
+# The score gradients that ops/14 stores for `dq` count where its kernels attend with heads wider than 256
+# together: at DeepSeek-V2-Lite's bench shape with documents (4 × 2,048 tokens, 16 heads of 192 + 128) each
+# attention backward holds 512 MiB; without documents SDPA attends, and GPT-OSS's heads (64 + 64) recompute.
+
+# %%
+w = Workload(micro_batch=4, seq_len=2048, document_mask=True)
+assert attention_transient(config_model("bench-deepseek-v2-lite"), w) == 512 * 2**20
+assert attention_transient(config_model("bench-deepseek-v2-lite"), replace(w, document_mask=False)) == 0
+assert attention_transient(config_model("bench-gpt-oss-20b"), w) == 0
 
 # %% [markdown]
 # Within 7% for every layer past the first; the two first (dense) layers of DeepSeek-V2 are off by up to 8% more (the
@@ -528,7 +557,8 @@ for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=
 #   over-estimate);
 # - transients on top: the head while the loss runs, and in a layer's backward the gradient of its experts being
 #   added into the gradient already there (a whole unit's, while FSDP's hook accumulates it into fp32) plus the
-#   gradients of the expanded rows;
+#   gradients of the expanded rows, or, where more, the score gradients that ops/14's backward stores for `dq`
+#   (`attention_transient`: only where the kernels attend, with heads as wide as MLA's);
 # - at the end of the step, FSDP's flat fp32 buffer of the largest unit while `reduce_gradients` reduce-scatters it,
 #   then the optimizer step (the fused AdamW adds nothing).
 #
@@ -565,6 +595,7 @@ class _Walk:
         # train.fp8: a layer's expert weights quantized (1 byte each) at its first forward of the step, transposed at
         # its first backward, both kept until the step ends
         self.fp8, self.fp8_made = 0.0, set()
+        self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.acts = self.deferred = self.buffers = 0.0
         self.T, self.b = T, b
@@ -626,6 +657,7 @@ class _Walk:
                 u = experts[0]
                 transient += (u.numel if u.wrapped else u.largest) * w.compute_bytes
             transient += self.T * k * w.compute_bytes * 2 * inter * (w.ep if w.sync_free else 1)
+        transient = max(transient, self.attention)   # the attention's backward runs after the experts'
         self.note(f"backward of layer {key}, micro-batch {m}", transient)
         self.acts -= lb.kept * self.T
         if zero_bubble:

@@ -18,9 +18,11 @@
 #
 # This notebook writes the forward and backward as Triton kernels that never hold more than a tile of scores.
 # The forward is an online softmax over key blocks; it returns the output and the log-sum-exp `lse` of each row.
-# The backward recomputes the probabilities from `lse` (FA2), with one kernel for `dq` and one for `dk, dv` that
-# sums the query heads of a KV head without atomics, and it also gives the gradients of the sinks and of `lse`
-# itself, so that a context-parallel ring can merge partial results through `lse` and still get exact gradients.
+# The backward recomputes the probabilities from `lse` (FA2), with one kernel for `dk, dv` that sums the query
+# heads of a KV head without atomics and one for `dq`, which recomputes them once more or, for heads as wide as
+# MLA's, reads back the score gradients the first kernel stored. It also gives the gradients of the sinks and of
+# `lse` itself, so that a context-parallel ring can merge partial results through `lse` and still get exact
+# gradients.
 #
 # Key blocks that the mask hides entirely are skipped, not masked: causal attention does half the work of full
 # attention, a window of `W` keys does `O(S·W)`, and packed documents cost what the documents cost.
@@ -312,7 +314,7 @@ assert [_split_dim(d) for d in (8, 16, 24, 64, 128, 192, 40, 96)] == \
 # narrow (64 keys, 32 or 64 queries a step): its per-step tiles come in by TMA (below), which frees the registers
 # that wider tiles needed for addresses, and at 64 keys a program even Qwen3's four KV heads fill the GPU. fp32
 # input (for checks, not training) uses small tiles, since its operands take twice the shared memory.
-# `blocks=(BLOCK_M, BLOCK_N)` overrides the tiles of all three kernels (the checks use small tiles to get many
+# `blocks=(BLOCK_M, BLOCK_N)` overrides the tiles of every kernel (the checks use small tiles to get many
 # blocks at small sizes).
 
 # %%
@@ -326,11 +328,11 @@ class _Config(NamedTuple):
 
 CUDA_CONFIGS = {  # widest head dim class -> kernel -> config (bf16/fp16 on sm_90)
     64: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(64, 64, 4, 3), "dq": _Config(64, 64, 4, 2),
-         "dkdv": _Config(64, 64, 4, 2)},
+         "dq_ds": _Config(64, 64, 4, 3), "dkdv": _Config(64, 64, 4, 2)},
     128: {"fwd": _Config(128, 128, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(64, 64, 4, 2),
-          "dkdv": _Config(32, 64, 4, 3)},
+          "dq_ds": _Config(64, 64, 4, 3), "dkdv": _Config(64, 64, 4, 2)},
     256: {"fwd": _Config(128, 64, 8, 3), "fwd_masked": _Config(128, 32, 8, 3), "dq": _Config(128, 64, 8, 3),
-          "dkdv": _Config(32, 64, 4, 3)},
+          "dq_ds": _Config(64, 64, 4, 3), "dkdv": _Config(32, 64, 4, 3)},
 }
 FP32_CONFIG = _Config(64, 32, 4, 1)  # fp32 tiles take twice the shared memory
 
@@ -343,14 +345,17 @@ def _configs(dqk: int, dv: int, cuda: bool, blocks: tuple[int, int] | None = Non
         if any(not isinstance(x, int) or x < 16 or x & (x - 1) for x in (bm, bn)):
             raise ValueError(f"blocks must be two powers of two >= 16 (BLOCK_M, BLOCK_N); got {blocks!r}")
         w = 4 if bm * bn <= 64 * 64 else 8
-        return {name: _Config(bm, bn, w, 2) for name in ("fwd", "dq", "dkdv")}
-    if not cuda:  # the interpreter: big tiles, few programs
-        return {name: _Config(64, 64, 4, 1) for name in ("fwd", "dq", "dkdv")}
+        return {name: _Config(bm, bn, w, 2) for name in ("fwd", "dq", "dq_ds", "dkdv")}
+    if not cuda:  # the interpreter: big tiles, few programs; dSᵀ read in other tiles than it was written in
+        return {"fwd": _Config(64, 64, 4, 1), "dq": _Config(64, 64, 4, 1), "dq_ds": _Config(32, 32, 4, 1),
+                "dkdv": _Config(64, 64, 4, 1)}
     if fp32:
-        return {"fwd": FP32_CONFIG, "dq": FP32_CONFIG, "dkdv": FP32_CONFIG._replace(block_m=32, block_n=64)}
+        return {"fwd": FP32_CONFIG, "dq": FP32_CONFIG, "dq_ds": FP32_CONFIG,
+                "dkdv": FP32_CONFIG._replace(block_m=32, block_n=64)}
     width = 64 if max(dqk, dv) <= 64 else 128 if max(dqk, dv) <= 128 and dqk + dv <= 256 else 256
     table = CUDA_CONFIGS[width]
-    return {"fwd": table["fwd_masked" if masked else "fwd"], "dq": table["dq"], "dkdv": table["dkdv"]}
+    return {"fwd": table["fwd_masked" if masked else "fwd"], "dq": table["dq"], "dq_ds": table["dq_ds"],
+            "dkdv": table["dkdv"]}
 
 
 # %% [markdown]
@@ -490,17 +495,16 @@ def _store_tile(base, rows, stride_r, stride_d, n_rows, x, COL0: tl.constexpr, D
 # %%
 #| export
 @triton.jit
-def _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, Kh, Vh, KDOC, n0, Sk, stride_kn, stride_kd, stride_vn,
-               stride_vd, delta, window, qk_scale, DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr,
-               DB: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+def _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOC, b, hk, n0, Sk, delta, window, qk_scale,
+               DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr,
                PREC: tl.constexpr):
     "One key block of the online softmax; returns the updated (acc, m, l)."
     cols = n0 + tl.arange(0, BLOCK_N)
-    ka = _tile(Kh, cols, stride_kn, stride_kd, Sk, 0, DQK, DA, MASK).to(DOT)
+    ka = KA.load([b, hk, n0, 0]).reshape(BLOCK_N, DA).to(DOT)
     s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
     if DB > 0:
-        kb = _tile(Kh, cols, stride_kn, stride_kd, Sk, DA, DQK, DB, MASK).to(DOT)
+        kb = KB.load([b, hk, n0, DA]).reshape(BLOCK_N, DB).to(DOT)
         s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
     s = s * qk_scale
     if MASK:
@@ -515,15 +519,14 @@ def _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, Kh, Vh, KDOC, n0, Sk, stride_k
     alpha = tl.exp2(m_i - shift)
     p = tl.exp2(s - shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _tile(Vh, cols, stride_vn, stride_vd, Sk, 0, DV, BDV, MASK).to(DOT)
+    v = VD.load([b, hk, n0, 0]).reshape(BLOCK_N, BDV).to(DOT)
     acc = tl.dot(p.to(DOT), v, acc * alpha[:, None], input_precision=PREC)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, SINKS, O, LSE, QDOC, KDOC, RANGES,
-                     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
+                     stride_qb, stride_qh, stride_qm, stride_qd, stride_ob, stride_oh, stride_om, stride_od,
                      Sq, Sk, H, GROUP, delta, window, qk_scale,
                      DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -536,8 +539,7 @@ def _attn_fwd_kernel(Q, K, V, SINKS, O, LSE, QDOC, KDOC, RANGES,
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    Kh = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
-    Vh = V + b.to(tl.int64) * stride_vb + (h // GROUP).to(tl.int64) * stride_vh
+    hk = h // GROUP
     qa = _tile(Qh, rows, stride_qm, stride_qd, Sq, 0, DQK, DA, True).to(DOT)
     qb = qa
     if DB > 0:
@@ -558,17 +560,17 @@ def _attn_fwd_kernel(Q, K, V, SINKS, O, LSE, QDOC, KDOC, RANGES,
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BDV], tl.float32)
     for n0 in range(start, int_lo, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, Kh, Vh, KDOCb, n0, Sk, stride_kn, stride_kd,
-                                   stride_vn, stride_vd, delta, window, qk_scale, DQK, DV, DA, DB, BDV, BLOCK_N,
-                                   True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                                   window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC,
+                                   DOT, PREC)
     for n0 in range(int_lo, int_hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, Kh, Vh, KDOCb, n0, Sk, stride_kn, stride_kd,
-                                   stride_vn, stride_vd, delta, window, qk_scale, DQK, DV, DA, DB, BDV, BLOCK_N,
-                                   False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                                   window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC,
+                                   DOT, PREC)
     for n0 in range(int_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, Kh, Vh, KDOCb, n0, Sk, stride_kn, stride_kd,
-                                   stride_vn, stride_vd, delta, window, qk_scale, DQK, DV, DA, DB, BDV, BLOCK_N,
-                                   True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                                   window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC,
+                                   DOT, PREC)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
@@ -582,6 +584,21 @@ def _attn_fwd_kernel(Q, K, V, SINKS, O, LSE, QDOC, KDOC, RANGES,
 # `out.transpose(1, 2).flatten(2)` for the output projection is a free view. Inputs are read through their
 # strides: the models pass `(B, S, H, D)` projections transposed, and copying them would cost as much memory
 # traffic as the attention's own loads at short lengths. Unused pointer arguments get a placeholder tensor.
+#
+# The tiles a kernel reads at every step of its loop (here `K` and `V`; in the backward `Q` and `dO`, or `K` and
+# `V`) come in by TMA, through tensor descriptors over the 4-D tensors as they are laid out: the copy engine
+# computes the addresses and fills rows past `S` and columns past `D` with zeros, which is what `_tile`'s masks
+# do. A pointer load keeps a 64-bit address per element in registers; at the backward's tiles that is what pushed
+# the accumulators into spills (ptxas: 1,136 bytes in the Qwen3-shaped `dk, dv` kernel, 96 with descriptors). The
+# tile each program loads once (its own query rows here) stays a pointer load. The descriptors are built on the
+# host, two or three per launch (a second one for `K` when the head dim is split, like MLA's 128 + 64), and each
+# costs Triton's launcher some tens of microseconds of CPU time per launch. Built inside the kernels instead
+# (`tl.make_tensor_descriptor`) they cost no host time but some GPU time at the start of every program, which
+# measured slower on the GPU; the GPU's time is what a training step waits for. A descriptor needs a unit last
+# stride and 16-byte aligned base and strides; a tensor that has neither (an odd head dim, a strided view) is
+# copied once into one that has, with the head dim padded by zero columns. The interpreter runs the same
+# descriptor loads, so the checks below exercise them. With no keys at all there is nothing to describe, and the
+# result is the empty row's: output 0, `lse` the sink or `−∞`.
 
 # %%
 #| export
@@ -596,6 +613,24 @@ def _head_consts(dqk: int, dv: int) -> dict:
     return dict(DQK=dqk, DV=dv, DA=da, DB=db, BDV=max(16, triton.next_power_of_2(dv)))
 
 
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` if a TMA descriptor can address it (unit last stride, base and other strides positive multiples of 16
+    bytes), else a contiguous copy with the last dim padded by zeros to a multiple of 16 bytes."""
+    size = t.element_size()
+    aligned = all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1])
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and aligned:
+        return t
+    d = t.shape[-1]
+    return F.pad(t, (0, -(-d * size // 16) * 16 // size - d)).contiguous()
+
+
+def _descs(t: torch.Tensor, rows: int, widths) -> list[TensorDescriptor | None]:
+    """Descriptors over the 4-D tensor t (its layout made TMA-ready), one per tile width (None for a width of 0, a
+    second tile the head dim does not need), each of `rows` rows."""
+    t = _tma_ready(t)
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w else None for w in widths]
+
+
 def _fwd(q, k, v, sinks, m: _Mask, scale: float, q_doc, k_doc, blocks=None):
     "Launch the forward: (out (B, Hq, Sq, Dv) with (B, Sq, Hq, Dv) memory, lse (B, Hq, Sq) float32)."
     (B, Hq, Sq, Dqk), (Hkv, Sk, Dv) = q.shape, (k.shape[1], k.shape[2], v.shape[3])
@@ -603,16 +638,22 @@ def _fwd(q, k, v, sinks, m: _Mask, scale: float, q_doc, k_doc, blocks=None):
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
     if B * Hq * Sq == 0:
         return out, lse
+    if Sk == 0:  # nothing to attend to (and nothing a descriptor could address): the empty-row result
+        if sinks is None:
+            return out.zero_(), lse.fill_(float("-inf"))
+        return out.zero_(), lse.copy_(sinks.float().view(1, Hq, 1).expand_as(lse))
     cfg = _configs(Dqk, Dv, q.is_cuda, blocks, m.window is not None or q_doc is not None,
                    q.dtype == torch.float32)["fwd"]
     ranges = _doc_ranges(q_doc, k_doc, cfg.block_m) if q_doc is not None else lse
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    consts = _head_consts(Dqk, Dv)
     _attn_fwd_kernel[grid](
-        q, k, v, sinks.float().contiguous() if sinks is not None else lse, out, lse,
+        q, *_descs(k, cfg.block_n, (consts["DA"], consts["DB"])), *_descs(v, cfg.block_n, (consts["BDV"],)),
+        sinks.float().contiguous() if sinks is not None else lse, out, lse,
         q_doc if q_doc is not None else lse, k_doc if k_doc is not None else lse, ranges,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), Sq, Sk, Hq, Hq // Hkv, m.q_offset - m.k_offset,
-        m.window or 0, scale * LOG2E, **_head_consts(Dqk, Dv), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HAS_SINK=sinks is not None, **_kernel_flags(q, m, q_doc), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        *q.stride(), *out.stride(), Sq, Sk, Hq, Hq // Hkv, m.q_offset - m.k_offset, m.window or 0, scale * LOG2E,
+        **consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=sinks is not None,
+        **_kernel_flags(q, m, q_doc), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
 
@@ -764,6 +805,19 @@ for opts in [{}, dict(window=9), dict(docs=[10, 1, 25, 28]), dict(docs=[3, 30, 3
 # query block, which recomputes `P` and `dP` a second time (FA2's split: seven products in all instead of five,
 # with no atomic traffic).
 #
+# **dq from a stored dS.** The second way to get `dq`: the `dk, dv` kernel writes each `dSᵀ` tile it computes
+# (bf16, the same rounded values its own `dK` product uses) to a `(B, Hq, Sk, Sq)` buffer, and the `dq` kernel is
+# then one product per tile, `dS K`, reading them back. It trades the recomputation, `2·(Dqk + Dv)` FLOPs per
+# visible pair, for 4 bytes of memory traffic per pair (written once, read once) and `B·Hq·Sk·Sq` bf16 elements of
+# transient memory. The trade wins where the heads are wide: at MLA's 192 + 128 the backward is faster this way
+# and at Qwen3's 128 + 128 or GPT-OSS's 64 + 64 it is slower (RESULTS.md, "dq from a stored dS"), so
+# `_bwd` stores `dS` when `Dqk + Dv > 256` and the buffer fits in `DS_BUDGET` (1 GiB; MLA's bench shape, batch 4 ×
+# 2,048 tokens × 16 heads, needs 512 MiB), and recomputes otherwise. The two ways give the same `dq` up to the
+# order of fp32 sums. The buffer is not initialised: the `dk, dv` kernel writes every tile it visits, and the `dq`
+# kernel reads only tiles that hold a visible pair and masks the rest of them by the same predicate, with a select,
+# since an unwritten entry may hold NaN. The checks run both ways, the stored one with its buffer filled with NaN
+# first.
+#
 # First `D'`, one small pass over `O` and `dO`:
 
 # %%
@@ -789,7 +843,7 @@ def _attn_bwd_pre_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, st
 
 
 # %% [markdown]
-# The `dq` kernel walks the same key blocks as the forward. The `dk, dv` kernel computes its tiles key-major,
+# The `dq` kernels walk the same key blocks as the forward. The `dk, dv` kernel computes its tiles key-major,
 # `Sᵀ = K Qᵀ` with the program's keys along rows, so `Pᵀ` and `dSᵀ` are already the left operands of `dV += Pᵀ dO`
 # and `dK += dSᵀ Q` and nothing is transposed in registers; `Qᵀ` and `dOᵀ` are transposed views of tiles just
 # loaded. The tile sizes of `CUDA_CONFIGS` are the fastest of a sweep on the H200 (RESULTS.md, "Attention
@@ -882,11 +936,12 @@ def _attn_bwd_dq_kernel(Q, KA, KB, VD, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
 
 
 @triton.jit
-def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOC, b, h, m0, Sq, delta, window,
-                qk_scale, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
-                DOT: tl.constexpr, PREC: tl.constexpr):
-    "One query block of dk, dv for a fixed key block: Pᵀ and dSᵀ as (keys, queries). Q and dO tiles by TMA."
+def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOC, b, h, n0, m0, Sq, delta,
+                window, qk_scale, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_DOC: tl.constexpr, STORE_DS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """One query block of dk, dv for a fixed key block: Pᵀ and dSᵀ as (keys, queries). Q and dO tiles by TMA; with
+    STORE_DS the dSᵀ tile goes out by TMA too, for the dq kernel that reads it."""
     rows = m0 + tl.arange(0, BLOCK_M)
     qa = QA.load([b, h, m0, 0]).reshape(BLOCK_M, DA).to(DOT)
     st = tl.dot(ka, tl.trans(qa), input_precision=PREC)
@@ -913,6 +968,8 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDO
     dv = tl.dot(pt.to(DOT), do, dv, input_precision=PREC)
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
     dst = (pt * (dpt - dd[None, :])).to(DOT)
+    if STORE_DS:
+        DST.store([b, h, n0, m0], dst.reshape(1, 1, BLOCK_N, BLOCK_M))
     dka = tl.dot(dst, qa, dka, input_precision=PREC)
     if DB > 0:
         dkb = tl.dot(dst, qb, dkb, input_precision=PREC)
@@ -920,13 +977,14 @@ def _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDO
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(QA, QB, DOD, K, V, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
+def _attn_bwd_dkdv_kernel(QA, QB, DOD, DST, K, V, LSE, DELTA, DK, DVv, QDOC, KDOC, RANGES,
                           stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                           stride_gkb, stride_gkh, stride_gkn, stride_gkd, stride_gvb, stride_gvh, stride_gvn,
                           stride_gvd, Sq, Sk, HKV, GROUP, delta, window, qk_scale, scale,
                           DQK: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
                           BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                          HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                          HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, STORE_DS: tl.constexpr,
+                          DOT: tl.constexpr, PREC: tl.constexpr):
     "Program (key block, b·Hkv + g): dk, dv of one key block of one KV head, summed over its query heads."
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -959,17 +1017,17 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, K, V, LSE, DELTA, DK, DVv, QDOC, KDOC, RA
         LSEh = LSE + (b * HKV * GROUP + h).to(tl.int64) * Sq
         DDh = DELTA + (b * HKV * GROUP + h).to(tl.int64) * Sq
         for m0 in range(start, int_lo, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOCb, b, h, m0,
-                                       Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW,
-                                       HAS_DOC, DOT, PREC)
+            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
+                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, True,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
         for m0 in range(int_lo, int_hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOCb, b, h, m0,
-                                       Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, False, CAUSAL, HAS_WINDOW,
-                                       HAS_DOC, DOT, PREC)
+            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
+                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, False,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
         for m0 in range(int_hi, hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, LSEh, DDh, QDOCb, b, h, m0,
-                                       Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, True, CAUSAL, HAS_WINDOW,
-                                       HAS_DOC, DOT, PREC)
+            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
+                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, True,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
     DKh = DK + b.to(tl.int64) * stride_gkb + hk.to(tl.int64) * stride_gkh
     _store_tile(DKh, cols, stride_gkn, stride_gkd, Sk, (dka * scale).to(DK.dtype.element_ty), 0, DQK, DA)
     if DB > 0:
@@ -978,46 +1036,118 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, K, V, LSE, DELTA, DK, DVv, QDOC, KDOC, RA
                 dv.to(DVv.dtype.element_ty), 0, DV, BDV)
 
 
+@triton.jit
+def _dq_ds_block(dqa, dqb, DST, KA, KB, KDOC, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA: tl.constexpr,
+                 DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr, DOT: tl.constexpr,
+                 PREC: tl.constexpr):
+    "One key block of dq from the stored dSᵀ: dq += dS·K (unscaled). dSᵀ and K tiles by TMA."
+    dst = DST.load([b, h, n0, m0]).reshape(BLOCK_N, BLOCK_M)
+    if MASK:  # entries outside the mask were never written: select, don't multiply (they may hold NaN)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        kdoc = cols
+        if HAS_DOC:
+            kdoc = tl.load(KDOC + cols, mask=cols < Sk, other=-1)
+        keep = _visible((cols < Sk)[:, None], rows[None, :], cols[:, None], qdoc[None, :], kdoc[:, None], delta,
+                        window, CAUSAL, HAS_WINDOW, HAS_DOC)
+        dst = tl.where(keep, dst, 0.0)
+    ds = tl.trans(dst.to(DOT))
+    ka = KA.load([b, hk, n0, 0]).reshape(BLOCK_N, DA).to(DOT)
+    dqa = tl.dot(ds, ka, dqa, input_precision=PREC)
+    if DB > 0:
+        kb = KB.load([b, hk, n0, DA]).reshape(BLOCK_N, DB).to(DOT)
+        dqb = tl.dot(ds, kb, dqb, input_precision=PREC)
+    return dqa, dqb
+
+
+@triton.jit
+def _attn_bwd_dq_ds_kernel(DST, KA, KB, DQ, QDOC, KDOC, RANGES, stride_gb, stride_gh, stride_gm, stride_gd,
+                           Sq, Sk, H, GROUP, delta, window, scale,
+                           DQK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                           HAS_DOC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    "Program (query block, b·Hq + h): dq of one query block of one head, from the dSᵀ the dk, dv kernel stored."
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    qdoc = rows
+    KDOCb = KDOC
+    if HAS_DOC:
+        qdoc = tl.load(QDOC + b.to(tl.int64) * Sq + rows, mask=rows < Sq, other=-2)
+        KDOCb = KDOC + b.to(tl.int64) * Sk
+    start, int_lo, int_hi, hi = _block_range(m0, Sq, Sk, delta, window,
+                                             RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N,
+                                             True, CAUSAL, HAS_WINDOW, HAS_DOC)
+    dqa = tl.zeros([BLOCK_M, DA], tl.float32)
+    dqb = dqa
+    if DB > 0:
+        dqb = tl.zeros([BLOCK_M, DB], tl.float32)
+    hk = h // GROUP
+    for n0 in range(start, int_lo, BLOCK_N):
+        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
+                                BLOCK_M, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+    for n0 in range(int_lo, int_hi, BLOCK_N):
+        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
+                                BLOCK_M, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+    for n0 in range(int_hi, hi, BLOCK_N):
+        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
+                                BLOCK_M, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+    DQh = DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+    _store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqa * scale).to(DQ.dtype.element_ty), 0, DQK, DA)
+    if DB > 0:
+        _store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqb * scale).to(DQ.dtype.element_ty), DA, DQK, DB)
+
+
 # %% [markdown]
 # The backward launcher: `D'` first, then the two gradient kernels, then the sink gradient as one torch reduction
 # over the `(B, Hq, Sq)` fp32 tensors. Gradients keep the inputs' memory layout (`empty_like`), so a transposed
 # `(B, S, H, D)` view gets its gradient back in that layout.
 #
-# The tiles a gradient kernel reads at every step of its loop (`K` and `V` in the `dq` kernel, `Q` and `dO` in the
-# `dk, dv` kernel) come in by TMA, through tensor descriptors over the 4-D tensors as they are laid out: the copy
-# engine computes the addresses and fills rows past `S` and columns past `D` with zeros, which is what `_tile`'s
-# masks do. A pointer load keeps a 64-bit address per element in registers; at these tiles that is what pushed the
-# kernels' accumulators into spills (ptxas: 1,136 bytes in the Qwen3-shaped `dk, dv` kernel, 96 with descriptors),
-# and the backward runs faster with them at every bench shape (RESULTS.md, "Attention backward by TMA"). The
-# descriptors are built on the host, four per backward (six with a split head dim like MLA's 128 + 64), and each
-# costs Triton's launcher some tens of microseconds of CPU time per launch. Built inside the kernels instead
-# (`tl.make_tensor_descriptor`) they cost no host time but some GPU time at the start of every program, which
-# measured slower on the GPU; the GPU's time is what a training step waits for. A descriptor needs a unit last
-# stride and 16-byte aligned base and strides; a tensor that has neither (an odd head dim, a strided view) is copied
-# once into one that has, with the head dim padded by zero columns. The interpreter runs the same descriptor loads,
-# so the checks below exercise them.
+# The `dk, dv` kernel runs first, so that a stored `dSᵀ` is complete before the `dq` kernel reads it. The tiles
+# each kernel reads at every step (`Q` and `dO` in the `dk, dv` kernel; `K` and `V`, or `dSᵀ` and `K`, in the `dq`
+# kernel) come in by TMA as in the forward, and the `dSᵀ` tiles go out by TMA: the store is asynchronous, so the
+# kernel goes on to its next products while the copy engine writes. The backward runs faster with descriptors than
+# with pointer loads at every bench shape (RESULTS.md, "Attention backward by TMA").
 
 # %%
 #| export
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """`t` if a TMA descriptor can address it (unit last stride, base and other strides positive multiples of 16
-    bytes), else a contiguous copy with the last dim padded by zeros to a multiple of 16 bytes."""
-    size = t.element_size()
-    aligned = all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1])
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and aligned:
-        return t
-    d = t.shape[-1]
-    return F.pad(t, (0, -(-d * size // 16) * 16 // size - d)).contiguous()
+DS_BUDGET = 1 << 30  # bytes of dSᵀ the backward may hold to skip dq's recomputation
 
 
-def _descs(t: torch.Tensor, rows: int, widths) -> list[TensorDescriptor | None]:
-    """Descriptors over the 4-D tensor t (its layout made TMA-ready), one per tile width (None for a width of 0, a
-    second tile the head dim does not need), each of `rows` rows."""
-    t = _tma_ready(t)
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w else None for w in widths]
+def ds_bytes(B: int, Hq: int, Sq: int, Sk: int, Dqk: int, Dv: int, itemsize: int = 2,
+             budget: int | None = None) -> int:
+    """Bytes of the dSᵀ buffer the backward holds while it runs (0 where dq recomputes instead): `(B, Hq, Sk, Sq)`
+    with query rows padded to 16 bytes, kept within `budget`; by default (None) within `DS_BUDGET`, and only for
+    head dims wider than 256 together (where storing measured faster than recomputing)."""
+    if budget is None:
+        budget = DS_BUDGET if Dqk + Dv > 256 else 0
+    n = B * Hq * Sk * (-(-Sq * itemsize // 16) * 16)
+    return n if 0 < n <= budget else 0
 
 
-def _bwd(q, k, v, sinks, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_doc, blocks=None):
+def _ds_buffer(q: torch.Tensor, Sk: int, Dv: int, dot, budget: int | None) -> torch.Tensor | None:
+    """The dSᵀ buffer (`ds_bytes`) or None. Not initialised: the `dk, dv` kernel writes every tile the `dq` kernel
+    reads, which masks what lies outside the attention mask."""
+    B, Hq, Sq, Dqk = q.shape
+    dtype = torch.float32 if dot == tl.float32 else q.dtype
+    if not ds_bytes(B, Hq, Sq, Sk, Dqk, Dv, dtype.itemsize, budget):
+        return None
+    row = -(-Sq * dtype.itemsize // 16) * 16 // dtype.itemsize
+    return torch.empty(B, Hq, Sk, row, dtype=dtype, device=q.device)[..., :Sq]
+
+
+def _ds_desc(dst: torch.Tensor | None, keys: int, queries: int):
+    "A descriptor of (keys, queries) tiles over the dSᵀ buffer; the dq kernel's own pointer when there is none."
+    if dst is None:
+        return None
+    return TensorDescriptor(dst, list(dst.shape), list(dst.stride()), [1, 1, keys, queries])
+
+
+def _bwd(q, k, v, sinks, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_doc, blocks=None,
+         ds_budget: int | None = None):
     "Gradients (dq, dk, dv, dsinks or None) given dout (or None) and dlse (or None)."
     (B, Hq, Sq, Dqk), (Hkv, Sk, Dv) = q.shape, (k.shape[1], k.shape[2], v.shape[3])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -1034,26 +1164,37 @@ def _bwd(q, k, v, sinks, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_
     args = (m.q_offset - m.k_offset, m.window or 0, scale * LOG2E, scale)
     docs = (q_doc, k_doc) if q_doc is not None else (lse, lse)
     qk_widths = (consts["DA"], consts["DB"])
-    cfg = cfgs["dq"]
-    if B * Hq * Sq and B * Hkv * Sk:
-        ranges = _doc_ranges(q_doc, k_doc, cfg.block_m) if q_doc is not None else lse
-        _attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-            q, *_descs(k, cfg.block_n, qk_widths), *_descs(v, cfg.block_n, (consts["BDV"],)), dout, lse, delta_, dq,
-            *docs, ranges, *q.stride(), *dout.stride(), *dq.stride(), Sq, Sk, Hq, Hq // Hkv, *args, **consts,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    elif B * Hq * Sq:  # no keys at all: nothing to attend to
-        dq.zero_()
+    dst = _ds_buffer(q, Sk, Dv, flags["DOT"], ds_budget)
     cfg = cfgs["dkdv"]
     if B * Hkv * Sk and B * Hq * Sq:
         ranges = _doc_ranges(k_doc, q_doc, cfg.block_n) if q_doc is not None else lse
         _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-            *_descs(q, cfg.block_m, qk_widths), *_descs(dout, cfg.block_m, (consts["BDV"],)), k, v, lse, delta_, dk,
-            dv, *docs, ranges, *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), Sq, Sk, Hkv, Hq // Hkv, *args,
-            **consts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps,
+            *_descs(q, cfg.block_m, qk_widths), *_descs(dout, cfg.block_m, (consts["BDV"],)),
+            _ds_desc(dst, cfg.block_n, cfg.block_m), k, v, lse, delta_, dk, dv, *docs, ranges, *k.stride(),
+            *v.stride(), *dk.stride(), *dv.stride(), Sq, Sk, Hkv, Hq // Hkv, *args, **consts, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, **flags, STORE_DS=dst is not None, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     elif B * Hkv * Sk:
         dk.zero_()
         dv.zero_()
+    cfg = cfgs["dq" if dst is None else "dq_ds"]
+    if B * Hq * Sq and B * Hkv * Sk:
+        ranges = _doc_ranges(q_doc, k_doc, cfg.block_m) if q_doc is not None else lse
+        grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+        tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, num_warps=cfg.num_warps,
+                     num_stages=cfg.num_stages)
+        if dst is None:
+            _attn_bwd_dq_kernel[grid](
+                q, *_descs(k, cfg.block_n, qk_widths), *_descs(v, cfg.block_n, (consts["BDV"],)), dout, lse, delta_,
+                dq, *docs, ranges, *q.stride(), *dout.stride(), *dq.stride(), Sq, Sk, Hq, Hq // Hkv, *args,
+                **consts, **tiles)
+        else:
+            _attn_bwd_dq_ds_kernel[grid](
+                _ds_desc(dst, cfg.block_n, cfg.block_m), *_descs(k, cfg.block_n, qk_widths), dq, *docs, ranges,
+                *dq.stride(), Sq, Sk, Hq, Hq // Hkv, args[0], args[1], scale, DQK=Dqk, DA=consts["DA"],
+                DB=consts["DB"], **tiles)
+    elif B * Hq * Sq:  # no keys at all: nothing to attend to
+        dq.zero_()
     dsinks = None
     if sinks is not None:
         dsinks = -(torch.exp(sinks.float().view(1, Hq, 1) - lse) * delta_).sum((0, 2)).to(sinks.dtype)
@@ -1083,14 +1224,15 @@ def check_bwd(cases, seed0, tol=1e-5, grad_lse=True):
         dout, dlse = torch.randn_like(out), torch.randn_like(lse) if grad_lse else None
         _, m, q_doc, k_doc = _check_args(q, k, v, sinks, kw.get("causal", True), kw.get("window"), None,
                                          kw.get("q_doc"), kw.get("k_doc"), kw.get("q_offset", 0), kw.get("k_offset", 0))
-        got = _bwd(q, k, v, sinks, out, lse, dout, dlse, m, q.shape[-1] ** -0.5, q_doc, k_doc, blocks)
         want = ref_grads(q, k, v, sinks, dout, dlse if grad_lse else torch.zeros_like(lse), **kw)
-        errs = [rel_err(a, b) for a, b in zip(got, want) if b is not None]
-        assert all(torch.isfinite(g).all() for g in got if g is not None)
-        assert max(errs) < tol, (seed, opts, errs)
-        assert got[0].stride() == q.stride() and got[1].stride() == k.stride() and got[2].stride() == v.stride()
-        print(f"{str((B, Hq, Hkv, Sq, Sk, dqk, dv)):30s} {str(opts):60s} "
-              + " ".join(f"{n} {e:.1e}" for n, e in zip(("dq", "dk", "dv", "dsink"), errs)))
+        for budget, how in ((0, "recomputed"), (1 << 40, "from dSᵀ")):  # both ways of getting dq
+            got = _bwd(q, k, v, sinks, out, lse, dout, dlse, m, q.shape[-1] ** -0.5, q_doc, k_doc, blocks, budget)
+            errs = [rel_err(a, b) for a, b in zip(got, want) if b is not None]
+            assert all(torch.isfinite(g).all() for g in got if g is not None)
+            assert max(errs) < tol, (seed, opts, how, errs)
+            assert got[0].stride() == q.stride() and got[1].stride() == k.stride() and got[2].stride() == v.stride()
+            print(f"{str((B, Hq, Hkv, Sq, Sk, dqk, dv)):30s} {str(opts):52s} {how:10s} "
+                  + " ".join(f"{n} {e:.1e}" for n, e in zip(("dq", "dk", "dv", "dsink"), errs)))
 
 check_bwd(FWD_CASES, seed0=100)
 
@@ -1510,8 +1652,9 @@ def _sdpa_choice(q, k, v) -> str:
 def bench(err_len: int = 512) -> dict:
     """fwd and fwd+bwd of flash_attention vs SDPA (bf16, CUDA) at the models' shapes: ms, TFLOP/s, errors. SDPA
     runs as dispatched (`sdpa causal`, its pick printed) and with each fused backend forced (a backend that refuses
-    the inputs is left out)."""
-    from triton.testing import do_bench
+    the inputs is left out). `fwd+bwd graph ms` times ours and SDPA as dispatched replayed from a CUDA graph: the
+    GPU's time without the host's (launches, descriptors, autograd), which a step whose GPU is busy hides."""
+    from triton.testing import do_bench, do_bench_cudagraph
     res = {}
     for name, (B, S, Hq, Hkv, dqk, dv, sinks, window) in BENCH_SHAPES.items():
         q, k, v, s = _bench_inputs(B, S, Hq, Hkv, dqk, dv, sinks)
@@ -1532,6 +1675,11 @@ def bench(err_len: int = 512) -> dict:
             res[f"{name}{who} fwd TFLOP/s"] = fl_fwd / fwd / 1e9
             res[f"{name}{who} fwd+bwd ms"] = both
             res[f"{name}{who} fwd+bwd TFLOP/s"] = (fl_fwd + fl_bwd) / both / 1e9
+            if who in ("", " sdpa causal"):
+                res[f"{name}{who} fwd+bwd graph ms"] = do_bench_cudagraph(
+                    lambda: torch.autograd.grad(fn(), grad_of, dout), return_mode="median")
+        res[f"{name} fwd+bwd graph speed-up vs sdpa causal"] = (res[f"{name} sdpa causal fwd+bwd graph ms"]
+                                                                / res[f"{name} fwd+bwd graph ms"])
         res[f"{name} fwd+bwd % of matmul"] = 100 * res[f"{name} fwd+bwd TFLOP/s"] * 1e12 / MATMUL_CEILING
         for who in (" sdpa causal", " sdpa flash"):
             if f"{name}{who} fwd+bwd ms" in res:

@@ -344,7 +344,7 @@ class Config:
                         optimizer=t.optimizer, recompute=t.recompute, compile=t.compile, pipelined=self.pipelined,
                         sync_free=p.ep_sync_free,
                         stage_layers=tuple(p.pp_stage_layers) if isinstance(p.pp_stage_layers, list) else (),
-                        fp8=t.fp8)
+                        fp8=t.fp8, document_mask=self.data.document_mask)
 
     @property
     def torch_dtype(self) -> torch.dtype:
