@@ -1,12 +1,13 @@
 """ops/14 against an earlier version of itself, in one process: at each of `BENCH_SHAPES`, the backward alone
 (`_bwd` under `do_bench`), its host time per call (50 calls issued back to back) and each of its kernels
-(torch.profiler), then both versions' `bench()` (forward and forward+backward through autograd, beside SDPA).
+(torch.profiler), forward and backward through autograd replayed from a CUDA graph (GPU time alone), then
+both versions' `bench()` (forward and forward+backward through autograd, beside SDPA).
 Results: benchmarks/RESULTS.md, "Attention backward by TMA". Run on a GPU from the repository root:
     git show b57213c:pith_lit/ops/attention.py > /tmp/attention_old.py
     PYTHONPATH=. OLD=/tmp/attention_old.py python3 benchmarks/attention_bwd_compare.py"""
 import importlib.util, os, time
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 import pith_lit.ops.attention as new
 
 
@@ -58,7 +59,13 @@ if __name__ == "__main__":
             each = ", ".join(f"{k.removeprefix('_attn_bwd_').removesuffix('_kernel')} {t:.3f}"
                              for k, t in kernels.items())
             print(f"{shape} {name}: backward {gpu:.3f} ms, host {host:.3f} ms/call, {each}", flush=True)
+        for name, mod in (("before", old), ("after", new)):  # forward+backward replayed from a CUDA graph
+            q, k, v, s = mod._bench_inputs(B, S, Hq, Hkv, dqk, dv, sinks)
+            dout = torch.randn(B, Hq, S, dv, device="cuda", dtype=torch.bfloat16)
+            leaves = [q, k, v] + ([s] if s is not None else [])
+            fn = lambda: torch.autograd.grad(mod.flash_attention(q, k, v, s, window=window)[0], leaves, dout)
+            print(f"{shape} {name}: fwd+bwd graph {do_bench_cudagraph(fn, return_mode='median'):.3f} ms", flush=True)
     for name, mod in (("before", old), ("after", new)):
         for k, v in mod.bench().items():
-            if k.endswith(" ms") and "sdpa flash" not in k and "sdpa cudnn" not in k and "efficient" not in k:
+            if (k.endswith(" ms") or "max err" in k) and not any(w in k for w in ("sdpa flash", "cudnn", "efficient")):
                 print(f"{name} {k}: {v:.3f}", flush=True)

@@ -1574,15 +1574,17 @@ torch._dynamo.reset()
 # against each SDPA backend"). So Qwen3 and DeepSeek-V2 call SDPA for plain causal attention and these kernels
 # only for packed documents, and GPT-OSS calls these kernels for its sinks and windows.
 #
-# Where the time goes: the backward is about three quarters of forward+backward at every shape, and its `dq` kernel
-# recomputes the scores and `dP` that the `dk, dv` kernel also computes. Loading the backward's per-step tiles by
-# TMA helps (above); loading the forward's by TMA makes it only a few per cent faster (`benchmarks/attention_tma.py`),
-# so the forward keeps pointer loads. Accumulating `dq` inside the `dk, dv` pass instead of recomputing it
-# (`benchmarks/attention_fused_bwd.py`) is slower at every shape measured: each key block adds its share of `dq` for
-# every query block it sees, and that fp32 reduction traffic costs more than the products it saves, whether added
-# element by element or as TMA tile reductions (RESULTS.md, "Attention backward by TMA"). What remains toward cuDNN
-# is a forward and backward whose softmax overlaps the next block's products (FlashAttention-3's warp
-# specialisation).
+# Where the time goes: the backward is about three quarters of forward+backward at every shape. Accumulating `dq`
+# inside the `dk, dv` pass instead of recomputing it (`benchmarks/attention_fused_bwd.py`) is slower at every shape
+# measured: each key block adds its share of `dq` for every query block it sees, and that fp32 reduction traffic
+# costs more than the products it saves, whether added element by element or as TMA tile reductions (RESULTS.md,
+# "Attention backward by TMA"). The bf16 `dS` that the stored way writes and reads once is a quarter of that
+# traffic, and it wins at MLA's head dims. Timed eagerly through autograd, a forward+backward at these shapes costs
+# the host about as long as its kernels cost the GPU (the launches, the descriptors, autograd), so that a do_bench
+# figure can be the host's; `fwd+bwd graph ms` replays the same calls from a CUDA graph, the GPU's time alone,
+# which is what a training step sees while its GPU has queued work (RESULTS.md, "dq from a stored dS"). What
+# remains toward cuDNN is a forward and backward whose softmax overlaps the next block's products
+# (FlashAttention-3's warp specialisation).
 
 # %%
 #| export
