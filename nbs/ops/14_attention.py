@@ -432,6 +432,22 @@ def _block_range(r0, n_rows, n_cols, delta, window, RANGE, BLOCK_R: tl.constexpr
 
 
 @triton.jit
+def _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr):
+    """A query-block program's document ids (its rows', and the keys' of its batch row) and its key loop bounds
+    (`_block_range`), shared by the forward and the dq kernels."""
+    qdoc = rows
+    KDOCb = KDOC
+    if HAS_DOC:
+        qdoc = tl.load(QDOC + b.to(tl.int64) * Sq + rows, mask=rows < Sq, other=-2)
+        KDOCb = KDOC + b.to(tl.int64) * Sk
+    start, int_lo, int_hi, hi = _block_range(pid_m * BLOCK_M, Sq, Sk, delta, window,
+                                             RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N,
+                                             True, CAUSAL, HAS_WINDOW, HAS_DOC)
+    return qdoc, KDOCb, start, int_lo, int_hi, hi
+
+
+@triton.jit
 def _visible(keep, qi, kj, qdoc, kdoc, delta, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
              HAS_DOC: tl.constexpr):
     "`keep` (the tile's bounds) and the mask: qi, kj (and qdoc, kdoc) are one a column and the other a row vector."
@@ -544,14 +560,8 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
     qb = qa
     if DB > 0:
         qb = _tile(Qh, rows, stride_qm, stride_qd, Sq, DA, DQK, DB, True).to(DOT)
-    qdoc = rows
-    KDOCb = KDOC
-    if HAS_DOC:
-        qdoc = tl.load(QDOC + b.to(tl.int64) * Sq + rows, mask=rows < Sq, other=-2)
-        KDOCb = KDOC + b.to(tl.int64) * Sk
-    start, int_lo, int_hi, hi = _block_range(m0, Sq, Sk, delta, window,
-                                             RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N,
-                                             True, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
+                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
     if HAS_SINK:
         m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + h).to(tl.float32) * _LOG2E
         l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
@@ -908,14 +918,8 @@ def _attn_bwd_dq_kernel(Q, KA, KB, VD, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
     lse = tl.load(LSE + off, mask=rows < Sq, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     dd = tl.load(DELTA + off, mask=rows < Sq, other=0.0)
-    qdoc = rows
-    KDOCb = KDOC
-    if HAS_DOC:
-        qdoc = tl.load(QDOC + b.to(tl.int64) * Sq + rows, mask=rows < Sq, other=-2)
-        KDOCb = KDOC + b.to(tl.int64) * Sk
-    start, int_lo, int_hi, hi = _block_range(m0, Sq, Sk, delta, window,
-                                             RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N,
-                                             True, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
+                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
     dqa = tl.zeros([BLOCK_M, DA], tl.float32)
     dqb = dqa
     if DB > 0:
@@ -1073,14 +1077,8 @@ def _attn_bwd_dq_ds_kernel(DST, KA, KB, DQ, QDOC, KDOC, RANGES, stride_gb, strid
     h = bh % H
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
-    qdoc = rows
-    KDOCb = KDOC
-    if HAS_DOC:
-        qdoc = tl.load(QDOC + b.to(tl.int64) * Sq + rows, mask=rows < Sq, other=-2)
-        KDOCb = KDOC + b.to(tl.int64) * Sk
-    start, int_lo, int_hi, hi = _block_range(m0, Sq, Sk, delta, window,
-                                             RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N,
-                                             True, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
+                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
     dqa = tl.zeros([BLOCK_M, DA], tl.float32)
     dqb = dqa
     if DB > 0:
