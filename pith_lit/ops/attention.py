@@ -453,6 +453,15 @@ def _attn_bwd_pre_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, st
 
 # %% ../../nbs/ops/14_attention.ipynb #04f74128
 @triton.jit
+def _store_split(base, rows, stride_r, stride_d, n_rows, xa, xb, scale, D: tl.constexpr, DA: tl.constexpr,
+                 DB: tl.constexpr):
+    "Store scale · [xa | xb] (a head dim split in two tiles, xb unused when DB = 0) into base's dtype."
+    _store_tile(base, rows, stride_r, stride_d, n_rows, (xa * scale).to(base.dtype.element_ty), 0, D, DA)
+    if DB > 0:
+        _store_tile(base, rows, stride_r, stride_d, n_rows, (xb * scale).to(base.dtype.element_ty), DA, D, DB)
+
+
+@triton.jit
 def _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOC, b, hk, n0, Sk, delta, window,
               qk_scale, DA: tl.constexpr, DB: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
@@ -524,10 +533,8 @@ def _attn_bwd_dq_kernel(Q, KA, KB, VD, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
     for n0 in range(int_hi, hi, BLOCK_N):
         dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
                              window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    DQh = DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
-    _store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqa * scale).to(DQ.dtype.element_ty), 0, DQK, DA)
-    if DB > 0:
-        _store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqb * scale).to(DQ.dtype.element_ty), DA, DQK, DB)
+    _store_split(DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh, rows, stride_gm, stride_gd, Sq, dqa,
+                 dqb, scale, DQK, DA, DB)
 
 
 @triton.jit
@@ -623,10 +630,8 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, DST, K, V, LSE, DELTA, DK, DVv, QDOC, KDO
             dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
                                        h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, True,
                                        CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
-    DKh = DK + b.to(tl.int64) * stride_gkb + hk.to(tl.int64) * stride_gkh
-    _store_tile(DKh, cols, stride_gkn, stride_gkd, Sk, (dka * scale).to(DK.dtype.element_ty), 0, DQK, DA)
-    if DB > 0:
-        _store_tile(DKh, cols, stride_gkn, stride_gkd, Sk, (dkb * scale).to(DK.dtype.element_ty), DA, DQK, DB)
+    _store_split(DK + b.to(tl.int64) * stride_gkb + hk.to(tl.int64) * stride_gkh, cols, stride_gkn, stride_gkd, Sk,
+                 dka, dkb, scale, DQK, DA, DB)
     _store_tile(DVv + b.to(tl.int64) * stride_gvb + hk.to(tl.int64) * stride_gvh, cols, stride_gvn, stride_gvd, Sk,
                 dv.to(DVv.dtype.element_ty), 0, DV, BDV)
 
@@ -684,10 +689,8 @@ def _attn_bwd_dq_ds_kernel(DST, KA, KB, DQ, QDOC, KDOC, RANGES, stride_gb, strid
     for n0 in range(int_hi, hi, BLOCK_N):
         dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
                                 BLOCK_M, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    DQh = DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
-    _store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqa * scale).to(DQ.dtype.element_ty), 0, DQK, DA)
-    if DB > 0:
-        _store_tile(DQh, rows, stride_gm, stride_gd, Sq, (dqb * scale).to(DQ.dtype.element_ty), DA, DQK, DB)
+    _store_split(DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh, rows, stride_gm, stride_gd, Sq, dqa,
+                 dqb, scale, DQK, DA, DB)
 
 # %% ../../nbs/ops/14_attention.ipynb #e22b2be5
 DS_BUDGET = 1 << 30  # bytes of dSᵀ the backward may hold to skip dq's recomputation
@@ -716,7 +719,7 @@ def _ds_buffer(q: torch.Tensor, Sk: int, Dv: int, dot, budget: int | None) -> to
 
 
 def _ds_desc(dst: torch.Tensor | None, keys: int, queries: int):
-    "A descriptor of (keys, queries) tiles over the dSᵀ buffer; the dq kernel's own pointer when there is none."
+    "A descriptor of (keys, queries) tiles over the dSᵀ buffer, or None without one (dq recomputes)."
     if dst is None:
         return None
     return TensorDescriptor(dst, list(dst.shape), list(dst.stride()), [1, 1, keys, queries])
