@@ -9,7 +9,7 @@ import pytest
 
 from conftest import group_main, run_group
 
-GROUPS = ["quantize", "gemm", "layer", "swiglu", "dense"]
+GROUPS = ["quantize", "gemm", "layer", "swiglu", "dense", "rows"]
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -235,24 +235,43 @@ def group_layer():
         fp8_grouped_linear(ok["x"], ok["w"], torch.tensor([4, 1]), impl="triton")
 
 
-def _ref_swiglu_experts(x, w1, w2, counts, dy):
+def _row_recipe():
+    """The row-scaled recipe's three products for one expert, from its definition: forward rows of x times rows of w;
+    input gradient rows of (dy times w's row scales) times w's FP8 values; weight gradient columns of dy and of x
+    over the expert's rows. Returns (fwd, dgrad, wgrad) functions in float64."""
+    from pith_lit.ops.fp8 import quantize_ref
+    rows = lambda t: _fq(t, (1, max(t.shape[-1], 1)))
+    cols = lambda t: _fq(t, (max(t.shape[0], 1), 1))
+    def dgrad(g, w):
+        q, s = quantize_ref(w, (1, w.shape[-1]))
+        return rows(g * s[:, 0].double()) @ q.double()
+    return (lambda x, w: rows(x) @ rows(w).T), dgrad, (lambda g, x: cols(g).T @ cols(x))
+
+
+def _block_recipe():
+    "The block-scaled recipe's three products for one expert, as _row_recipe."
+    return ((lambda x, w: _fq(x, (1, 128)) @ _fq(w, (128, 128)).T), (lambda g, w: _fq(g, (1, 128)) @ _fq(w, (128, 128))),
+            (lambda g, x: _fq(g, (128, 1)).T @ _fq(x, (128, 1))))
+
+
+def _ref_swiglu_experts(x, w1, w2, counts, dy, recipe=None):
     """y, dx, dw1, dw2 of down(swiglu(gate_up(x))) in FP8, float64, one expert at a time: each product from its
-    operands' quantization, SwiGLU and its gradient exact between them."""
+    operands' quantization (`recipe`, block scales by default), SwiGLU and its gradient exact between them."""
     import torch
+    fwd, dgrad, wgrad = recipe or _block_recipe()
     x, w1, w2, dy = (t.double() for t in (x, w1, w2, dy))
     y, dx = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64), torch.zeros_like(x)
     dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
     for e, (a, b) in enumerate(_bounds(counts)):
-        q1, q2 = _fq(w1[e], (128, 128)), _fq(w2[e], (128, 128))
-        g, u = (_fq(x[a:b], (1, 128)) @ q1.T).chunk(2, -1)
+        g, u = fwd(x[a:b], w1[e]).chunk(2, -1)
         s = torch.sigmoid(g)
         h = g * s * u
-        y[a:b] = _fq(h, (1, 128)) @ q2.T
-        dh = _fq(dy[a:b], (1, 128)) @ q2
-        dw2[e] = _fq(dy[a:b], (128, 1)).T @ _fq(h, (128, 1))
+        y[a:b] = fwd(h, w2[e])
+        dh = dgrad(dy[a:b], w2[e])
+        dw2[e] = wgrad(dy[a:b], h)
         dgu = torch.cat([dh * u * s * (1 + g * (1 - s)), dh * g * s], -1)
-        dx[a:b] = _fq(dgu, (1, 128)) @ q1
-        dw1[e] = _fq(dgu, (128, 1)).T @ _fq(x[a:b], (128, 1))
+        dx[a:b] = dgrad(dgu, w1[e])
+        dw1[e] = wgrad(dgu, x[a:b])
     return y, dx, dw1, dw2
 
 
@@ -318,6 +337,85 @@ def group_dense():
         assert fp8._scaled_mm_blockwise(g.q, g.s, meta(n_in, n_out).to(fp8.FP8),
                                         meta(n_in // 128, n_out // 128)).shape == (M, n_in)
         assert fp8._scaled_mm_wgrad(g, a).shape == (n_out, n_in)
+
+
+def group_rows():
+    """One scale per row (`scaling="rows"`): the row and per-expert column quantizers equal the torch reference value
+    for value; the GEMMs at several tiles and the layers through autograd against float64 from the recipe's
+    definition; bad input."""
+    import torch
+    from pith_lit.ops.fp8 import (GemmConfig, fp8_grouped_linear, fp8_grouped_mm, fp8_grouped_wgrad,
+                                  fp8_swiglu_experts, pow2_scale, quantize_act, quantize_ref, quantize_rows,
+                                  quantize_weight_rows)
+    from pith_lit.ops.grouped_linear import WeightGradQueue
+    fwd, dgrad, wgrad = _row_recipe()
+    configs = [GemmConfig(), GemmConfig(128, 256, 128, 8, 3), GemmConfig(64, 64, 256, 4, 2, promote=128),
+               GemmConfig(16, 32, 64, 4, 2, promote=64)]
+    cases = [([70, 0, 1, 131], 4, 256, 192), ([1], 0, 16, 16), ([0, 0, 0], 3, 128, 128), ([33, 200], 0, 96, 130),
+             ([5, 9, 0, 17, 2, 0, 1, 40], 2, 300, 48)]
+    for i, (counts, extra, K, N) in enumerate(cases):
+        cfg = configs[i % len(configs)]
+        counts = torch.tensor(counts, dtype=torch.int64)
+        n = int(counts.sum())
+        x, w, dy = (_blocky(t, 650 + i + j) for j, t in
+                    enumerate(_randn(600 + i, (n + extra, K), (len(counts), N, K), (n + extra, N))))
+        r, (qw, sw) = quantize_rows(x, counts, col_amax=True), quantize_weight_rows(w)
+        q, s = quantize_ref(x[:n], (1, K))
+        assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0])
+        qr, sr = quantize_ref(w, (1, K))
+        assert torch.equal(qw.float(), qr.float()) and torch.equal(sw, sr[..., 0])
+        for e, (lo, hi) in enumerate(_bounds(counts)):
+            want = x[lo:hi].abs().amax(0) if hi > lo else torch.zeros(K)
+            assert torch.equal(r.col_amax[e], want), (i, e)
+        g = quantize_rows(dy, counts, mult=sw, col_amax=True)
+        y = fp8_grouped_mm(r.q, r.s, qw, sw, counts, torch.float32, cfg)
+        dx = fp8_grouped_mm(g.q, g.s, quantize_weight_rows(w, transposed=True)[0], None, counts, torch.float32, cfg)
+        xt = quantize_act(x, counts, rows=False, cols=True, col_amax=r.col_amax).qt
+        gt = quantize_act(dy, counts, rows=False, cols=True, col_amax=g.col_amax).qt
+        dw = fp8_grouped_wgrad(gt, pow2_scale(g.col_amax), xt, pow2_scale(r.col_amax), counts, torch.float32,
+                               cfg._replace(block_k=min(cfg.block_k, 128), promote=None), group_scales=True)
+        for e, (lo, hi) in enumerate(_bounds(counts)):
+            xd, wd, gd = x[lo:hi].double(), w[e].double(), dy[lo:hi].double()
+            for name, got, want in [("y", y[lo:hi], fwd(xd, wd)), ("dx", dx[lo:hi], dgrad(gd, wd)),
+                                    ("dw", dw[e], wgrad(gd, xd))]:
+                assert _rel(got, want) < 1e-5 or (want == 0).all() and (got == 0).all(), (i, e, name)
+    # the layers through autograd: both implementations, immediate and deferred, against float64
+    for i, (counts, extra, hidden, inter) in enumerate([([70, 0, 1, 131], 3, 256, 72), ([0, 140], 0, 130, 128)]):
+        counts = torch.tensor(counts)
+        n = int(counts.sum())
+        x, w1, w2, dy = _randn(700 + i, (n + extra, hidden), (len(counts), 2 * inter, hidden),
+                               (len(counts), hidden, inter), (n + extra, hidden))
+        w1, w2 = w1 / hidden ** 0.5, w2 / inter ** 0.5
+        want = _ref_swiglu_experts(x, w1, w2, counts, dy, _row_recipe())
+        got = {}
+        for impl, queue in [("triton", None), ("triton", WeightGradQueue()), ("torch", None)]:
+            xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
+            y = fp8_swiglu_experts(xl, w1l, w2l, counts, queue, impl, scaling="rows")
+            y.backward(dy)
+            if queue is not None:
+                queue.drain()
+            out = [y[:n], xl.grad[:n], w1l.grad, w2l.grad]
+            errs = [_rel(a, b) for a, b in zip(out, [want[0][:n], want[1][:n], *want[2:]])]
+            assert max(errs) < 1e-4, (i, impl, errs)
+            assert (w1l.grad[counts == 0] == 0).all() and (w2l.grad[counts == 0] == 0).all()
+            got[impl, queue is None] = out
+        assert all(torch.equal(a, b) for a, b in zip(got["triton", True], got["triton", False]))
+        # one layer with its weight stored transposed (GPT-OSS's (E, in, out)), against a contiguous copy
+        stored, w1l = w1.mT.contiguous().requires_grad_(), w1.clone().requires_grad_()
+        d1 = torch.randn(n + extra, 2 * inter)
+        y1 = fp8_grouped_linear(x, stored.mT, counts, impl="triton", scaling="rows")
+        y1.backward(d1)
+        y2 = fp8_grouped_linear(x, w1l, counts, impl="triton", scaling="rows")
+        y2.backward(d1)
+        want_y = torch.cat([fwd(x[lo:hi].double(), w1[e].double()) for e, (lo, hi) in enumerate(_bounds(counts))])
+        assert torch.equal(y1[:n], y2[:n]) and torch.equal(stored.grad, w1l.grad.mT) and _rel(y1[:n], want_y) < 1e-5
+    with pytest.raises(ValueError, match="scaling must be"):
+        fp8_grouped_linear(torch.zeros(4, 128), torch.zeros(2, 64, 128), torch.tensor([1, 3]), scaling="row")
+    with pytest.raises(ValueError, match="row scales"):
+        qw, sw = quantize_weight_rows(torch.ones(2, 64, 128))
+        fp8_grouped_mm(*quantize_rows(torch.ones(4, 128))[:2], qw, sw[:, :32], torch.tensor([1, 3]), torch.float32)
+    with pytest.raises(ValueError, match="mult must be"):
+        quantize_rows(torch.ones(4, 128), torch.tensor([1, 3]), mult=torch.ones(2, 64))
 
 
 if __name__ == "__main__":

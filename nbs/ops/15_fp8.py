@@ -121,6 +121,11 @@ def fake_quant(x: Tensor, block: tuple[int, int], dtype=torch.float64) -> Tensor
     "What the FP8 matmuls see of `x`: quantized in `block`s, then dequantized."
     return dequantize_ref(*quantize_ref(x, block), block, dtype)
 
+
+def fake_quant_rows(x: Tensor, dtype=torch.float64) -> Tensor:
+    "What the FP8 matmuls see of `x` quantized one scale per row (over its last dimension)."
+    return fake_quant(x, (1, max(x.shape[-1], 1)), dtype)
+
 # %% [markdown]
 # Known values first. With a row maximum of 448 the scale is 1 and E4M3 rounding shows directly: 3 mantissa bits,
 # ties to even, subnormals in steps of 2⁻⁹ below 2⁻⁶. A row maximum just above 448 doubles the scale; an all-zero
@@ -250,8 +255,9 @@ def _act_tile(x_ptr, dh_ptr, rows, cols, mask, K, ACT: tl.constexpr):
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, dh_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_offs_ptr, tile_offs_ptr, M, K, E, LDT,
-                      ROWS: tl.constexpr, COLS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr):
+def _quant_act_kernel(x_ptr, dh_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, row_offs_ptr, tile_offs_ptr, M, K, E,
+                      LDT, ROWS: tl.constexpr, COLS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr,
+                      GROUP: tl.constexpr):
     t = tl.program_id(0)
     kb = tl.program_id(1)
     e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
@@ -269,7 +275,10 @@ def _quant_act_kernel(x_ptr, dh_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_offs_ptr,
         tl.store(q_ptr + offs, _to_e4m3(x * inv[:, None]), mask=row_ok[:, None] & col_ok[None, :])
         tl.store(s_ptr + kb * M + rows, s, mask=row_ok)
     if COLS:
-        s, inv = _pow2_scale(tl.max(tl.abs(x), axis=0))
+        if GROUP:                                                 # one scale per column of the expert's rows
+            s, inv = _pow2_scale(tl.load(amax_ptr + e * K + cols, mask=col_ok, other=0.0))
+        else:
+            s, inv = _pow2_scale(tl.max(tl.abs(x), axis=0))
         qt = _to_e4m3(x * inv[None, :])                           # rows past the expert's end are zero
         tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * 128 + r)[:, None], qt, mask=col_ok[None, :])
         tl.store(st_ptr + t * K + cols, s, mask=col_ok)
@@ -303,12 +312,8 @@ _ACTS = {None: 0, "swiglu": 1, "swiglu_grad": 2}
 QUANT_WARPS = 8   # warps per 128x128 tile of quantize_act (benchmarks/fp8_bench.py --quant-sweep times others)
 
 
-def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, cols: bool = False,
-                 act: str | None = None, dh: Tensor | None = None) -> Fp8Act:
-    """Quantize `x (M, K)` in one pass: along K in 1x128 tiles (`rows`) and/or along tokens in tiles of 128 rows that
-    start at each expert's first row (`cols`; `counts (E,)` int64 rows per expert, None = one group of all M rows).
-    `act="swiglu"`: quantize `swiglu(x)` for `x = [gate | up] (M, 2K)`, computed in the pass; `act="swiglu_grad"`:
-    quantize the gradient of `swiglu` at `x (M, K)` given the output's gradient `dh (M, K/2)`."""
+def _act_input(x: Tensor, act: str | None, dh: Tensor | None) -> tuple[Tensor, Tensor | None, int, int]:
+    "Check what a quantization pass reads for `act`; return x and dh contiguous and the quantized width (M, K)."
     if act not in _ACTS:
         raise ValueError(f"act must be None, 'swiglu' or 'swiglu_grad', got {act!r}")
     x = x.contiguous()
@@ -320,16 +325,32 @@ def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, col
             raise ValueError(f"act='swiglu_grad' wants x (M, 2I) and dh (M, I), got x {tuple(x.shape)}, "
                              f"dh {None if dh is None else tuple(dh.shape)}")
         dh = dh.contiguous()
+    return x, dh, M, K
+
+
+def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, cols: bool = False,
+                 act: str | None = None, dh: Tensor | None = None, col_amax: Tensor | None = None) -> Fp8Act:
+    """Quantize `x (M, K)` in one pass: along K in 1x128 tiles (`rows`) and/or along tokens in tiles of 128 rows that
+    start at each expert's first row (`cols`; `counts (E,)` int64 rows per expert, None = one group of all M rows).
+    `act="swiglu"`: quantize `swiglu(x)` for `x = [gate | up] (M, 2K)`, computed in the pass; `act="swiglu_grad"`:
+    quantize the gradient of `swiglu` at `x (M, K)` given the output's gradient `dh (M, K/2)`. `col_amax (E, K)`:
+    the columns' scales come from these maxima over each expert's rows (`quantize_rows(..., col_amax=True)`), not
+    from each tile's, so they are constant along an expert's tokens."""
+    x, dh, M, K = _act_input(x, act, dh)
     counts = x.new_full((1,), M, dtype=torch.int64) if counts is None else counts
     E, T, KB = counts.numel(), _max_tiles(M, counts.numel(), 128), triton.cdiv(K, 128)
+    if col_amax is not None and (col_amax.shape != (E, K) or col_amax.dtype != torch.float32 or rows):
+        raise ValueError(f"col_amax must be fp32 ({E}, {K}) and comes with cols only, got {tuple(col_amax.shape)} "
+                         f"{col_amax.dtype}, rows={rows}")
     row_offs, tile_offs = _schedule(counts, 128)
     q = torch.empty(M, K, dtype=FP8, device=x.device) if rows else None
     s = torch.empty(KB, M, dtype=torch.float32, device=x.device) if rows else None
     qt = torch.empty(K, 128 * T, dtype=FP8, device=x.device) if cols else None
     st = torch.empty(T, K, dtype=torch.float32, device=x.device) if cols else None
     if T * KB > 0 and (rows or cols):
-        _quant_act_kernel[(T, KB)](x, x if dh is None else dh, q, s, qt, st, row_offs, tile_offs, M, K, E, 128 * T,
-                                   ROWS=rows, COLS=cols, E_P2=_e_p2(E), ACT=_ACTS[act], num_warps=QUANT_WARPS)
+        _quant_act_kernel[(T, KB)](x, x if dh is None else dh, q, s, qt, st, col_amax, row_offs, tile_offs, M, K, E,
+                                   128 * T, ROWS=rows, COLS=cols, E_P2=_e_p2(E), ACT=_ACTS[act],
+                                   GROUP=col_amax is not None, num_warps=QUANT_WARPS)
     return Fp8Act(q, s.t() if rows else None, qt, st)
 
 # %% [markdown]
@@ -470,7 +491,8 @@ print("weight quantization equals the reference; the transposed layout holds the
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_offs_ptr, M, N, K, E,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_P2: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, ROW_SCALES: tl.constexpr = False, HAS_SB: tl.constexpr = True,
+                     PROMOTE: tl.constexpr = None):
     n_tiles = tl.cdiv(N, BN)
     t = tl.program_id(0) // n_tiles
     j = tl.program_id(0) % n_tiles
@@ -485,7 +507,8 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_off
     KB = tl.cdiv(K, 128)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
     b_ptrs = b_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + kk[None, :]
-    sb_ptr += (e * tl.cdiv(N, 128) + j * BN // 128) * KB     # B's scales (E, ceil(N/128), KB): one per step
+    if not ROW_SCALES:
+        sb_ptr += (e * tl.cdiv(N, 128) + j * BN // 128) * KB  # B's scales (E, ceil(N/128), KB): one per step
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         if EVEN_K:
@@ -495,10 +518,17 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_off
             k_ok = (k0 + kk < K)[None, :]
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
-        s = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0) * tl.load(sb_ptr + k0 // 128)
-        acc += tl.dot(a, tl.trans(b)) * s[:, None]                   # A's scales (KB, M) times B's one
+        if ROW_SCALES:                                               # scales are constant along K: chain the dots
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+        else:
+            s = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0) * tl.load(sb_ptr + k0 // 128)
+            acc += tl.dot(a, tl.trans(b)) * s[:, None]               # A's scales (KB, M) times B's one
         a_ptrs += BK
         b_ptrs += BK
+    if ROW_SCALES:                                                   # A's scale per row, B's per column of e
+        acc *= tl.load(sa_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        if HAS_SB:
+            acc *= tl.load(sb_ptr + e * N + cols, mask=col_ok, other=0.0)[None, :]
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -511,17 +541,23 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, row_offs_ptr, tile_off
 # %%
 #| export
 class GemmConfig(NamedTuple):
-    "Tile shape and launch parameters of the FP8 GEMM kernels."
+    """Tile shape and launch parameters of the FP8 GEMM kernels; `promote`: with row scales, add the tensor cores'
+    partial sums into the fp32 accumulator every `promote` of K (at most `block_k`; None: never, Triton's default)."""
     block_m: int = 128
     block_n: int = 128
     block_k: int = 128
     warps: int = 8
     stages: int = 4
+    promote: int | None = None
 
 
-def _check_config(cfg: GemmConfig) -> GemmConfig:
-    if any(b < 16 or b & (b - 1) for b in cfg[:3]) or 128 % cfg.block_k:
-        raise ValueError(f"GemmConfig blocks must be powers of two >= 16, with block_k dividing 128; got {cfg}")
+def _check_config(cfg: GemmConfig, block_scales: bool = True) -> GemmConfig:
+    "Refuse tiles the kernels cannot take: with block scales a K step must lie in one 128-wide scale block."
+    if any(b < 16 or b & (b - 1) for b in cfg[:3]) or (block_scales and 128 % cfg.block_k):
+        raise ValueError(f"GemmConfig blocks must be powers of two >= 16, with block_k dividing 128 under block "
+                         f"scales; got {cfg}")
+    if cfg.promote is not None and not 0 < cfg.promote <= cfg.block_k:
+        raise ValueError(f"GemmConfig promote must be None or between 1 and block_k; got {cfg}")
     return cfg
 
 
@@ -530,28 +566,37 @@ def _check_fp8(name: str, t: Tensor, shape: tuple) -> None:
         raise ValueError(f"{name} must be float8_e4m3fn of shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
 
 
-def fp8_grouped_mm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, counts: Tensor, out_dtype: torch.dtype,
+def fp8_grouped_mm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor | None, counts: Tensor, out_dtype: torch.dtype,
                    config: GemmConfig | None = None) -> Tensor:
-    """`C[rows of e] = (qa·sa)[rows of e] @ (qb[e]·sb[e])ᵀ`: `qa (M, K)` with 1x128 scales `sa (M, ceil(K/128))` as
-    `quantize_act` gives them, `qb (E, N, K)` with 128x128 scales `sb (E, ceil(N/128), ceil(K/128))`, `counts (E,)`
-    rows per expert (sum at most M; later rows of C are left unwritten). Returns C `(M, N)` in `out_dtype`."""
-    cfg = _check_config(config or GemmConfig())
-    if 128 % cfg.block_n:
+    """`C[rows of e] = (qa·sa)[rows of e] @ (qb[e]·sb[e])ᵀ` for `qa (M, K)`, `qb (E, N, K)`, `counts (E,)` rows per
+    expert (sum at most M; later rows of C are left unwritten). Block scales: `sa (M, ceil(K/128))` 1x128 as
+    `quantize_act` gives them, `sb (E, ceil(N/128), ceil(K/128))` 128x128. Row scales (`sa` 1-D): `sa (M,)` one per
+    row as `quantize_rows` gives them, `sb (E, N)` one per row of each `qb[e]`, or None (ones). Returns C `(M, N)` in
+    `out_dtype`."""
+    row_scales = sa.dim() == 1
+    cfg = _check_config(config or (ROW_GEMM if row_scales else GemmConfig()), not row_scales)
+    if 128 % cfg.block_n and not row_scales:
         raise ValueError(f"fp8_grouped_mm's block_n must divide 128 (B has one scale per 128 columns); got {cfg}")
     (M, K), (E, N) = qa.shape, qb.shape[:2]
     _check_fp8("qa", qa, (M, K))
     _check_fp8("qb", qb, (E, N, K))
     KB = triton.cdiv(K, 128)
-    if sa.shape != (M, KB) or not sa.t().is_contiguous() or sb.shape != (E, triton.cdiv(N, 128), KB):
+    if row_scales:
+        if sa.shape != (M,) or (sb is not None and sb.shape != (E, N)):
+            raise ValueError(f"row scales: want sa ({M},) and sb ({E}, {N}) or None; got sa {tuple(sa.shape)}, "
+                             f"sb {None if sb is None else tuple(sb.shape)}")
+    elif sa.shape != (M, KB) or not sa.t().is_contiguous() or sb is None or sb.shape != (E, triton.cdiv(N, 128), KB):
         raise ValueError(f"scales: want sa ({M}, {KB}) with strides (1, {M}) and sb ({E}, {triton.cdiv(N, 128)}, "
-                         f"{KB}); got sa {tuple(sa.shape)} strides {sa.stride()}, sb {tuple(sb.shape)}")
+                         f"{KB}); got sa {tuple(sa.shape)} strides {sa.stride()}, sb {None if sb is None else tuple(sb.shape)}")
     c = torch.empty(M, N, dtype=out_dtype, device=qa.device)
     grid = _max_tiles(M, E, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     if grid > 0 and K > 0:
         row_offs, tile_offs = _schedule(counts, cfg.block_m)
-        _fp8_gemm_kernel[(grid,)](qa, sa.t(), qb, sb.contiguous(), c, row_offs, tile_offs, M, N, K, E,
-                                  BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, E_P2=_e_p2(E),
-                                  EVEN_K=K % cfg.block_k == 0, num_warps=cfg.warps, num_stages=cfg.stages)
+        _fp8_gemm_kernel[(grid,)](qa, sa if row_scales else sa.t(), qb, sa if sb is None else sb.contiguous(), c,
+                                  row_offs, tile_offs, M, N, K, E, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                                  E_P2=_e_p2(E), EVEN_K=K % cfg.block_k == 0, ROW_SCALES=row_scales,
+                                  HAS_SB=sb is not None, PROMOTE=cfg.promote, num_warps=cfg.warps,
+                                  num_stages=cfg.stages)
     elif K == 0:
         c.zero_()
     return c
@@ -598,7 +643,8 @@ print(f"grouped FP8 GEMM vs quantized reference: max rel err {max(errs):.1e} ({t
 #| export
 @triton.jit
 def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tile_offs_ptr, M, N, LD,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_SCALES: tl.constexpr = False,
+                      PROMOTE: tl.constexpr = None):
     tm, tn = tl.cdiv(M, BM), tl.cdiv(N, BN)
     pid = tl.program_id(0)
     e = pid // (tm * tn)
@@ -616,33 +662,42 @@ def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tile_offs_ptr, M, N, 
     for k0 in range(k_start, k_end, BK):
         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
-        sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)     # (T, M)
-        sb = tl.load(sb_ptr + (k0 // 128) * N + cols, mask=col_ok, other=0.0)     # (T, N)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        if GROUP_SCALES:                                             # one scale per row of the expert: chain
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+        else:
+            sa = tl.load(sa_ptr + (k0 // 128) * M + rows, mask=row_ok, other=0.0)     # (T, M)
+            sb = tl.load(sb_ptr + (k0 // 128) * N + cols, mask=col_ok, other=0.0)     # (T, N)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         a_ptrs += BK
         b_ptrs += BK
+    if GROUP_SCALES:                                                 # scales (E, M) and (E, N)
+        acc *= (tl.load(sa_ptr + e * M + rows, mask=row_ok, other=0.0)[:, None]
+                * tl.load(sb_ptr + e * N + cols, mask=col_ok, other=0.0)[None, :])
     tl.store(c_ptr + e.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
 def fp8_grouped_wgrad(qat: Tensor, sat: Tensor, qbt: Tensor, sbt: Tensor, counts: Tensor, out_dtype: torch.dtype,
-                      config: GemmConfig | None = None) -> Tensor:
+                      config: GemmConfig | None = None, group_scales: bool = False) -> Tensor:
     """`C[e] = A_eᵀ B_e` summed over expert e's tokens, from column quantizations (`quantize_act(..., cols=True)`
-    with the same `counts`): `qat (Ma, 128·T)`, `sat (T, Ma)`, `qbt (Nb, 128·T)`, `sbt (T, Nb)`. Returns `(E, Ma, Nb)`."""
-    cfg = _check_config(config or GemmConfig())
+    with the same `counts`): `qat (Ma, 128·T)`, `qbt (Nb, 128·T)`, and their scales per token tile, `sat (T, Ma)`,
+    `sbt (T, Nb)`, or with `group_scales` one per expert, `sat (E, Ma)`, `sbt (E, Nb)`. Returns `(E, Ma, Nb)`."""
+    cfg = _check_config(config or (ROW_WGRAD if group_scales else GemmConfig()))   # K steps within 128-token tiles
     (Ma, LD), Nb, E = qat.shape, qbt.shape[0], counts.numel()
     _check_fp8("qat", qat, (Ma, LD))
     _check_fp8("qbt", qbt, (Nb, LD))
-    if LD % 128 or sat.shape != (LD // 128, Ma) or sbt.shape != (LD // 128, Nb):
-        raise ValueError(f"want qat (Ma, 128·T), sat (T, Ma), qbt (Nb, 128·T), sbt (T, Nb); got qat {tuple(qat.shape)} "
-                         f"sat {tuple(sat.shape)} qbt {tuple(qbt.shape)} sbt {tuple(sbt.shape)}")
+    lead = E if group_scales else LD // 128
+    if LD % 128 or sat.shape != (lead, Ma) or sbt.shape != (lead, Nb):
+        raise ValueError(f"want qat (Ma, 128·T), qbt (Nb, 128·T), sat ({'E' if group_scales else 'T'}, Ma), sbt "
+                         f"({'E' if group_scales else 'T'}, Nb); got qat {tuple(qat.shape)} sat {tuple(sat.shape)} "
+                         f"qbt {tuple(qbt.shape)} sbt {tuple(sbt.shape)}")
     c = torch.empty(E, Ma, Nb, dtype=out_dtype, device=qat.device)
     grid = E * triton.cdiv(Ma, cfg.block_m) * triton.cdiv(Nb, cfg.block_n)
     if grid > 0:
         _, tile_offs = _schedule(counts, 128)
         _fp8_wgrad_kernel[(grid,)](qat, sat.contiguous(), qbt, sbt.contiguous(), c, tile_offs, Ma, Nb, LD,
-                                   BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.warps,
-                                   num_stages=cfg.stages)
+                                   BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_SCALES=group_scales,
+                                   PROMOTE=cfg.promote, num_warps=cfg.warps, num_stages=cfg.stages)
     return c
 
 # %% [markdown]
@@ -673,6 +728,267 @@ errs = [check_wgrad([0, 1, 130, 300], 9, 96, 136), check_wgrad([20, 0], 0, 64, 6
 print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(errs):.1e} ({time.time() - t:.1f} s)")
 
 # %% [markdown]
+# ## One scale per row
+#
+# Block scales change along K every 128 elements, so each 128-deep product must be finished and scaled before the
+# next is added, and on the H200 that wait is what bounds the GEMM (the section on speed below). With **one scale
+# per row over the whole reduction** (the row-wise recipe) the scales factor out of the sum,
+# `C[m, n] = s_a[m] · s_b[n] · Σ_k q_a[m, k] q_b[n, k]`: the products chain inside `tl.dot` and the scales are
+# applied once, to the finished tile. The three products then quantize:
+#
+# | product | A, one scale per | B, one scale per |
+# |---|---|---|
+# | forward `Y = X Wᵀ` | token (row of X, over the in features) | row of `W[e]` (output feature, over in) |
+# | input gradient `dX = dY W` | token of `dY ⊙ s_W[e]` | none: `W[e]`'s values as they are, transposed |
+# | weight gradient `dW = dYᵀ X` | column of `dY` over expert e's tokens | column of `X` over expert e's tokens |
+#
+# The input gradient reduces over W's rows, along which W's scales vary; they move to the other side, into `dY`
+# before it is quantized (`dY[m, n] · s_W[e, n]`, exact in fp32 since a scale is a power of two), and the B operand
+# is the forward's FP8 weight transposed, with no scale of its own. The weight gradient needs each column's maximum
+# over an expert's tokens before any of them can be quantized, so that takes two passes: the row pass, which reads
+# every element anyway, also writes each column's maximum over its tile of rows, a small kernel reduces those per
+# expert, and
+# the column pass (`quantize_act(..., cols=True, col_amax=...)`) reads the activation again and quantizes with them.
+#
+# A row's scale is set by its largest element over all of K, so an outlier costs the whole row precision, where a
+# 1×128 tile confines it to 128 elements; how much that matters to training is measured (`nbs/validate/v05_fp8`).
+#
+# `_quant_rows_kernel` takes `BM` rows of one expert per program and reads them twice, 128 columns at a time: the
+# first loop finds the row maxima (and, asked, the column maxima), the second quantizes (its reads mostly hit L2).
+# It computes the same activations as `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`,
+# the weight scales of the input gradient) before taking maxima.
+
+# %%
+#| export
+@triton.jit
+def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, q_ptr, s_ptr, amax_ptr, row_offs_ptr, tile_offs_ptr, M, K, E,
+                       MULT: tl.constexpr, AMAX: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr,
+                       BM: tl.constexpr):
+    t = tl.program_id(0)
+    e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
+    if e >= E:
+        return
+    rows = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * BM + tl.arange(0, BM)
+    row_ok = rows < tl.load(row_offs_ptr + e + 1)
+    r_max = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, K, 128):
+        cols = k0 + tl.arange(0, 128)
+        col_ok = cols < K
+        x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & col_ok[None, :], K, ACT)
+        if AMAX:                                   # the columns' maxima over this tile's rows, unmultiplied
+            tl.store(amax_ptr + t * K + cols, tl.max(tl.abs(x), axis=0), mask=col_ok)
+        if MULT:
+            x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
+        r_max = tl.maximum(r_max, tl.max(tl.abs(x), axis=1))
+    s, inv = _pow2_scale(r_max)
+    tl.store(s_ptr + rows, s, mask=row_ok)
+    for k0 in range(0, K, 128):
+        cols = k0 + tl.arange(0, 128)
+        col_ok = cols < K
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = _act_tile(x_ptr, dh_ptr, rows, cols, mask, K, ACT)
+        if MULT:
+            x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], _to_e4m3(x * inv[:, None]), mask=mask)
+
+
+@triton.jit
+def _expert_max_kernel(tile_max_ptr, amax_ptr, tile_offs_ptr, K, TILES: tl.constexpr):
+    "amax[e, cols] = the maximum of tile_max[t, cols] over expert e's tiles t (0 for an expert with none)."
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    t0, t1 = tl.load(tile_offs_ptr + e), tl.load(tile_offs_ptr + e + 1)
+    acc = tl.zeros((128,), dtype=tl.float32)
+    for t in range(t0, t1, TILES):
+        tiles = t + tl.arange(0, TILES)
+        m = tl.load(tile_max_ptr + tiles.to(tl.int64)[:, None] * K + cols[None, :],
+                    mask=(tiles < t1)[:, None] & (cols < K)[None, :], other=0.0)
+        acc = tl.maximum(acc, tl.max(m, axis=0))
+    tl.store(amax_ptr + e * K + cols, acc, mask=cols < K)
+
+
+class Fp8Rows(NamedTuple):
+    "An activation quantized one scale per row, and (when asked) its columns' maxima per expert."
+    q: Tensor                # (M, K) e4m3
+    s: Tensor                # (M,) fp32
+    col_amax: Tensor | None  # (E, K) fp32: max |x| of each column over each expert's rows (before `mult`)
+
+
+ROWS_BM = 32   # rows per program of quantize_rows: 32 rows of 2048 bf16 are 128 KB, re-read from L2
+
+
+def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
+                  mult: Tensor | None = None, col_amax: bool = False) -> Fp8Rows:
+    """Quantize `x (M, K)` (or `act` of it, as in `quantize_act`) one power-of-two scale per row over all of K.
+    `mult (E, K)`: quantize `x[m, k] · mult[e, k]` for the expert e of row m. `col_amax`: also return each column's
+    max |x| over each expert's rows. Rows past `counts`' sum are not quantized."""
+    x, dh, M, K = _act_input(x, act, dh)
+    counts = x.new_full((1,), M, dtype=torch.int64) if counts is None else counts
+    E, T = counts.numel(), _max_tiles(M, counts.numel(), ROWS_BM)
+    if mult is not None and (mult.shape != (E, K) or mult.dtype != torch.float32):
+        raise ValueError(f"mult must be fp32 ({E}, {K}), got {tuple(mult.shape)} {mult.dtype}")
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    tile_max = torch.empty(T, K, dtype=torch.float32, device=x.device) if col_amax else None
+    row_offs, tile_offs = _schedule(counts, ROWS_BM)
+    if T > 0 and K > 0:
+        _quant_rows_kernel[(T,)](x, x if dh is None else dh, s if mult is None else mult.contiguous(), q, s,
+                                 s if tile_max is None else tile_max, row_offs, tile_offs, M, K, E,
+                                 MULT=mult is not None, AMAX=col_amax, E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM,
+                                 num_warps=4)
+    amax = None
+    if col_amax:                               # each tile's column maxima, reduced per expert
+        amax = torch.empty(E, K, dtype=torch.float32, device=x.device)
+        if E * K > 0:
+            _expert_max_kernel[(E, triton.cdiv(K, 128))](tile_max, amax, tile_offs, K, TILES=8, num_warps=4)
+    return Fp8Rows(q, s, amax)
+
+# %% [markdown]
+# Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes 32 rows per program, finds their
+# maxima over K, then writes them in the layout asked, `W`'s `(E, N, K)` or, transposed, `(E, K, N)` (the input
+# gradient's B operand; then 128 rows per program, so that each store along N is 128 bytes long). It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT`
+# are read in place.
+
+# %%
+#| export
+@triton.jit
+def _quant_weight_rows_kernel(w_ptr, q_ptr, s_ptr, N, K, s_e, s_n, s_k, TRANS: tl.constexpr, BN: tl.constexpr):
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    base = w_ptr + e.to(tl.int64) * s_e + n.to(tl.int64)[:, None] * s_n
+    r_max = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, K, 128):
+        k = k0 + tl.arange(0, 128)
+        w = tl.load(base + k[None, :] * s_k, mask=n_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        r_max = tl.maximum(r_max, tl.max(tl.abs(w), axis=1))
+    s, inv = _pow2_scale(r_max)
+    tl.store(s_ptr + e * N + n, s, mask=n_ok)
+    out = q_ptr + e.to(tl.int64) * N * K
+    for k0 in range(0, K, 128):
+        k = k0 + tl.arange(0, 128)
+        mask = n_ok[:, None] & (k < K)[None, :]
+        q = _to_e4m3(tl.load(base + k[None, :] * s_k, mask=mask, other=0.0).to(tl.float32) * inv[:, None])
+        if TRANS:
+            tl.store(out + k[None, :] * N + n[:, None], q, mask=mask)
+        else:
+            tl.store(out + n[:, None] * K + k[None, :], q, mask=mask)
+
+
+def quantize_weight_rows(w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """One power-of-two scale per row of `w (E, N, K)` or `(N, K)` over K: e4m3 values of w's shape (with
+    `transposed`, of `wᵀ`: `(E, K, N)`) and scales `(E, N)` (no E for 2-D), the same either way."""
+    w3 = w if w.dim() == 3 else w[None]
+    E, N, K = w3.shape
+    q = torch.empty((E, K, N) if transposed else (E, N, K), dtype=FP8, device=w.device)
+    s = torch.empty(E, N, dtype=torch.float32, device=w.device)
+    bn = 128 if transposed else 32             # transposed, a store's contiguous run is BN bytes long
+    if E * N * K > 0:
+        _quant_weight_rows_kernel[(E, triton.cdiv(N, bn))](w3, q, s, N, K, *w3.stride(), TRANS=transposed, BN=bn,
+                                                           num_warps=8 if transposed else 4)
+    return (q, s) if w.dim() == 3 else (q[0], s[0])
+
+# %% [markdown]
+# The GEMMs take row scales as they are given (`fp8_grouped_mm` with 1-D `sa`, `fp8_grouped_wgrad` with
+# `group_scales`), with their own default tiles, `ROW_GEMM` (`benchmarks/fp8_rows.py` sweeps others). On sm90
+# Triton lets the tensor cores accumulate FP8 products over the whole K unless told (`max_num_imprecise_acc`, the
+# config's `promote`); the H200's accumulator keeps fewer bits than fp32, and how far that moves a product at the
+# expert shapes is measured alongside the speed.
+
+# %%
+#| export
+ROW_GEMM = GemmConfig(128, 256, 128, 8, 3, promote=None)     # fp8_grouped_mm with row scales
+ROW_WGRAD = GemmConfig(128, 256, 128, 8, 3, promote=None)    # fp8_grouped_wgrad with group scales (block_k <= 128)
+
+# %% [markdown]
+# Checks against plain torch in float64: the row quantization (`quantize_ref` with one block per row) bit for
+# bit, with a multiplier and through both SwiGLU activations; the column maxima per expert; the column pass with
+# those maxima against each expert's rows quantized one block per column; the weights both ways, from a weight
+# stored transposed too; then the two GEMMs against their float64 references, with an empty expert, a one-row expert
+# and rows past the last expert.
+
+# %%
+def check_rows(counts, M, K, seed):
+    counts = torch.tensor(counts)
+    n, E = int(counts.sum()), len(counts)
+    x, gu, dh, mult = randn(seed, (M, K), (M, 2 * K), (M, K), (E, K))
+    x = x * torch.logspace(-3, 3, M)[:, None]
+    mult = pow2_scale(mult.abs() * 100)                                  # powers of two, as weight scales are
+    expert = torch.repeat_interleave(torch.arange(E), counts)
+    bounds = [0] + counts.cumsum(0).tolist()
+    for act, src, want in [(None, x, x), ("swiglu", gu, swiglu(gu, impl="triton"))]:
+        r = quantize_rows(src, counts, act=act, col_amax=True)
+        q, s = quantize_ref(want[:n], (1, K))
+        assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0]), act
+        amax = torch.stack([want[a:b].abs().amax(0) if b > a else want.new_zeros(K)
+                            for a, b in zip(bounds[:-1], bounds[1:])])
+        assert torch.equal(r.col_amax, amax.float()), act
+        c = quantize_act(src, counts, rows=False, cols=True, act=act, col_amax=r.col_amax)
+        tile = [0] + ((counts + 127) // 128).cumsum(0).tolist()
+        for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if b > a:
+                qe, _ = quantize_ref(want[a:b], (b - a, 1))
+                assert torch.equal(c.qt[:, 128 * tile[e]:128 * tile[e] + b - a].float(), qe.float().T), (act, e)
+    r = quantize_rows(x, counts, mult=mult)
+    q, s = quantize_ref(x[:n] * mult[expert], (1, K))
+    assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0])
+    gu2 = gu[:, :K]
+    r = quantize_rows(gu2, counts, act="swiglu_grad", dh=dh[:, :K // 2], mult=mult)
+    gu_ = gu2.clone().requires_grad_()
+    swiglu(gu_, impl="triton").backward(dh[:, :K // 2])
+    q, s = quantize_ref(gu_.grad[:n] * mult[expert], (1, K))
+    assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0])
+
+t = time.time()
+check_rows([70, 0, 1, 131], 212, 200, seed=12)
+check_rows([5], 5, 130, seed=13)
+(w,) = randn(14, (3, 70, 260))
+w = w * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]
+q, s = quantize_weight_rows(w)
+qr, sr = quantize_ref(w, (1, 260))
+assert torch.equal(q.float(), qr.float()) and torch.equal(s, sr[..., 0])
+for stored_t in (False, True):
+    src = w.mT.contiguous().mT if stored_t else w
+    qt, st = quantize_weight_rows(src, transposed=True)
+    assert torch.equal(qt.float(), q.float().mT) and torch.equal(st, s)
+print(f"row quantization (activations, weights, per-expert columns) equals the reference ({time.time() - t:.1f} s)")
+
+
+def check_row_gemms(counts, extra, K, N, cfg=None, seed=0):
+    counts = torch.tensor(counts)
+    n, E = int(counts.sum()), len(counts)
+    x, w, dy = randn(seed, (n + extra, K), (E, N, K), (n + extra, N))
+    expert = torch.repeat_interleave(torch.arange(E), counts)
+    a, (qw, sw) = quantize_rows(x, counts), quantize_weight_rows(w)
+    y = fp8_grouped_mm(a.q, a.s, qw, sw, counts, torch.float32, cfg)
+    want = torch.einsum("mk,mnk->mn", fake_quant_rows(x[:n]), fake_quant_rows(w)[expert])
+    errs = [rel_err(y[:n], want)]
+    g = quantize_rows(dy, counts, mult=sw, col_amax=True)                # the input gradient: dY ⊙ s_W, Wᵀ unscaled
+    qwt, _ = quantize_weight_rows(w, transposed=True)
+    dx = fp8_grouped_mm(g.q, g.s, qwt, None, counts, torch.float32, cfg)
+    want = torch.einsum("mn,mnk->mk", fake_quant_rows(dy[:n] * sw[expert]), qw.double()[expert])
+    errs.append(rel_err(dx[:n], want))
+    xa = quantize_rows(x, counts, col_amax=True)
+    gt = quantize_act(dy, counts, rows=False, cols=True, col_amax=g.col_amax)
+    xt = quantize_act(x, counts, rows=False, cols=True, col_amax=xa.col_amax)
+    dw = fp8_grouped_wgrad(gt.qt, pow2_scale(g.col_amax), xt.qt, pow2_scale(xa.col_amax), counts, torch.float32,
+                           cfg, group_scales=True)
+    bounds = [0] + counts.cumsum(0).tolist()
+    want = torch.stack([fake_quant(dy[a:b], (max(b - a, 1), 1)).T @ fake_quant(x[a:b], (max(b - a, 1), 1))
+                        for a, b in zip(bounds[:-1], bounds[1:])])
+    errs.append(rel_err(dw, want))
+    assert max(errs) < EXACT, (counts, K, N, errs)
+    assert (dw[counts == 0] == 0).all()
+    return max(errs)
+
+t = time.time()
+errs = [check_row_gemms([70, 0, 1, 131], 7, 256, 192),
+        check_row_gemms([40, 3], 0, 200, 130),
+        check_row_gemms([0, 150], 5, 256, 64, GemmConfig(64, 64, 64, 4, 2))]
+print(f"row-scaled GEMMs (forward, input and weight gradients) vs reference: max rel err {max(errs):.1e} "
+      f"({time.time() - t:.1f} s)")
+
+# %% [markdown]
 # ## The expert linear layer
 #
 # `fp8_grouped_linear(x, w, counts)` is `grouped_linear` (ops/grouped_linear) in FP8: bf16 (or fp32) in and out,
@@ -696,16 +1012,37 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 
 # %%
 #| export
-def _triton_forward(x, w, counts, keep_cols, weight):
+def _group_cols(x: Tensor, counts: Tensor, r: Fp8Rows, act: str | None = None, dh: Tensor | None = None):
+    "The weight gradient's operand from a row pass's column maxima: x's columns quantized per expert, and scales."
+    return quantize_act(x, counts, rows=False, cols=True, act=act, dh=dh, col_amax=r.col_amax).qt, pow2_scale(r.col_amax)
+
+
+def _wgrad(g_cols, x_cols, counts, dtype, rows):
+    "The weight gradient from the two column quantizations (block: per token tile; rows: per expert)."
+    return fp8_grouped_wgrad(*g_cols, *x_cols, counts, dtype, group_scales=rows)
+
+
+def _triton_forward(x, w, counts, keep_cols, weight, rows):
+    if rows:
+        a = quantize_rows(x, counts, col_amax=keep_cols)
+        y = fp8_grouped_mm(a.q, a.s, *weight(False, quantize_weight_rows), counts, x.dtype)
+        return y, (_group_cols(x, counts, a) if keep_cols else ())
     a = quantize_act(x, counts, rows=True, cols=keep_cols)
     y = fp8_grouped_mm(a.q, a.s, *weight(False, quantize_weight), counts, x.dtype)
     return y, ((a.qt, a.st) if keep_cols else ())
 
 
-def _triton_backward(dy, w, counts, saved, need_dx, need_dw, weight):
-    g = quantize_act(dy, counts, rows=need_dx, cols=need_dw)
-    dx = fp8_grouped_mm(g.q, g.s, *weight(True, quantize_weight), counts, dy.dtype) if need_dx else None
-    wgrad = (lambda: fp8_grouped_wgrad(g.qt, g.st, *saved, counts, w.dtype)) if need_dw else None
+def _triton_backward(dy, w, counts, saved, need_dx, need_dw, weight, rows):
+    if rows:                                   # dY ⊙ s_W by rows for dX; dY's columns per expert for dW
+        qwt, sw = weight(True, quantize_weight_rows)
+        g = quantize_rows(dy, counts, mult=sw, col_amax=need_dw)
+        dx = fp8_grouped_mm(g.q, g.s, qwt, None, counts, dy.dtype) if need_dx else None
+        g_cols = _group_cols(dy, counts, g) if need_dw else None
+    else:
+        g = quantize_act(dy, counts, rows=need_dx, cols=need_dw)
+        dx = fp8_grouped_mm(g.q, g.s, *weight(True, quantize_weight), counts, dy.dtype) if need_dx else None
+        g_cols = (g.qt, g.st)
+    wgrad = (lambda: _wgrad(g_cols, saved, counts, w.dtype, rows)) if need_dw else None
     return dx, wgrad
 
 
@@ -715,33 +1052,51 @@ def quantize_weight_ref(w: Tensor, transposed: bool = False) -> tuple[Tensor, Te
     return (q.mT, s.mT) if transposed else (q, s)
 
 
-def _torch_weight(weight) -> Tensor:
-    "The experts' weights as the FP8 layer sees them: their 128x128 quantization, dequantized to fp32."
+def quantize_weight_rows_ref(w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+    "`quantize_weight_rows` in plain torch (`quantize_ref` one block per row)."
+    q, s = quantize_ref(w, (1, max(w.shape[-1], 1)))
+    return (q.mT if transposed else q), s[..., 0]
+
+
+def _torch_weight(weight, rows) -> Tensor:
+    "The experts' weights as the FP8 layer sees them: their quantization (blocks or rows), dequantized to fp32."
+    if rows:
+        q, s = weight(False, quantize_weight_rows_ref)
+        return q.float() * s[..., None]
     return dequantize_ref(*weight(False, quantize_weight_ref), (128, 128), torch.float32)
 
 
-def _torch_forward(x, w, counts, keep_x, weight):
+def _torch_forward(x, w, counts, keep_x, weight, rows):
     bounds = [0] + counts.cumsum(0).tolist()                  # the reference's one host sync
-    xq, wq = fake_quant(x, (1, 128), torch.float32), _torch_weight(weight)   # 1x128 tiles: row by row, any expert
+    xq = fake_quant_rows(x, torch.float32) if rows else fake_quant(x, (1, 128), torch.float32)   # row by row
+    wq = _torch_weight(weight, rows)
     y = x.new_zeros(x.shape[0], w.shape[1])
     for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         y[a:b] = (xq[a:b] @ wq[e].T).to(y.dtype)
     return y, ((x,) if keep_x else ())
 
 
-def _torch_backward(dy, w, counts, saved, need_dx, need_dw, weight):
+def _torch_backward(dy, w, counts, saved, need_dx, need_dw, weight, rows):
     bounds = [0] + counts.cumsum(0).tolist()
     ranges = list(zip(bounds[:-1], bounds[1:]))
     dx = None
     if need_dx:
         dx = dy.new_zeros(dy.shape[0], w.shape[2])
-        gq, wq = fake_quant(dy, (1, 128), torch.float32), _torch_weight(weight)
+        if rows:                               # dY ⊙ s_W quantized by rows, times W's values
+            qw, sw = weight(False, quantize_weight_rows_ref)
+            mult = torch.repeat_interleave(sw, counts, dim=0, output_size=bounds[-1])
+            gq, wq = dy.float().clone(), qw.float()
+            gq[:bounds[-1]] *= mult
+            gq = fake_quant_rows(gq, torch.float32)
+        else:
+            gq, wq = fake_quant(dy, (1, 128), torch.float32), _torch_weight(weight, rows)
         for e, (a, b) in enumerate(ranges):
             dx[a:b] = (gq[a:b] @ wq[e]).to(dx.dtype)
     def wgrad():
         (x,) = saved
-        return torch.stack([fake_quant(dy[a:b], (128, 1), torch.float32).T
-                            @ fake_quant(x[a:b], (128, 1), torch.float32) for a, b in ranges]).to(w.dtype)
+        cols = (lambda t: fake_quant(t, (max(len(t), 1), 1), torch.float32)) if rows else \
+            (lambda t: fake_quant(t, (128, 1), torch.float32))
+        return torch.stack([cols(dy[a:b]).T @ cols(x[a:b]) for a, b in ranges]).to(w.dtype)
     return dx, (wgrad if need_dw else None)
 
 # %% [markdown]
@@ -752,14 +1107,14 @@ def _torch_backward(dy, w, counts, saved, need_dx, need_dw, weight):
 #| export
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, counts, wgrad_queue, impl, weight):
+    def forward(ctx, x, w, counts, wgrad_queue, impl, weight, rows):
         keep = ctx.needs_input_grad[1]
         weight = weight or _own_weight(w)
         if impl == "triton":
-            y, saved = _triton_forward(x, w, counts, keep, weight)
+            y, saved = _triton_forward(x, w, counts, keep, weight, rows)
         else:
-            y, saved = _torch_forward(x, w, counts, keep, weight)
-        ctx.impl, ctx.queue, ctx.n_saved, ctx.weight = impl, wgrad_queue, len(saved), weight
+            y, saved = _torch_forward(x, w, counts, keep, weight, rows)
+        ctx.impl, ctx.queue, ctx.weight, ctx.rows = impl, wgrad_queue, weight, rows
         ctx.param = w if wgrad_queue is not None else None     # the tensor a deferred closure back-propagates into
         ctx.save_for_backward(w, counts, *saved)
         return y
@@ -770,10 +1125,10 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy = dy.contiguous()
         if ctx.impl == "triton":
-            dx, wgrad = _triton_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
+            dx, wgrad = _triton_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight, ctx.rows)
         else:
-            dx, wgrad = _torch_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight)
-        return dx, _deliver(ctx.queue, ctx.param, wgrad), None, None, None, None
+            dx, wgrad = _torch_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight, ctx.rows)
+        return dx, _deliver(ctx.queue, ctx.param, wgrad), None, None, None, None, None
 
 
 def _own_weight(w: Tensor):
@@ -793,18 +1148,22 @@ def _deliver(queue: WeightGradQueue | None, param: Tensor | None, wgrad):
 
 
 def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
-                       impl: str | None = None, weight=None) -> Tensor:
+                       impl: str | None = None, weight=None, scaling: str = "block") -> Tensor:
     """Per-expert linear in FP8 on grouped rows: `y[rows of e] ≈ x[rows of e] @ w[e]ᵀ` for `x (N, in)`,
     `w (E, out, in)`, `counts (E,)` int64 summing to at most N (later rows: outputs and gradients unspecified).
-    Inputs and outputs in x's dtype; quantized inside (1x128 activation tiles, 128x128 weight blocks). With
-    `wgrad_queue` the weight gradient waits for `wgrad_queue.drain()`. `impl`: "triton", "torch", or None (triton
-    on CUDA, torch elsewhere). `weight(transposed, quantize)`: w's 128x128 quantization, `quantize(w, transposed)`
-    when None, or a copy kept for the step (`Fp8Weights`)."""
-    impl = _check_args("fp8_grouped_linear", x, w, counts, impl)
-    return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl, weight)
+    Inputs and outputs in x's dtype; quantized inside, `scaling` "block" (1x128 activation tiles, 128x128 weight
+    blocks) or "rows" (one scale per row; see "One scale per row"). With `wgrad_queue` the weight gradient waits for
+    `wgrad_queue.drain()`. `impl`: "triton", "torch", or None (triton on CUDA, torch elsewhere).
+    `weight(transposed, quantize)`: w's quantization, `quantize(w, transposed)` when None, or a copy kept for the
+    step (`Fp8Weights`)."""
+    impl = _check_args("fp8_grouped_linear", x, w, counts, impl, scaling)
+    return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl, weight, scaling == "rows")
 
 
-def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None) -> str:
+SCALINGS = ("block", "rows")
+
+
+def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, scaling: str) -> str:
     "Refuse what an FP8 expert layer cannot take, in one line; return the implementation to run."
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
         raise ValueError(f"{name} wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
@@ -813,6 +1172,8 @@ def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | Non
         raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
     if impl not in (None, "triton", "torch"):
         raise ValueError(f"impl must be 'triton', 'torch' or None (choose by device), got {impl!r}")
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     torch._assert_async(counts.sum() <= x.shape[0], f"{name}: counts must sum to at most the {x.shape[0]} rows of x")
     return impl or ("triton" if x.is_cuda else "torch")
 
@@ -861,6 +1222,41 @@ for impl in ("triton", "torch"):
         print(f"{impl:6s} counts {counts}: {err:.1e} vs quantized reference, {quant:.3f} vs exact")
 err, _ = check_layer([70, 0, 1, 131], 256, 192, "triton", torch.bfloat16)
 print(f"bf16: {err:.1e} vs quantized reference ({time.time() - t:.1f} s)")
+
+
+# %% [markdown]
+# With one scale per row, the two implementations must agree within `EXACT` (the torch one is the definition: each
+# operand quantized as the table of "One scale per row" says, multiplied in fp32), the output and gradients must be
+# within 5% of the unquantized product, and an expert without rows must get a zero weight gradient.
+
+# %%
+def check_rows_layer(counts, n_in, n_out, extra=0, seed=0):
+    counts = torch.tensor(counts)
+    n = int(counts.sum())
+    x, w, dy = randn(seed, (n + extra, n_in), (len(counts), n_out, n_in), (n + extra, n_out))
+    w = w / n_in ** 0.5
+    got = []
+    for impl in ("triton", "torch"):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_grouped_linear(xr, wr, counts, impl=impl, scaling="rows")
+        y.backward(dy)
+        got.append((y[:n].detach(), xr.grad[:n], wr.grad))
+    errs = [rel_err(a, b) for a, b in zip(*got)]
+    expert = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    xd, wd, dyd = x.double(), w.double(), dy.double()
+    exact = [torch.einsum("mk,mnk->mn", xd[:n], wd[expert]), torch.einsum("mn,mnk->mk", dyd[:n], wd[expert]),
+             torch.stack([dyd[a:b].T @ xd[a:b] for a, b in zip([0] + counts.cumsum(0).tolist()[:-1],
+                                                               counts.cumsum(0).tolist())])]
+    quant = [rel_err(a, b) for a, b in zip(got[0], exact)]
+    assert max(errs) < EXACT and max(quant) < 0.05, (errs, quant)
+    assert (got[0][2][counts == 0] == 0).all()
+    return max(errs), max(quant)
+
+t = time.time()
+for counts, n_in, n_out, extra in [([70, 0, 1, 131], 256, 192, 6), ([0, 0, 9], 130, 136, 0)]:
+    err, quant = check_rows_layer(counts, n_in, n_out, extra)
+    print(f"rows, counts {counts}: triton vs torch {err:.1e}, {quant:.3f} vs exact")
+print(f"({time.time() - t:.1f} s)")
 
 # %% [markdown]
 # **Deferred equals immediate, bitwise**, as in ops/grouped_linear: two layers, two backward passes accumulating
@@ -957,49 +1353,69 @@ for bad, msg in [
 #| export
 class _Fp8SwiGLUExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, counts, wgrad_queue, weight1, weight2):
+    def forward(ctx, x, w1, w2, counts, wgrad_queue, weight1, weight2, rows):
         keep1, keep2 = ctx.needs_input_grad[1:3]
-        a = quantize_act(x, counts, rows=True, cols=keep1)
-        gate_up = fp8_grouped_mm(a.q, a.s, *weight1(False, quantize_weight), counts, x.dtype)
-        h = quantize_act(gate_up, counts, rows=True, cols=keep2, act="swiglu")
-        y = fp8_grouped_mm(h.q, h.s, *weight2(False, quantize_weight), counts, x.dtype)
-        ctx.queue, ctx.weights, ctx.keep = wgrad_queue, (weight1, weight2), (keep1, keep2)
+        if rows:
+            a = quantize_rows(x, counts, col_amax=keep1)
+            gate_up = fp8_grouped_mm(a.q, a.s, *weight1(False, quantize_weight_rows), counts, x.dtype)
+            h = quantize_rows(gate_up, counts, act="swiglu", col_amax=keep2)
+            y = fp8_grouped_mm(h.q, h.s, *weight2(False, quantize_weight_rows), counts, x.dtype)
+            xs = _group_cols(x, counts, a) if keep1 else ()
+            hs = _group_cols(gate_up, counts, h, act="swiglu") if keep2 else ()
+        else:
+            a = quantize_act(x, counts, rows=True, cols=keep1)
+            gate_up = fp8_grouped_mm(a.q, a.s, *weight1(False, quantize_weight), counts, x.dtype)
+            h = quantize_act(gate_up, counts, rows=True, cols=keep2, act="swiglu")
+            y = fp8_grouped_mm(h.q, h.s, *weight2(False, quantize_weight), counts, x.dtype)
+            xs, hs = ((a.qt, a.st) if keep1 else ()), ((h.qt, h.st) if keep2 else ())
+        ctx.queue, ctx.weights, ctx.keep, ctx.rows = wgrad_queue, (weight1, weight2), (keep1, keep2), rows
         ctx.params = (w1, w2) if wgrad_queue is not None else (None, None)
-        ctx.save_for_backward(w1, w2, counts, gate_up, *((a.qt, a.st) if keep1 else ()),
-                              *((h.qt, h.st) if keep2 else ()))
+        ctx.save_for_backward(w1, w2, counts, gate_up, *xs, *hs)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         w1, w2, counts, gate_up, *saved = ctx.saved_tensors
-        (keep1, keep2), (weight1, weight2), need_dx = ctx.keep, ctx.weights, ctx.needs_input_grad[0]
+        (keep1, keep2), (weight1, weight2), need_dx, rows = ctx.keep, ctx.weights, ctx.needs_input_grad[0], ctx.rows
         xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
-        g = quantize_act(dy.contiguous(), counts, rows=True, cols=keep2)
-        dh = fp8_grouped_mm(g.q, g.s, *weight2(True, quantize_weight), counts, dy.dtype)
+        dy = dy.contiguous()
+        if rows:
+            qw2t, sw2 = weight2(True, quantize_weight_rows)
+            g = quantize_rows(dy, counts, mult=sw2, col_amax=keep2)
+            dh = fp8_grouped_mm(g.q, g.s, qw2t, None, counts, dy.dtype)
+            g_cols = _group_cols(dy, counts, g) if keep2 else None
+            qw1t, sw1 = weight1(True, quantize_weight_rows)
+            gg = quantize_rows(gate_up, counts, act="swiglu_grad", dh=dh, mult=sw1, col_amax=keep1)
+            dx = fp8_grouped_mm(gg.q, gg.s, qw1t, None, counts, dy.dtype) if need_dx else None
+            gg_cols = _group_cols(gate_up, counts, gg, act="swiglu_grad", dh=dh) if keep1 else None
+        else:
+            g = quantize_act(dy, counts, rows=True, cols=keep2)
+            dh = fp8_grouped_mm(g.q, g.s, *weight2(True, quantize_weight), counts, dy.dtype)
+            gg = quantize_act(gate_up, counts, rows=need_dx, cols=keep1, act="swiglu_grad", dh=dh)
+            dx = fp8_grouped_mm(gg.q, gg.s, *weight1(True, quantize_weight), counts, dy.dtype) if need_dx else None
+            g_cols, gg_cols = (g.qt, g.st), (gg.qt, gg.st)
         dw2 = _deliver(ctx.queue, ctx.params[1],
-                       (lambda: fp8_grouped_wgrad(g.qt, g.st, *hs, counts, w2.dtype)) if keep2 else None)
-        gg = quantize_act(gate_up, counts, rows=need_dx, cols=keep1, act="swiglu_grad", dh=dh)
-        dx = fp8_grouped_mm(gg.q, gg.s, *weight1(True, quantize_weight), counts, dy.dtype) if need_dx else None
+                       (lambda: _wgrad(g_cols, hs, counts, w2.dtype, rows)) if keep2 else None)
         dw1 = _deliver(ctx.queue, ctx.params[0],
-                       (lambda: fp8_grouped_wgrad(gg.qt, gg.st, *xs, counts, w1.dtype)) if keep1 else None)
-        return dx, dw1, dw2, None, None, None, None
+                       (lambda: _wgrad(gg_cols, xs, counts, w1.dtype, rows)) if keep1 else None)
+        return dx, dw1, dw2, None, None, None, None, None
 
 
 def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
                        wgrad_queue: WeightGradQueue | None = None, impl: str | None = None,
-                       weight_gate_up=None, weight_down=None) -> Tensor:
+                       weight_gate_up=None, weight_down=None, scaling: str = "block") -> Tensor:
     """`down(swiglu(gate_up(x)))` in FP8 for SwiGLU experts: `x (N, H)`, `w_gate_up (E, 2I, H)` (gate rows, then
     up), `w_down (E, H, I)`, `counts (E,)`; the arguments as `fp8_grouped_linear`'s, one weight copy for each
     projection. The Triton implementation computes SwiGLU and its gradient inside the quantization passes."""
-    impl = _check_args("fp8_swiglu_experts", x, w_gate_up, counts, impl)
+    impl = _check_args("fp8_swiglu_experts", x, w_gate_up, counts, impl, scaling)
     if w_down.dim() != 3 or w_down.shape[0] != w_gate_up.shape[0] or 2 * w_down.shape[2] != w_gate_up.shape[1]:
         raise ValueError(f"fp8_swiglu_experts wants w_down (E, H, I) for w_gate_up (E, 2I, H), got "
                          f"{tuple(w_down.shape)} and {tuple(w_gate_up.shape)}")
     if impl == "torch":
-        h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up), impl="torch")
-        return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down)
-    return _Fp8SwiGLUExperts.apply(x, w_gate_up, w_down, counts, wgrad_queue,
-                                   weight_gate_up or _own_weight(w_gate_up), weight_down or _own_weight(w_down))
+        h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up, scaling), impl="torch")
+        return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down, scaling)
+    return _Fp8SwiGLUExperts.apply(x, w_gate_up, w_down, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up),
+                                   weight_down or _own_weight(w_down), scaling == "rows")
 
 # %% [markdown]
 # The fused passes quantize exactly what the unfused ones do: in fp32 (under the interpreter, or in fp32 on a GPU)
@@ -1030,7 +1446,7 @@ check_fused_act([70, 0, 1, 131], 205, 72, seed=8)        # 2I = 144: the gradien
 check_fused_act([5], 5, 128, seed=9)
 
 
-def check_fused_experts(counts, n_in, inter, extra, seed):
+def check_fused_experts(counts, n_in, inter, extra, seed, scaling="block"):
     counts = torch.tensor(counts)
     n = int(counts.sum())
     x, w1, w2, dy = randn(seed, (n + extra, n_in), (len(counts), 2 * inter, n_in), (len(counts), n_in, inter),
@@ -1042,10 +1458,10 @@ def check_fused_experts(counts, n_in, inter, extra, seed):
             for p in (x, w1, w2):
                 p.grad = None
             if fused:
-                y = fp8_swiglu_experts(x, w1, w2, counts, queue, impl="triton")
+                y = fp8_swiglu_experts(x, w1, w2, counts, queue, impl="triton", scaling=scaling)
             else:
-                h = swiglu(fp8_grouped_linear(x, w1, counts, queue, "triton"), impl="triton")
-                y = fp8_grouped_linear(h, w2, counts, queue, "triton")
+                h = swiglu(fp8_grouped_linear(x, w1, counts, queue, "triton", scaling=scaling), impl="triton")
+                y = fp8_grouped_linear(h, w2, counts, queue, "triton", scaling=scaling)
             y.backward(dy)
             if queue is not None:
                 assert w1.grad is None and w2.grad is None and len(queue) == 2
@@ -1056,6 +1472,7 @@ def check_fused_experts(counts, n_in, inter, extra, seed):
     assert (runs[0][2][counts == 0] == 0).all() and (runs[0][3][counts == 0] == 0).all()
 
 check_fused_experts([70, 0, 1, 131], 160, 72, 3, seed=10)
+check_fused_experts([70, 0, 1, 131], 160, 72, 3, seed=10, scaling="rows")
 for bad, msg in [(lambda: quantize_act(torch.zeros(4, 9), act="swiglu"), "even width"),
                  (lambda: quantize_act(torch.zeros(4, 8), act="swiglu_grad"), "dh (M, I)"),
                  (lambda: quantize_act(torch.zeros(4, 8), act="gelu"), "act must be"),
@@ -1089,8 +1506,9 @@ print(f"fused SwiGLU passes equal the unfused ones, bitwise; the experts too ({t
 # %%
 #| export
 class Fp8Weights:
-    "The FP8 copies of one experts module's weights for the current step, by name and direction."
-    def __init__(self):
+    "The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling."
+    def __init__(self, scaling: str = "block"):
+        self.scaling = scaling
         self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
 
     def weight(self, name: str, w: Tensor):
@@ -1112,7 +1530,7 @@ def expert_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQ
     "An experts module's projection: `grouped_linear`, or with `fp8` the FP8 layer on the step's copy of `w`."
     if fp8 is None:
         return grouped_linear(x, w, counts, wgrad_queue)
-    return fp8_grouped_linear(x, w, counts, wgrad_queue, weight=fp8.weight(name, w))
+    return fp8_grouped_linear(x, w, counts, wgrad_queue, weight=fp8.weight(name, w), scaling=fp8.scaling)
 
 
 def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
@@ -1121,14 +1539,16 @@ def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
     if fp8 is None:
         return grouped_linear(swiglu(grouped_linear(x, w_gate_up, counts, wgrad_queue)), w_down, counts, wgrad_queue)
     return fp8_swiglu_experts(x, w_gate_up, w_down, counts, wgrad_queue,
-                              weight_gate_up=fp8.weight("gate_up", w_gate_up), weight_down=fp8.weight("down", w_down))
+                              weight_gate_up=fp8.weight("gate_up", w_gate_up), weight_down=fp8.weight("down", w_down),
+                              scaling=fp8.scaling)
 
 
-def set_fp8(model: torch.nn.Module, on: bool) -> None:
-    "`train.fp8`: give every experts module (those with an `fp8` attribute) an `Fp8Weights`, or none."
+def set_fp8(model: torch.nn.Module, on: bool, scaling: str = "block") -> None:
+    """`train.fp8`: give every experts module (those with an `fp8` attribute) an `Fp8Weights` with `scaling`
+    (`train.fp8_scaling`), or none."""
     for m in model.modules():
         if hasattr(m, "fp8"):
-            m.fp8 = Fp8Weights() if on else None
+            m.fp8 = Fp8Weights(scaling) if on else None
 
 
 def clear_fp8(model: torch.nn.Module) -> None:

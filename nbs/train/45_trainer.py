@@ -399,7 +399,7 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=mesh.dense, deferred=True,
                      seq_len=t.seq_len)
     set_route(model, t.route)   # learned top-k, or round-robin for benchmarks (train/42)
-    set_fp8(model, t.fp8)       # the experts' matmuls in FP8, with one copy of each weight per step (ops/15)
+    set_fp8(model, t.fp8, t.fp8_scaling)   # the experts' matmuls in FP8, one copy of each weight per step (ops/15)
     eos = load_tokenizer(cfg.data.tokenizer, cfg.cache_dir).eos_id if cfg.data.document_mask else None
     run = Run(cfg, device, mesh, started, model, optimizer, data, lb, _dispatcher(cfg, mesh, device), None, sizes,
               val, eos, memory=memory)

@@ -9,17 +9,19 @@
 # %% [markdown]
 # # v05 · FP8 training
 #
-# Trains the configured model twice from the same start for `steps` steps: as configured, and with `train.fp8 =
-# true`, where the routed experts' matmuls run in E4M3 with a power-of-two scale per 1×128 activation tile and per
-# 128×128 weight block (ops/15_fp8; the Triton kernels on a GPU, their torch reference on a CPU). It checks that
+# Trains the configured model from the same start for `steps` steps: as configured, and with `train.fp8 = true`
+# once for each scaling in `scalings`, where the routed experts' matmuls run in E4M3 with power-of-two scales
+# (ops/15_fp8; the Triton kernels on a GPU, their torch reference on a CPU): `block`, one scale per 1×128
+# activation tile and per 128×128 weight block, and `rows`, one scale per row of each operand over the whole
+# reduction (`train.fp8_scaling`). It checks that
 #
-# - the FP8 run's training loss, the mean of the last `tail` steps, is within `max_gap` (relative) of the
+# - each FP8 run's training loss, the mean of the last `tail` steps, is within `max_gap` (relative) of the
 #   unquantized run's, and its held-out loss at the last step within `max_val_gap` (one evaluation on a few windows
 #   varies more between runs than a mean of `tail` steps does);
 # - every loss is finite, and the two runs differ (the quantization was in the path);
 #
-# prints each run's tokens/s (mean after the first `warm` steps) and peak memory, draws both loss curves and their
-# relative difference into `out_dir/v05_fp8.png`, and ends with PASS or FAIL. Each run is `python -m
+# prints each run's tokens/s (mean after the first `warm` steps) and peak memory, draws the loss curves and each FP8
+# run's relative difference into `out_dir/v05_fp8.png`, and ends with PASS or FAIL. Each run is `python -m
 # pith_lit.train` in a process of its own, as a user would start it.
 #
 # With `repeat = True` it trains the unquantized configuration a second time. On a GPU two identical runs are not
@@ -56,6 +58,7 @@ max_val_gap = 0.10
 tail = 20
 warm = 5
 repeat = False  # also train the unquantized configuration a second time, to measure the runs' own spread
+scalings = ["block", "rows"]  # train.fp8_scaling of each FP8 run
 out_dir = "."
 
 # %%
@@ -77,21 +80,23 @@ runs = out / "v05_runs"
 shutil.rmtree(runs, ignore_errors=True)
 
 # %% [markdown]
-# ## Two runs from the same start
+# ## Runs from the same start
 #
-# The same seed gives both runs the same initial weights and the same batches; only the experts' arithmetic
-# differs. Checkpoints and samples are off: the runs are compared by their `metrics.jsonl`. With `repeat`, a third
+# The same seed gives every run the same initial weights and the same batches; only the experts' arithmetic
+# differs. Checkpoints and samples are off: the runs are compared by their `metrics.jsonl`. With `repeat`, one more
 # run repeats the first.
 
 # %%
 config = Path(config) if Path(config).is_absolute() else repo_path(config)
 common = [f"train.steps={steps}", "ckpt.every=-1", "log.sample_tokens=0", "log.tensorboard=false", *overrides]
 records = {}
-plan = [("unquantized", "false", "base"), ("FP8 experts", "true", "fp8")] + \
-    ([("unquantized, again", "false", "again")] if repeat else [])
-for name, fp8, sub in plan:
+FP8_RUNS = {{"block": "FP8, block scales", "rows": "FP8, row scales"}[s]: s for s in scalings}
+plan = [("unquantized", ["train.fp8=false"], "base")] + \
+    [(name, ["train.fp8=true", f"train.fp8_scaling={s}"], s) for name, s in FP8_RUNS.items()] + \
+    ([("unquantized, again", ["train.fp8=false"], "again")] if repeat else [])
+for name, fp8_sets, sub in plan:
     run_dir = runs / sub
-    sets = common + [f"train.fp8={fp8}", f"run.dir={run_dir}"]
+    sets = common + fp8_sets + [f"run.dir={run_dir}"]
     proc = subprocess.run([sys.executable, "-m", "pith_lit.train", str(config), *[a for s in sets for a in ("--set", s)]],
                           cwd=repo_path("."), capture_output=True, text=True)
     assert proc.returncode == 0, f"{name} run failed:\n{proc.stderr[-3000:]}"
@@ -105,10 +110,11 @@ for name, recs in records.items():
                          tokens_per_s=sum(speed) / max(len(speed), 1),
                          peak=max(r.get("peak_mem_gb", 0.0) for r in recs))
     s = summary[name]
-    print(f"{name:>12}: loss {loss[0]:.4f} -> {s['end']:.4f} (mean of the last {tail}), held-out {s['val']}, "
+    print(f"{name:>18}: loss {loss[0]:.4f} -> {s['end']:.4f} (mean of the last {tail}), held-out {s['val']}, "
           f"{s['tokens_per_s']:,.0f} tokens/s, peak {s['peak']:.2f} GiB")
-base, fp8 = summary["unquantized"], summary["FP8 experts"]
-print(f"FP8 / unquantized: tokens/s {fp8['tokens_per_s'] / base['tokens_per_s']:.3f}×")
+base = summary["unquantized"]
+for name in FP8_RUNS:
+    print(f"{name} / unquantized: tokens/s {summary[name]['tokens_per_s'] / base['tokens_per_s']:.3f}×")
 
 # %%
 fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -120,9 +126,9 @@ if repeat:
     again = summary["unquantized, again"]
     b.plot(x, [(r - u) / u for r, u in zip(again["loss"], base["loss"])], lw=1, color="gray",
            label="unquantized, again")
-b.plot(x, [(f - u) / u for f, u in zip(fp8["loss"], base["loss"])], lw=1, label="FP8 experts")
-if repeat:
-    b.legend()
+for name in FP8_RUNS:
+    b.plot(x, [(f - u) / u for f, u in zip(summary[name]["loss"], base["loss"])], lw=1, label=name)
+b.legend()
 b.axhline(0.0, color="gray", lw=0.8)
 b.set(xlabel="step", ylabel="(run − unquantized) / unquantized", title="relative difference")
 fig.tight_layout(); fig.savefig(out / "v05_fp8.png", dpi=110)
@@ -137,21 +143,22 @@ def gaps(s):
     return abs(s["end"] - base["end"]) / base["end"], val
 
 
-gap, val_gap = gaps(fp8)
 tol, val_tol = max_gap, max_val_gap
 if repeat:
     spread, val_spread = gaps(summary["unquantized, again"])
     print(f"two unquantized runs end {spread:.2%} apart (training loss) and {val_spread:.2%} (held-out)")
     tol, val_tol = max(tol, spread), max(val_tol, val_spread)
-checks = {
-    f"FP8 loss within {tol:.2%} of the unquantized run's at the end ({fp8['end']:.4f} vs {base['end']:.4f}: "
-    f"{gap:.2%})": gap <= tol,
-    f"held-out loss within {val_tol:.2%} at the last step ({fp8['val']:.4f} vs {base['val']:.4f}: "
-    f"{val_gap:.2%})": val_gap <= val_tol,
-    "all losses finite": all(math.isfinite(v) for s in summary.values() for v in s["loss"]),
-    "the runs differ (the FP8 path ran)": fp8["loss"] != base["loss"],
-    f"every run ran {steps} steps": all(len(s["loss"]) == steps for s in summary.values()),
-}
+checks = {}
+for name in FP8_RUNS:
+    fp8 = summary[name]
+    gap, val_gap = gaps(fp8)
+    checks[f"{name}: loss within {tol:.2%} of the unquantized run's at the end ({fp8['end']:.4f} vs "
+           f"{base['end']:.4f}: {gap:.2%})"] = gap <= tol
+    checks[f"{name}: held-out loss within {val_tol:.2%} at the last step ({fp8['val']:.4f} vs {base['val']:.4f}: "
+           f"{val_gap:.2%})"] = val_gap <= val_tol
+    checks[f"{name}: the run differs from the unquantized one (the FP8 path ran)"] = fp8["loss"] != base["loss"]
+checks["all losses finite"] = all(math.isfinite(v) for s in summary.values() for v in s["loss"])
+checks[f"every run ran {steps} steps"] = all(len(s["loss"]) == steps for s in summary.values())
 for name, ok in checks.items():
     print(("ok   " if ok else "FAIL ") + name)
 assert all(checks.values()), "FAIL"

@@ -114,6 +114,10 @@ class TrainConfig:
                            "dense projections, router, norms and head stay in train.dtype (ops/15_fp8). Measured "
                            "slower than bf16 on the H200 and using more memory (benchmarks/RESULTS.md): for FP8 "
                            "numerics and the FP8 kernel work, not for speed yet")
+    fp8_scaling: Literal["block", "rows"] = cfg(
+        "block", "with train.fp8, how the experts' FP8 values are scaled: block = 1×128 activation tiles and 128×128 "
+        "weight blocks (DeepSeek-V3's recipe); rows = one scale per row of each operand over the whole reduction, "
+        "so the GEMMs chain their FP8 products and scale once at the end (ops/15_fp8, \"One scale per row\")")
 
 
 @dataclass

@@ -1,0 +1,188 @@
+"""FP8 experts with one scale per row (ops/15 `scaling="rows"`) against block scales and bf16, on one GPU (written for
+an H200, torch 2.11, Triton 3.6). Run from the repository root:
+
+    PYTHONPATH=. python3 benchmarks/fp8_rows.py [--tokens 16384] [--json /tmp/fp8_rows.json] [--parts gemm,mlp,quant]
+
+At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), `do_bench` medians:
+
+- `gemm`: each of the three products alone, on operands quantized beforehand: bf16 `F.grouped_mm`, block scales
+  (`fp8_grouped_mm`, `fp8_grouped_wgrad`), and row scales at several tiles, each with the tensor cores' partial sums
+  promoted into fp32 never (`promote=None`, Triton's default on sm90) or every `promote` of K. `acc_err` is the
+  relative error of a product against float64 of the same quantized operands (so it measures the accumulation
+  alone), `err` against fp32 of the bf16 inputs (so it includes the quantization);
+- `mlp`: a SwiGLU expert MLP forward + backward, bf16 against `fp8_swiglu_experts` with block and with row scales,
+  with the weights' FP8 copies made beforehand (a step of several micro-batches) and made inside (a step of one);
+  errors against the bf16 MLP, peak memory above the inputs;
+- `quant`: the row-scaled quantization passes alone, in GB/s of bytes read and written.
+
+Every case runs inside try/except (fp8_bench's `run`). Nothing here is a test; the numbers go to RESULTS.md.
+"""
+import argparse
+import datetime
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from benchmarks.fp8_bench import DEV, MODELS, ROWS, reference, rel, report, routed_counts, run
+from pith_lit.ops import fp8
+from pith_lit.ops.fp8 import GemmConfig
+
+TILES = [GemmConfig(128, 128, 128, 8, 4), GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 256, 128, 8, 3),
+         GemmConfig(128, 256, 64, 8, 4), GemmConfig(256, 128, 128, 8, 3), GemmConfig(64, 256, 128, 4, 4)]
+PROMOTED = [GemmConfig(128, 128, 128, 8, 4, 128), GemmConfig(128, 128, 256, 8, 3, 256),
+            GemmConfig(128, 256, 128, 8, 3, 128)]
+
+
+def bench_gemms(name, shape, tokens):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    counts = routed_counts(tokens, shape["experts"], shape["top_k"])
+    offs = counts.cumsum(0).to(torch.int32)
+    n, E = int(counts.sum()), shape["experts"]
+    few = int(counts[:4].sum())                                   # rows of the first four experts, for float64
+    for proj, (n_in, n_out) in {"gate_up": (shape["hidden"], 2 * shape["ffn"]),
+                                "down": (shape["ffn"], shape["hidden"])}.items():
+        group = f"{name} {proj} {n_in}->{n_out}"
+        g = torch.Generator(device=DEV).manual_seed(1)
+        x = torch.randn(n, n_in, device=DEV, generator=g).bfloat16()
+        w = (torch.randn(E, n_out, n_in, device=DEV, generator=g) / n_in ** 0.5).bfloat16()
+        dy = torch.randn(n, n_out, device=DEV, generator=g).bfloat16()
+        ref = reference(x, w, counts, dy)
+        flops = 2 * n * n_in * n_out
+
+        def case(label, fn, want, exact=None):
+            def go():
+                out = fn()
+                errs = dict(err=rel(out, want))
+                if exact is not None:
+                    errs["acc_err"] = rel(out[:few] if out.dim() == 2 else out[:4], exact)
+                report(group, label, do_bench(fn, return_mode="median"), flops, errs=errs)
+            run(group, label, go)
+
+        case("bf16 fwd", lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs), ref[0])
+        case("bf16 dgrad", lambda: F.grouped_mm(dy, w, offs=offs), ref[1])
+        case("bf16 wgrad", lambda: F.grouped_mm(dy.t(), x, offs=offs), ref[2])
+        a, wq = fp8.quantize_act(x), fp8.quantize_weight(w)
+        gq, wt = fp8.quantize_act(dy, counts, cols=True), fp8.quantize_weight(w, transposed=True)
+        ac = fp8.quantize_act(x, counts, rows=False, cols=True)
+        case("block fwd", lambda: fp8.fp8_grouped_mm(a.q, a.s, *wq, counts, torch.bfloat16), ref[0])
+        case("block dgrad", lambda: fp8.fp8_grouped_mm(gq.q, gq.s, *wt, counts, torch.bfloat16), ref[1])
+        case("block wgrad", lambda: fp8.fp8_grouped_wgrad(gq.qt, gq.st, ac.qt, ac.st, counts, torch.bfloat16), ref[2])
+        # row scales: the operands, and float64 products of the quantized operands on the first four experts' rows
+        r, (qw, sw) = fp8.quantize_rows(x, counts, col_amax=True), fp8.quantize_weight_rows(w)
+        qwt, _ = fp8.quantize_weight_rows(w, transposed=True)
+        rg = fp8.quantize_rows(dy, counts, mult=sw, col_amax=True)
+        xt, _ = fp8._group_cols(x, counts, r)
+        gt, _ = fp8._group_cols(dy, counts, rg)
+        sx, sg = fp8.pow2_scale(r.col_amax), fp8.pow2_scale(rg.col_amax)
+        d = lambda t: t.double()
+        bounds = [0] + counts[:4].cumsum(0).tolist()
+        ex_fwd = torch.cat([(d(r.q[a:b]) * d(r.s[a:b, None])) @ (d(qw[i]) * d(sw[i])[:, None]).T
+                            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
+        ex_dgrad = torch.cat([(d(rg.q[a:b]) * d(rg.s[a:b, None])) @ d(qw[i])
+                              for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
+        tile = [0] + ((counts[:4] + 127) // 128).cumsum(0).tolist()
+        ex_wgrad = torch.stack([(d(gt[:, 128 * tile[i]:128 * tile[i] + bounds[i + 1] - bounds[i]]) * d(sg[i])[:, None])
+                                @ (d(xt[:, 128 * tile[i]:128 * tile[i] + bounds[i + 1] - bounds[i]]) * d(sx[i])[:, None]).T
+                                for i in range(4)])
+        for cfg in TILES + PROMOTED:
+            tag = f"{tuple(cfg[:5])} promote {cfg.promote}"
+            case(f"rows fwd {tag}", lambda: fp8.fp8_grouped_mm(r.q, r.s, qw, sw, counts, torch.bfloat16, cfg),
+                 ref[0], ex_fwd)
+            case(f"rows dgrad {tag}", lambda: fp8.fp8_grouped_mm(rg.q, rg.s, qwt, None, counts, torch.bfloat16, cfg),
+                 ref[1], ex_dgrad)
+            if cfg.block_k <= 128:
+                case(f"rows wgrad {tag}", lambda: fp8.fp8_grouped_wgrad(gt, sg, xt, sx, counts, torch.bfloat16, cfg,
+                                                                        group_scales=True), ref[2], ex_wgrad)
+
+
+def bench_mlp(name, shape, tokens):
+    from pith_lit.ops.grouped_linear import grouped_linear
+    from pith_lit.ops.swiglu import swiglu
+    counts = routed_counts(tokens, shape["experts"], shape["top_k"])
+    n, H, I, E = int(counts.sum()), shape["hidden"], shape["ffn"], shape["experts"]
+    group = f"{name} SwiGLU MLP {H}->{2 * I}->{H}"
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(n, H, device=DEV, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H ** 0.5).bfloat16().requires_grad_()
+    w2 = (torch.randn(E, H, I, device=DEV, generator=g) / I ** 0.5).bfloat16().requires_grad_()
+    dy = torch.randn(n, H, device=DEV, generator=g).bfloat16()
+    flops = 6 * n * H * 2 * I + 6 * n * I * H
+
+    def fp8_mlp(scaling, fresh):
+        kept = fp8.Fp8Weights(scaling)
+        def mlp():
+            c = fp8.Fp8Weights(scaling) if fresh else kept
+            return fp8.fp8_swiglu_experts(x, w1, w2, counts, weight_gate_up=c.weight("gate_up", w1),
+                                          weight_down=c.weight("down", w2), scaling=scaling)
+        return mlp
+
+    cases = {"bf16": lambda: grouped_linear(swiglu(grouped_linear(x, w1, counts)), w2, counts)}
+    for scaling in fp8.SCALINGS:
+        cases[f"fp8 {scaling}, copies kept"] = fp8_mlp(scaling, False)
+        cases[f"fp8 {scaling}, weights quantized inside"] = fp8_mlp(scaling, True)
+    outs = {}
+    for label, mlp in cases.items():
+        def go(label=label, mlp=mlp):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            y = mlp()
+            outs[label] = [y.detach(), *torch.autograd.grad(y, (x, w1, w2), dy)]
+            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+            errs = {} if label == "bf16" else {
+                f"err_{k}": rel(a, b) for k, a, b in zip(("y", "dx", "dw1", "dw2"), outs[label], outs["bf16"])}
+            ms = do_bench(lambda: torch.autograd.grad(mlp(), (x, w1, w2), dy), return_mode="median")
+            report(group, f"{label} fwd+bwd", ms, flops, errs=errs, note=f"peak +{peak:.2f} GiB")
+        run(group, label, go)
+
+
+def bench_quant(name, shape, tokens):
+    counts = routed_counts(tokens, shape["experts"], shape["top_k"])
+    n, H, I, E = int(counts.sum()), shape["hidden"], shape["ffn"], shape["experts"]
+    g = torch.Generator(device=DEV).manual_seed(4)
+    x = torch.randn(n, H, device=DEV, generator=g).bfloat16()
+    gate_up = torch.randn(n, 2 * I, device=DEV, generator=g).bfloat16()
+    w = torch.randn(E, 2 * I, H, device=DEV, generator=g).bfloat16()
+    mult = fp8.pow2_scale(torch.rand(E, H, device=DEV) + 0.5)
+    r = fp8.quantize_rows(x, counts, col_amax=True)
+    group = f"{name} row passes"
+    for label, fn, nbytes in [
+            (f"quantize_rows x ({H})", lambda: fp8.quantize_rows(x, counts), n * H * 3),
+            (f"quantize_rows x, col_amax ({H})", lambda: fp8.quantize_rows(x, counts, col_amax=True), n * H * 3),
+            (f"quantize_rows x, mult ({H})", lambda: fp8.quantize_rows(x, counts, mult=mult), n * H * 3),
+            (f"quantize_rows swiglu ({I})", lambda: fp8.quantize_rows(gate_up, counts, act="swiglu"), n * I * 5),
+            (f"columns per expert x ({H})", lambda: fp8._group_cols(x, counts, r), n * H * 3),
+            (f"quantize_act rows+cols x ({H})", lambda: fp8.quantize_act(x, counts, cols=True), n * H * 4),
+            ("quantize_weight_rows w1", lambda: fp8.quantize_weight_rows(w), w.numel() * 3),
+            ("quantize_weight_rows w1 transposed", lambda: fp8.quantize_weight_rows(w, True), w.numel() * 3),
+            ("quantize_weight w1 (blocks)", lambda: fp8.quantize_weight(w), w.numel() * 3)]:
+        run(group, label, lambda: report(group, label, do_bench(fn, return_mode="median"), nbytes=nbytes))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--json")
+    parser.add_argument("--parts", default="gemm,mlp,quant")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__} triton "
+          f"{triton.__version__}", flush=True)
+    for name, shape in MODELS.items():
+        if "gemm" in parts:
+            bench_gemms(name, shape, args.tokens)
+        if "mlp" in parts:
+            bench_mlp(name, shape, args.tokens)
+        if "quant" in parts:
+            bench_quant(name, shape, args.tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           rows=ROWS), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
