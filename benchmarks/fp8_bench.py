@@ -184,20 +184,26 @@ def bench_experts(name, shape, tokens, sweep):
                           f"(default {GemmConfig()})")
 
 
+def mlp_inputs(shape, tokens):
+    "counts, x, w_gate_up, w_down (the three needing gradients) and dy of a SwiGLU expert MLP, bf16, seeded."
+    counts = routed_counts(tokens, shape["experts"], shape["top_k"])
+    n, H, I, E = int(counts.sum()), shape["hidden"], shape["ffn"], shape["experts"]
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(n, H, device=DEV, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H ** 0.5).bfloat16().requires_grad_()
+    w2 = (torch.randn(E, H, I, device=DEV, generator=g) / I ** 0.5).bfloat16().requires_grad_()
+    return counts, x, w1, w2, torch.randn(n, H, device=DEV, generator=g).bfloat16()
+
+
 def bench_mlp(name, shape, tokens):
     """A SwiGLU expert MLP, forward + backward: bf16 (grouped_mm, swiglu, grouped_mm), FP8 with the layers apart
     (`fp8_grouped_linear`, swiglu, `fp8_grouped_linear`) and FP8 fused (`fp8_swiglu_experts`). The FP8 cases use one
     `Fp8Weights` made before timing, as a step's copies: the weights' quantization is not timed."""
     from pith_lit.ops.grouped_linear import grouped_linear
     from pith_lit.ops.swiglu import swiglu
-    counts = routed_counts(tokens, shape["experts"], shape["top_k"])
-    n, H, I, E = int(counts.sum()), shape["hidden"], shape["ffn"], shape["experts"]
+    counts, x, w1, w2, dy = mlp_inputs(shape, tokens)
+    n, H, I = x.shape[0], shape["hidden"], shape["ffn"]
     group = f"{name} SwiGLU MLP {H}->{2 * I}->{H}"
-    g = torch.Generator(device=DEV).manual_seed(3)
-    x = torch.randn(n, H, device=DEV, generator=g).bfloat16().requires_grad_()
-    w1 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H ** 0.5).bfloat16().requires_grad_()
-    w2 = (torch.randn(E, H, I, device=DEV, generator=g) / I ** 0.5).bfloat16().requires_grad_()
-    dy = torch.randn(n, H, device=DEV, generator=g).bfloat16()
     copies = fp8.Fp8Weights()
     c1, c2 = copies.weight("gate_up", w1), copies.weight("down", w2)
     cases = {"bf16": lambda: grouped_linear(swiglu(grouped_linear(x, w1, counts)), w2, counts),

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from benchmarks.fp8_bench import DEV, MODELS, ROWS, reference, rel, report, routed_counts, run
+from benchmarks.fp8_bench import DEV, MODELS, ROWS, mlp_inputs, reference, rel, report, routed_counts, run
 from pith_lit.ops import fp8
 from pith_lit.ops.fp8 import GemmConfig
 
@@ -101,14 +101,9 @@ def bench_gemms(name, shape, tokens):
 def bench_mlp(name, shape, tokens):
     from pith_lit.ops.grouped_linear import grouped_linear
     from pith_lit.ops.swiglu import swiglu
-    counts = routed_counts(tokens, shape["experts"], shape["top_k"])
-    n, H, I, E = int(counts.sum()), shape["hidden"], shape["ffn"], shape["experts"]
+    counts, x, w1, w2, dy = mlp_inputs(shape, tokens)
+    n, H, I = x.shape[0], shape["hidden"], shape["ffn"]
     group = f"{name} SwiGLU MLP {H}->{2 * I}->{H}"
-    g = torch.Generator(device=DEV).manual_seed(3)
-    x = torch.randn(n, H, device=DEV, generator=g).bfloat16().requires_grad_()
-    w1 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H ** 0.5).bfloat16().requires_grad_()
-    w2 = (torch.randn(E, H, I, device=DEV, generator=g) / I ** 0.5).bfloat16().requires_grad_()
-    dy = torch.randn(n, H, device=DEV, generator=g).bfloat16()
     flops = 6 * n * H * 2 * I + 6 * n * I * H
 
     def fp8_mlp(scaling, fresh):

@@ -70,6 +70,21 @@ def _ref_layer(x, w, counts, dy):
     return y, dx, dw
 
 
+def _gemm_cases(K0, seed, K4=160):
+    """(i, counts, rows, x, w, dy) for the GEMM groups: an empty expert, a one-row expert, experts spanning several
+    tiles, rows past the last expert, K and N below, at and off multiples of 128 (`K0`, `K4`: K of cases 1 and 4);
+    values spread over scale blocks in every direction (`_blocky`)."""
+    import torch
+    cases = [([70, 0, 1, 131], 4, 256, 192), ([1], 0, K0, 16), ([0, 0, 0], 3, 128, 128), ([33, 200], 0, 96, 130),
+             ([5, 9, 0, 17, 2, 0, 1, 40], 2, K4, 48)]
+    for i, (counts, extra, K, N) in enumerate(cases):
+        counts = torch.tensor(counts, dtype=torch.int64)
+        n = int(counts.sum())
+        x, w, dy = (_blocky(t, seed + 50 + i + j) for j, t in
+                    enumerate(_randn(seed + i, (n + extra, K), (len(counts), N, K), (n + extra, N))))
+        yield i, counts, n, x, w, dy
+
+
 # ---- groups ----
 
 def group_quantize():
@@ -130,14 +145,8 @@ def group_gemm():
     import torch
     from pith_lit.ops.fp8 import GemmConfig, fp8_grouped_mm, fp8_grouped_wgrad, quantize_act, quantize_weight
     configs = [GemmConfig(), GemmConfig(64, 128, 64), GemmConfig(128, 64, 32), GemmConfig(16, 32, 128)]
-    cases = [([70, 0, 1, 131], 4, 256, 192), ([1], 0, 128, 16), ([0, 0, 0], 3, 128, 128), ([33, 200], 0, 96, 130),
-             ([5, 9, 0, 17, 2, 0, 1, 40], 2, 160, 48)]
-    for i, (counts, extra, K, N) in enumerate(cases):
+    for i, counts, n, x, w, dy in _gemm_cases(K0=128, seed=200):
         cfg = configs[i % len(configs)]
-        counts = torch.tensor(counts, dtype=torch.int64)
-        n = int(counts.sum())
-        x, w, dy = (_blocky(t, 250 + i + j) for j, t in
-                    enumerate(_randn(200 + i, (n + extra, K), (len(counts), N, K), (n + extra, N))))
         a = quantize_act(x, counts, cols=True)
         y = fp8_grouped_mm(a.q, a.s, *quantize_weight(w), counts, torch.float32, cfg)
         g = quantize_act(dy, counts, cols=True)
@@ -351,14 +360,9 @@ def group_rows():
     fwd, dgrad, wgrad = _row_recipe()
     configs = [GemmConfig(), GemmConfig(128, 256, 128, 8, 3), GemmConfig(64, 64, 256, 4, 2, promote=128),
                GemmConfig(16, 32, 64, 4, 2, promote=64)]
-    cases = [([70, 0, 1, 131], 4, 256, 192), ([1], 0, 16, 16), ([0, 0, 0], 3, 128, 128), ([33, 200], 0, 96, 130),
-             ([5, 9, 0, 17, 2, 0, 1, 40], 2, 300, 48)]
-    for i, (counts, extra, K, N) in enumerate(cases):
+    for i, counts, n, x, w, dy in _gemm_cases(K0=16, K4=300, seed=600):
         cfg = configs[i % len(configs)]
-        counts = torch.tensor(counts, dtype=torch.int64)
-        n = int(counts.sum())
-        x, w, dy = (_blocky(t, 650 + i + j) for j, t in
-                    enumerate(_randn(600 + i, (n + extra, K), (len(counts), N, K), (n + extra, N))))
+        K = x.shape[1]
         r, (qw, sw) = quantize_rows(x, counts, col_amax=True), quantize_weight_rows(w)
         q, s = quantize_ref(x[:n], (1, K))
         assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0])

@@ -31,9 +31,14 @@
 # gradient reduces over tokens: X and dY are quantized a second time, along the other dimension (the *transposed*
 # quantization), in tiles of 128 tokens that start at each expert's first row.
 #
+# A second recipe, **one scale per row** over the whole reduction (`scaling="rows"`, `train.fp8_scaling`), lets the
+# GEMMs chain their FP8 products and scale once at the end; the section of that name says what it changes and the
+# section on speed what each recipe costs.
+#
 # What is here: the torch reference (quantize, dequantize, multiply in float64); Triton kernels that quantize
-# (activations both ways in one pass, weights in either layout); a grouped FP8 GEMM over rows grouped by expert and
-# a grouped weight-gradient GEMM over tokens grouped by expert, both without a host sync; `fp8_grouped_linear`, the
+# (activations both ways in one pass, weights in either layout; and by rows); a grouped FP8 GEMM over rows grouped
+# by expert and a grouped weight-gradient GEMM over tokens grouped by expert, both without a host sync and both
+# taking either recipe's scales; `fp8_grouped_linear`, the
 # autograd function for the experts, whose weight gradient can wait in ops/grouped_linear's `WeightGradQueue`;
 # `fp8_swiglu_experts`, both projections of a SwiGLU expert with the activation and its gradient computed inside
 # the quantization passes; `Fp8Weights`, `expert_mlp` and `expert_linear`, through which the models' experts run in
@@ -992,23 +997,26 @@ print(f"row-scaled GEMMs (forward, input and weight gradients) vs reference: max
 # ## The expert linear layer
 #
 # `fp8_grouped_linear(x, w, counts)` is `grouped_linear` (ops/grouped_linear) in FP8: bf16 (or fp32) in and out,
-# quantizing inside. Forward quantizes X both ways in one pass when the weight needs a gradient and keeps only the
-# FP8 column quantization for the weight gradient (about 1.1 bytes per element instead of bf16's 2), and W in
-# blocks. Backward quantizes dY both ways in one pass and quantizes W again, transposed: W is a parameter that the
-# backward holds anyway (FSDP2 gathers it again for the backward), so the layer keeps no FP8 copy alive between
-# forward and backward (under `train.fp8` the step keeps one, below). The weight gradient either runs at once or waits in a `WeightGradQueue`, exactly as in
-# `grouped_linear`: the deferred closure holds the two FP8 column quantizations and hands its result to
-# `torch.autograd.backward(w, dW)`, which accumulates it into the parameter and fires its hooks.
+# quantizing inside. With block scales, forward quantizes X both ways in one pass when the weight needs a gradient
+# and keeps only the FP8 column quantization for the weight gradient (about 1.1 bytes per element instead of
+# bf16's 2), and W in blocks; backward quantizes dY both ways in one pass and quantizes W again, transposed. With
+# row scales each activation takes a row pass and a column pass (above), and the layer keeps the same FP8 columns.
+# W is a parameter that the backward holds anyway (FSDP2 gathers it again for the backward), so the layer keeps no
+# FP8 copy alive between forward and backward (under `train.fp8` the step keeps one, below). The weight gradient
+# either runs at once or waits in a `WeightGradQueue`, exactly as in `grouped_linear`: the deferred closure holds
+# the two FP8 column quantizations and hands its result to `torch.autograd.backward(w, dW)`, which accumulates it
+# into the parameter and fires its hooks.
 #
 # Two implementations sit behind the one call, chosen by `impl`:
 #
-# - `"triton"`: the kernels above, block scales (the DeepSeek-V3 recipe). The default on CUDA.
-# - `"torch"`: the reference, the same block quantization in plain torch, multiplied in fp32 one expert at a time
+# - `"triton"`: the kernels above. The default on CUDA.
+# - `"torch"`: the reference, the same quantization in plain torch, multiplied in fp32 one expert at a time
 #   (one host sync for the expert bounds). The default elsewhere, so a CPU run needs no interpreter.
 #
-# A third, one scale per row over the whole K through `torch._scaled_grouped_mm`, measured slower than the
-# block-scaled kernels at the Qwen3 and DeepSeek-V2-Lite expert shapes, forward and backward (`benchmarks/RESULTS.md`,
-# "FP8 operators"), and coarser (one outlier flattens a whole row), so it is not here.
+# Each runs either recipe (`scaling`): "block", DeepSeek-V3's, or "rows", one scale per row ("One scale per row"
+# above). PyTorch's own row-scaled grouped GEMM, `torch._scaled_grouped_mm`, measured slower than these kernels at
+# the Qwen3 and DeepSeek-V2-Lite expert shapes, forward and backward (`benchmarks/RESULTS.md`, "FP8 operators"), so
+# the row recipe runs on the kernels above too.
 
 # %%
 #| export
@@ -1721,38 +1729,38 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 # %% [markdown]
 # ## Speed, and what bounds it
 #
-# On the H200 the expert layer in FP8 is slower than in bf16, forward and backward together, at both models' expert
-# shapes (benchmarks/RESULTS.md, "FP8: one scale per row in the promotion"). `benchmarks/fp8_bench.py` times each
-# piece and `benchmarks/fp8_bound.py` each variant of the GEMM; two things bound the layer:
+# `benchmarks/fp8_rows.py` times each product and the whole SwiGLU expert MLP under both scalings against bf16,
+# `benchmarks/fp8_bench.py` and `benchmarks/fp8_bound.py` the block-scaled pieces and variants of its GEMM
+# (benchmarks/RESULTS.md, "FP8 with one scale per row" and the sections before it). Three things bound the experts
+# in FP8 on the H200:
 #
-# - **Promotion.** A step's scales apply to a finished 128-deep product, so each step waits for its tensor-core
-#   instruction to complete (`wgmma.wait_group 0` in the kernel's PTX) and then runs the multiply-adds while the
-#   tensor cores idle. The same kernel without scales, whose products chain inside `tl.dot` with one instruction in
-#   flight, is a quarter to a third faster. Issuing the next product before promoting the last changes nothing
-#   (Triton still waits right after each product), and Triton's warp specialisation of the loop does not overlap
-#   them either. The three FP8 GEMMs together run at about the speed of bf16's three, not at the tensor cores' FP8
-#   rate.
-# - **Quantization.** The activations (the input in the forward, the output gradient in the backward, each in both
-#   layouts in one pass) and the weights (both layouts, once per step) go through kernels of their own; at these
-#   shapes those passes are a quarter to a third of the layer's time.
+# - **Promotion, under block scales.** A step's scales apply to a finished 128-deep product, so each step waits for
+#   its tensor-core instruction to complete (`wgmma.wait_group 0` in the kernel's PTX) and then runs the
+#   multiply-adds while the tensor cores idle. Issuing the next product before promoting the last changes nothing
+#   (Triton still waits right after each product), and neither does Triton's warp specialisation of the loop; a
+#   Gluon kernel with DeepGEMM's structure (`benchmarks/fp8_gluon.py`: a producer warp, two math partitions that
+#   promote in turn) gains a few per cent. So the three block-scaled products together run at about bf16's speed.
+#   Row scales take the promotion away: the products chain inside `tl.dot`, and the three run 1.5–1.7× faster than
+#   bf16's at both models' expert shapes. Letting the tensor cores accumulate the whole K (Triton's default on sm90;
+#   promoting every 128 of K costs a quarter of the speed) adds about 1e-3 relative error at K = 2048, against 4e-2
+#   for the quantization itself.
+# - **Quantization.** Every FP8 operand is written by a pass of its own that reads the bf16 activation: the input
+#   and `dY`, and SwiGLU's output and gradient (computed inside their passes, `fp8_swiglu_experts`). Under row
+#   scales each is read twice, once for the rows and once more for the columns the weight gradient needs, whose
+#   scales exist only after the row pass has seen all of an expert's rows. At these widths (hidden 2048, experts
+#   768 and 1408 wide) the passes take about as long as the GEMMs save, so the whole expert MLP in FP8 runs near
+#   bf16's speed with row scales and slower with block scales. The quantization of the experts' input stays a pass of
+#   its own: the rows it reads are gathered by the dispatcher's `expand` (the engine's permutation, one per
+#   dispatcher: one rank, or expert parallelism after the all-to-all) just before the model's `stage3` (models/20),
+#   and folding that gather into the experts' first kernel would make the model's experts depend on each
+#   dispatcher's row layout, which the layer protocol keeps on the engine's side.
+# - **The experts' share of a step.** The expert MLPs are about a quarter of a bench step's time in bf16
+#   (benchmarks/RESULTS.md), so even experts at twice bf16's speed, with quantization free, would make the step about
+#   1.15× faster; attention, the dense projections, the head and the optimizer take the rest. A step 1.25× faster
+#   needs FP8 beyond the experts.
 #
-# Lifting the first needs the promotion to run while the tensor cores compute, which Triton does not express here.
-# Gluon (Triton's lower-level language) does, and `benchmarks/fp8_gluon.py` builds up to DeepGEMM's structure in it:
-# one warp issuing the TMA loads, two math warp groups as partitions of their own (each with half the tile's rows, so
-# that one can promote while the other multiplies), each step's scales read a step ahead. That kernel gives this one's
-# results bit for bit and runs a few per cent faster at three of the four expert shapes, slower at the fourth
-# (benchmarks/RESULTS.md, "Attention and FP8 experiments"); the single-partition forms run at half this kernel's speed
-# whether or not each promotion overlaps the next product. So the package keeps this kernel, which also runs under the
-# interpreter and on every GPU with FP8 tensor cores, not only sm90; what remains toward the FP8 rate is a persistent
-# grid, an overlapped promotion within each math group, and the weight gradient in the same structure.
-#
-# Of the second, SwiGLU's passes are fused (`fp8_swiglu_experts` above): the activation and its gradient are computed
-# where they are quantized. The quantization of the experts' input stays a pass of its own: the rows it reads are
-# gathered by the dispatcher's `expand` (the engine's permutation, one per dispatcher: one rank, or expert parallelism
-# after the all-to-all) just before the model's `stage3` (models/20), and folding that gather into the experts' first
-# kernel would make the model's experts depend on each dispatcher's row layout, which the layer protocol keeps on the
-# engine's side. The passes that write the column (transposed) quantization run at under half the memory bandwidth (a
-# reduction across 128 rows and a store through shared memory); benchmarks/RESULTS.md has their rates.
+# `train.fp8_scaling` chooses between the two recipes; RESULTS.md has both against bf16 end to end and their loss
+# curves (`nbs/validate/v05_fp8`).
 
 # %% [markdown]
 # ## On the GPU

@@ -108,12 +108,12 @@ class TrainConfig:
         "none", "recompute activations in backward instead of keeping them: attention = stage 1 of every layer (the "
         "attention block, norms, router), layer = stages 1 and 3 (the routed experts too); the exchanges are never "
         "repeated. Less memory for more compute (engine/32_stages)")
-    fp8: bool = cfg(False, "the routed experts' matmuls in FP8: E4M3 with power-of-two scales per 1×128 activation "
-                           "tile and 128×128 weight block (DeepSeek-V3's recipe), each weight quantized once per step; "
-                           "Triton kernels on CUDA (sm89 or newer), their torch reference on a CPU. Attention, the "
-                           "dense projections, router, norms and head stay in train.dtype (ops/15_fp8). Measured "
-                           "slower than bf16 on the H200 and using more memory (benchmarks/RESULTS.md): for FP8 "
-                           "numerics and the FP8 kernel work, not for speed yet")
+    fp8: bool = cfg(False, "the routed experts' matmuls in FP8: E4M3 values with power-of-two scales "
+                           "(train.fp8_scaling), each weight quantized once per step; Triton kernels on CUDA (sm89 or "
+                           "newer), their torch reference on a CPU. Attention, the dense projections, router, norms "
+                           "and head stay in train.dtype (ops/15_fp8). On the H200 the FP8 products run up to 1.7× "
+                           "bf16's, but the quantization passes take that back: the bench steps measure slower than "
+                           "bf16 and use more memory (benchmarks/RESULTS.md)")
     fp8_scaling: Literal["block", "rows"] = cfg(
         "block", "with train.fp8, how the experts' FP8 values are scaled: block = 1×128 activation tiles and 128×128 "
         "weight blocks (DeepSeek-V3's recipe); rows = one scale per row of each operand over the whole reduction, "
