@@ -851,7 +851,7 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # %% [markdown]
 # Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes 32 rows per program, finds their
 # maxima over K, then writes them in the layout asked, `W`'s `(E, N, K)` or, transposed, `(E, K, N)` (the input
-# gradient's B operand; then 128 rows per program, so that each store along N is 128 bytes long). It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT`
+# gradient's B operand; 128 rows per program there, for longer stores along N, measured slower). It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT`
 # are read in place.
 
 # %%
@@ -887,10 +887,9 @@ def quantize_weight_rows(w: Tensor, transposed: bool = False) -> tuple[Tensor, T
     E, N, K = w3.shape
     q = torch.empty((E, K, N) if transposed else (E, N, K), dtype=FP8, device=w.device)
     s = torch.empty(E, N, dtype=torch.float32, device=w.device)
-    bn = 128 if transposed else 32             # transposed, a store's contiguous run is BN bytes long
     if E * N * K > 0:
-        _quant_weight_rows_kernel[(E, triton.cdiv(N, bn))](w3, q, s, N, K, *w3.stride(), TRANS=transposed, BN=bn,
-                                                           num_warps=8 if transposed else 4)
+        _quant_weight_rows_kernel[(E, triton.cdiv(N, 32))](w3, q, s, N, K, *w3.stride(), TRANS=transposed, BN=32,
+                                                           num_warps=4)
     return (q, s) if w.dim() == 3 else (q[0], s[0])
 
 # %% [markdown]
@@ -1742,14 +1741,14 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   promote in turn) gains a few per cent. So the three block-scaled products together run at about bf16's speed.
 #   Row scales take the promotion away: the products chain inside `tl.dot`, and the three run 1.5–1.7× faster than
 #   bf16's at both models' expert shapes. Letting the tensor cores accumulate the whole K (Triton's default on sm90;
-#   promoting every 128 of K costs a quarter of the speed) adds about 1e-3 relative error at K = 2048, against 4e-2
-#   for the quantization itself.
+#   promoting every 128 of K costs a quarter to a half of the speed) adds about 1e-3 relative error at K = 2048,
+#   against 4e-2 for the quantization itself.
 # - **Quantization.** Every FP8 operand is written by a pass of its own that reads the bf16 activation: the input
 #   and `dY`, and SwiGLU's output and gradient (computed inside their passes, `fp8_swiglu_experts`). Under row
 #   scales each is read twice, once for the rows and once more for the columns the weight gradient needs, whose
 #   scales exist only after the row pass has seen all of an expert's rows. At these widths (hidden 2048, experts
-#   768 and 1408 wide) the passes take about as long as the GEMMs save, so the whole expert MLP in FP8 runs near
-#   bf16's speed with row scales and slower with block scales. The quantization of the experts' input stays a pass of
+#   768 and 1408 wide) the passes take about as long as the GEMMs save, so the whole expert MLP in FP8 runs at
+#   0.9–1.0× bf16's speed with row scales and 0.85–0.87× with block scales. The quantization of the experts' input stays a pass of
 #   its own: the rows it reads are gathered by the dispatcher's `expand` (the engine's permutation, one per
 #   dispatcher: one rank, or expert parallelism after the all-to-all) just before the model's `stage3` (models/20),
 #   and folding that gather into the experts' first kernel would make the model's experts depend on each

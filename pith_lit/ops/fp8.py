@@ -526,10 +526,9 @@ def quantize_weight_rows(w: Tensor, transposed: bool = False) -> tuple[Tensor, T
     E, N, K = w3.shape
     q = torch.empty((E, K, N) if transposed else (E, N, K), dtype=FP8, device=w.device)
     s = torch.empty(E, N, dtype=torch.float32, device=w.device)
-    bn = 128 if transposed else 32             # transposed, a store's contiguous run is BN bytes long
     if E * N * K > 0:
-        _quant_weight_rows_kernel[(E, triton.cdiv(N, bn))](w3, q, s, N, K, *w3.stride(), TRANS=transposed, BN=bn,
-                                                           num_warps=8 if transposed else 4)
+        _quant_weight_rows_kernel[(E, triton.cdiv(N, 32))](w3, q, s, N, K, *w3.stride(), TRANS=transposed, BN=32,
+                                                           num_warps=4)
     return (q, s) if w.dim() == 3 else (q[0], s[0])
 
 # %% ../../nbs/ops/15_fp8.ipynb #142be1ef
