@@ -31,9 +31,8 @@ def inputs(mod, B, S, Hq, Hkv, dqk, dv, sinks, window):
     return (q, k, v, s, out, lse, dout, None, m, scale, qd, kd)
 
 
-def backward_times(mod, args):
-    "(GPU ms, host ms per call, {kernel: ms}) of mod._bwd(*args)."
-    fn = lambda: mod._bwd(*args)
+def gpu_host_ms(fn):
+    "(GPU ms by do_bench, host ms per call over 50 calls queued without a sync) of fn."
     gpu = do_bench(fn, return_mode="median")
     fn()
     torch.cuda.synchronize()
@@ -42,13 +41,24 @@ def backward_times(mod, args):
         fn()
     host = (time.perf_counter() - t0) / 50 * 1e3
     torch.cuda.synchronize()
+    return gpu, host
+
+
+def profile(fn, prefix="_attn_bwd"):
+    "{kernel: mean ms} of the kernels whose names start with `prefix`, over 10 calls of fn."
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             fn()
         torch.cuda.synchronize()
-    kernels = {e.key: e.device_time_total / e.count / 1e3 for e in prof.key_averages()
-               if e.device_time_total > 0 and e.key.startswith("_attn_bwd")}
-    return gpu, host, kernels
+    return {e.key: e.device_time_total / e.count / 1e3 for e in prof.key_averages()
+            if e.device_time_total > 0 and e.key.startswith(prefix)}
+
+
+def backward_times(mod, args):
+    "(GPU ms, host ms per call, {kernel: ms}) of mod._bwd(*args)."
+    fn = lambda: mod._bwd(*args)
+    return (*gpu_host_ms(fn), profile(fn))
 
 
 if __name__ == "__main__":

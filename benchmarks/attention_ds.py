@@ -7,11 +7,11 @@
 - dkdv: at the MLA and Qwen3 shapes, each dk, dv tile of a sweep, stored (dq tile 64, 64, 4, 3) and recomputed;
 - rounds: forward+backward through autograd at the same two shapes, three rounds of stored, recomputed and SDPA:
   `do_bench` medians, the host's time per call (50 calls issued back to back) and the sum of the GPU kernels."""
-import sys, time
+import sys
 import torch
 from triton.testing import do_bench
 import pith_lit.ops.attention as A
-from attention_bwd_compare import inputs as mod_inputs  # benchmarks/ is the script's folder
+from attention_bwd_compare import gpu_host_ms, profile, inputs as mod_inputs  # benchmarks/: the script's folder
 
 inputs = lambda *shape: mod_inputs(A, *shape)
 
@@ -25,17 +25,6 @@ DKDV_BEFORE = {64: A._Config(64, 64, 4, 2), 128: A._Config(32, 64, 4, 3), 256: A
 
 def width(dqk, dv):
     return 64 if max(dqk, dv) <= 64 else 128 if max(dqk, dv) <= 128 and dqk + dv <= 256 else 256
-
-
-def profile(fn, prefix="_attn_bwd"):
-    "{kernel: mean ms} of the kernels whose names start with `prefix`, over 10 calls of fn."
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.device_time_total / e.count / 1e3 for e in prof.key_averages()
-            if e.device_time_total > 0 and e.key.startswith(prefix)}
 
 
 def kernels(fn):
@@ -96,13 +85,7 @@ def part_rounds():
             res = []
             for name, budget in (("stored", BIG), ("recomputed", 0)):
                 A.DS_BUDGET = budget
-                t = do_bench(fl, return_mode="median")
-                fl()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(50):
-                    fl()
-                host = (time.perf_counter() - t0) / 50 * 1e3
+                t, host = gpu_host_ms(fl)
                 ksum = sum(profile(fl, "").values())
                 res.append(f"{name} {t:.3f} (host {host:.3f}, kernels {ksum:.3f})")
             res.append(f"sdpa {do_bench(sd, return_mode='median'):.3f}")

@@ -284,32 +284,48 @@ def _ref_swiglu_experts(x, w1, w2, counts, dy, recipe=None):
     return y, dx, dw1, dw2
 
 
+def _swiglu_cases(seed):
+    """(i, counts, x, w_gate_up, w_down, dy) for the SwiGLU expert checks: an empty expert, a one-row expert, rows past
+    the last expert, widths off multiples of 128."""
+    import torch
+    for i, (counts, extra, hidden, inter) in enumerate([([70, 0, 1, 131], 3, 256, 72), ([0, 140], 0, 130, 128)]):
+        counts = torch.tensor(counts)
+        n = int(counts.sum())
+        x, w1, w2, dy = _randn(seed + i, (n + extra, hidden), (len(counts), 2 * inter, hidden),
+                               (len(counts), hidden, inter), (n + extra, hidden))
+        yield i, counts, x, w1 / hidden ** 0.5, w2 / inter ** 0.5, dy
+
+
+def _check_swiglu_experts(i, x, w1, w2, counts, dy, want, scaling):
+    """fp8_swiglu_experts under `scaling` against float64 `want` (y, dx, dw1, dw2): Triton immediate and deferred
+    (bitwise equal), and torch; zero weight gradients for experts without rows."""
+    import torch
+    from pith_lit.ops.fp8 import fp8_swiglu_experts
+    from pith_lit.ops.grouped_linear import WeightGradQueue
+    n = int(counts.sum())
+    got = {}
+    for impl, queue in [("triton", None), ("triton", WeightGradQueue()), ("torch", None)]:
+        xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
+        y = fp8_swiglu_experts(xl, w1l, w2l, counts, queue, impl, scaling=scaling)
+        y.backward(dy)
+        if queue is not None:
+            assert w1l.grad is None and w2l.grad is None and len(queue) == 2
+            queue.drain()
+        out = [y[:n], xl.grad[:n], w1l.grad, w2l.grad]
+        errs = [_rel(a, b) for a, b in zip(out, [want[0][:n], want[1][:n], *want[2:]])]
+        assert max(errs) < 1e-4, (i, scaling, impl, errs)
+        assert (w1l.grad[counts == 0] == 0).all() and (w2l.grad[counts == 0] == 0).all()
+        got[impl, queue is None] = out
+    assert all(torch.equal(a, b) for a, b in zip(got["triton", True], got["triton", False]))
+
+
 def group_swiglu():
     """fp8_swiglu_experts (SwiGLU inside the quantization passes) against float64; deferred == immediate."""
     import torch
     from pith_lit.ops.fp8 import fp8_swiglu_experts
-    from pith_lit.ops.grouped_linear import WeightGradQueue
-    for i, (counts, extra, hidden, inter) in enumerate([([70, 0, 1, 131], 3, 256, 72), ([0, 140], 0, 130, 128)]):
-        counts = torch.tensor(counts)
-        n = int(counts.sum())
-        x, w1, w2, dy = _randn(500 + i, (n + extra, hidden), (len(counts), 2 * inter, hidden),
-                               (len(counts), hidden, inter), (n + extra, hidden))
-        w1, w2 = w1 / hidden ** 0.5, w2 / inter ** 0.5
+    for i, counts, x, w1, w2, dy in _swiglu_cases(seed=500):
         want = _ref_swiglu_experts(x, w1, w2, counts, dy)
-        got = {}
-        for impl, queue in [("triton", None), ("triton", WeightGradQueue()), ("torch", None)]:
-            xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
-            y = fp8_swiglu_experts(xl, w1l, w2l, counts, queue, impl)
-            y.backward(dy)
-            if queue is not None:
-                assert w1l.grad is None and w2l.grad is None and len(queue) == 2
-                queue.drain()
-            out = [y[:n], xl.grad[:n], w1l.grad, w2l.grad]
-            errs = [_rel(a, b) for a, b in zip(out, [want[0][:n], want[1][:n], *want[2:]])]
-            assert max(errs) < 1e-4, (i, impl, errs)
-            assert (w1l.grad[counts == 0] == 0).all() and (w2l.grad[counts == 0] == 0).all()
-            got[impl, queue is None] = out
-        assert all(torch.equal(a, b) for a, b in zip(got["triton", True], got["triton", False]))
+        _check_swiglu_experts(i, x, w1, w2, counts, dy, want, "block")
     with pytest.raises(ValueError, match="w_down"):
         fp8_swiglu_experts(torch.zeros(4, 8), torch.zeros(2, 16, 8), torch.zeros(2, 8, 4), torch.tensor([1, 3]))
 
@@ -354,9 +370,7 @@ def group_rows():
     definition; bad input."""
     import torch
     from pith_lit.ops.fp8 import (GemmConfig, fp8_grouped_linear, fp8_grouped_mm, fp8_grouped_wgrad,
-                                  fp8_swiglu_experts, pow2_scale, quantize_act, quantize_ref, quantize_rows,
-                                  quantize_weight_rows)
-    from pith_lit.ops.grouped_linear import WeightGradQueue
+                                  pow2_scale, quantize_act, quantize_ref, quantize_rows, quantize_weight_rows)
     fwd, dgrad, wgrad = _row_recipe()
     configs = [GemmConfig(), GemmConfig(128, 256, 128, 8, 3), GemmConfig(64, 64, 256, 4, 2, promote=128),
                GemmConfig(16, 32, 64, 4, 2, promote=64)]
@@ -384,26 +398,10 @@ def group_rows():
                                     ("dw", dw[e], wgrad(gd, xd))]:
                 assert _rel(got, want) < 1e-5 or (want == 0).all() and (got == 0).all(), (i, e, name)
     # the layers through autograd: both implementations, immediate and deferred, against float64
-    for i, (counts, extra, hidden, inter) in enumerate([([70, 0, 1, 131], 3, 256, 72), ([0, 140], 0, 130, 128)]):
-        counts = torch.tensor(counts)
-        n = int(counts.sum())
-        x, w1, w2, dy = _randn(700 + i, (n + extra, hidden), (len(counts), 2 * inter, hidden),
-                               (len(counts), hidden, inter), (n + extra, hidden))
-        w1, w2 = w1 / hidden ** 0.5, w2 / inter ** 0.5
+    for i, counts, x, w1, w2, dy in _swiglu_cases(seed=700):
+        n, extra, inter = int(counts.sum()), x.shape[0] - int(counts.sum()), w2.shape[2]
         want = _ref_swiglu_experts(x, w1, w2, counts, dy, _row_recipe())
-        got = {}
-        for impl, queue in [("triton", None), ("triton", WeightGradQueue()), ("torch", None)]:
-            xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
-            y = fp8_swiglu_experts(xl, w1l, w2l, counts, queue, impl, scaling="rows")
-            y.backward(dy)
-            if queue is not None:
-                queue.drain()
-            out = [y[:n], xl.grad[:n], w1l.grad, w2l.grad]
-            errs = [_rel(a, b) for a, b in zip(out, [want[0][:n], want[1][:n], *want[2:]])]
-            assert max(errs) < 1e-4, (i, impl, errs)
-            assert (w1l.grad[counts == 0] == 0).all() and (w2l.grad[counts == 0] == 0).all()
-            got[impl, queue is None] = out
-        assert all(torch.equal(a, b) for a, b in zip(got["triton", True], got["triton", False]))
+        _check_swiglu_experts(i, x, w1, w2, counts, dy, want, "rows")
         # one layer with its weight stored transposed (GPT-OSS's (E, in, out)), against a contiguous copy
         stored, w1l = w1.mT.contiguous().requires_grad_(), w1.clone().requires_grad_()
         d1 = torch.randn(n + extra, 2 * inter)

@@ -592,7 +592,8 @@ def fp8_grouped_mm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor | None, counts
                              f"sb {None if sb is None else tuple(sb.shape)}")
     elif sa.shape != (M, KB) or not sa.t().is_contiguous() or sb is None or sb.shape != (E, triton.cdiv(N, 128), KB):
         raise ValueError(f"scales: want sa ({M}, {KB}) with strides (1, {M}) and sb ({E}, {triton.cdiv(N, 128)}, "
-                         f"{KB}); got sa {tuple(sa.shape)} strides {sa.stride()}, sb {None if sb is None else tuple(sb.shape)}")
+                         f"{KB}); got sa {tuple(sa.shape)} strides {sa.stride()}, "
+                         f"sb {None if sb is None else tuple(sb.shape)}")
     c = torch.empty(M, N, dtype=out_dtype, device=qa.device)
     grid = _max_tiles(M, E, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     if grid > 0 and K > 0:
@@ -751,15 +752,15 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 # before it is quantized (`dY[m, n] · s_W[e, n]`, exact in fp32 since a scale is a power of two), and the B operand
 # is the forward's FP8 weight transposed, with no scale of its own. The weight gradient needs each column's maximum
 # over an expert's tokens before any of them can be quantized, so that takes two passes: the row pass, which reads
-# every element anyway, also writes each column's maximum over its tile of rows, a small kernel reduces those per
-# expert, and
-# the column pass (`quantize_act(..., cols=True, col_amax=...)`) reads the activation again and quantizes with them.
+# every element anyway, also writes each column's maximum over its tile of rows, a small kernel
+# (`_expert_max_kernel`) reduces those per expert, and the column pass (`quantize_act(..., cols=True,
+# col_amax=...)`) reads the activation again and quantizes with them.
 #
 # A row's scale is set by its largest element over all of K, so an outlier costs the whole row precision, where a
 # 1×128 tile confines it to 128 elements; how much that matters to training is measured (`nbs/validate/v05_fp8`).
 #
 # `_quant_rows_kernel` takes `BM` rows of one expert per program and reads them twice, 128 columns at a time: the
-# first loop finds the row maxima (and, asked, the column maxima), the second quantizes (its reads mostly hit L2).
+# first loop finds the row maxima (and, asked, the column maxima), the second quantizes.
 # It computes the same activations as `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`,
 # the weight scales of the input gradient) before taking maxima.
 
@@ -819,7 +820,7 @@ class Fp8Rows(NamedTuple):
     col_amax: Tensor | None  # (E, K) fp32: max |x| of each column over each expert's rows (before `mult`)
 
 
-ROWS_BM = 32   # rows per program of quantize_rows: 32 rows of 2048 bf16 are 128 KB, re-read from L2
+ROWS_BM = 32   # rows per program of quantize_rows (its second loop reads them again)
 
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
@@ -851,7 +852,7 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # %% [markdown]
 # Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes 32 rows per program, finds their
 # maxima over K, then writes them in the layout asked, `W`'s `(E, N, K)` or, transposed, `(E, K, N)` (the input
-# gradient's B operand; 128 rows per program there, for longer stores along N, measured slower). It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT`
+# gradient's B operand). It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT`
 # are read in place.
 
 # %%
@@ -1021,7 +1022,8 @@ print(f"row-scaled GEMMs (forward, input and weight gradients) vs reference: max
 #| export
 def _group_cols(x: Tensor, counts: Tensor, r: Fp8Rows, act: str | None = None, dh: Tensor | None = None):
     "The weight gradient's operand from a row pass's column maxima: x's columns quantized per expert, and scales."
-    return quantize_act(x, counts, rows=False, cols=True, act=act, dh=dh, col_amax=r.col_amax).qt, pow2_scale(r.col_amax)
+    cols = quantize_act(x, counts, rows=False, cols=True, act=act, dh=dh, col_amax=r.col_amax)
+    return cols.qt, pow2_scale(r.col_amax)
 
 
 def _wgrad(g_cols, x_cols, counts, dtype, rows):
@@ -1739,27 +1741,25 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   (Triton still waits right after each product), and neither does Triton's warp specialisation of the loop; a
 #   Gluon kernel with DeepGEMM's structure (`benchmarks/fp8_gluon.py`: a producer warp, two math partitions that
 #   promote in turn) gains a few per cent. So the three block-scaled products together run at about bf16's speed.
-#   Row scales take the promotion away: the products chain inside `tl.dot`, and the three run 1.5–1.7× faster than
-#   bf16's at both models' expert shapes. Letting the tensor cores accumulate the whole K (Triton's default on sm90;
-#   promoting every 128 of K costs a quarter to a half of the speed) adds about 1e-3 relative error at K = 2048,
-#   against 4e-2 for the quantization itself.
+#   Row scales take the promotion away: the products chain inside `tl.dot` and run well above bf16's speed at both
+#   models' expert shapes. The tensor cores then accumulate the whole K (Triton's default on sm90; promoting into
+#   fp32 every 128 of K costs much of the gain), which adds an error far below the quantization's own.
 # - **Quantization.** Every FP8 operand is written by a pass of its own that reads the bf16 activation: the input
 #   and `dY`, and SwiGLU's output and gradient (computed inside their passes, `fp8_swiglu_experts`). Under row
 #   scales each is read twice, once for the rows and once more for the columns the weight gradient needs, whose
 #   scales exist only after the row pass has seen all of an expert's rows. At these widths (hidden 2048, experts
-#   768 and 1408 wide) the passes take about as long as the GEMMs save, so the whole expert MLP in FP8 runs at
-#   0.9–1.0× bf16's speed with row scales and 0.85–0.87× with block scales. The quantization of the experts' input stays a pass of
-#   its own: the rows it reads are gathered by the dispatcher's `expand` (the engine's permutation, one per
+#   768 and 1408 wide) the passes take about as long as the GEMMs save, so the whole expert MLP in FP8 runs at most
+#   at bf16's speed with row scales and slower with block scales. The quantization of the experts' input stays a
+#   pass of its own: the rows it reads are gathered by the dispatcher's `expand` (the engine's permutation, one per
 #   dispatcher: one rank, or expert parallelism after the all-to-all) just before the model's `stage3` (models/20),
 #   and folding that gather into the experts' first kernel would make the model's experts depend on each
 #   dispatcher's row layout, which the layer protocol keeps on the engine's side.
-# - **The experts' share of a step.** The expert MLPs are about a quarter of a bench step's time in bf16
-#   (benchmarks/RESULTS.md), so even experts at twice bf16's speed, with quantization free, would make the step about
-#   1.15× faster; attention, the dense projections, the head and the optimizer take the rest. A step 1.25× faster
-#   needs FP8 beyond the experts.
+# - **The experts' share of a step.** The expert MLPs are about a quarter of a bench step's time in bf16; attention,
+#   the dense projections, the head and the optimizer take the rest. So even experts at twice bf16's speed, with
+#   quantization free, leave the step well short of 1.25× faster; that needs FP8 beyond the experts.
 #
-# `train.fp8_scaling` chooses between the two recipes; RESULTS.md has both against bf16 end to end and their loss
-# curves (`nbs/validate/v05_fp8`).
+# `train.fp8_scaling` chooses between the two recipes; benchmarks/RESULTS.md has the figures for all of the above,
+# both recipes against bf16 end to end, and their loss curves (`nbs/validate/v05_fp8`).
 
 # %% [markdown]
 # ## On the GPU

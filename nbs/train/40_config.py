@@ -145,7 +145,7 @@ class TrainConfig:
     fp8: bool = cfg(False, "the routed experts' matmuls in FP8: E4M3 values with power-of-two scales "
                            "(train.fp8_scaling), each weight quantized once per step; Triton kernels on CUDA (sm89 or "
                            "newer), their torch reference on a CPU. Attention, the dense projections, router, norms "
-                           "and head stay in train.dtype (ops/15_fp8). On the H200 the FP8 products run up to 1.7× "
+                           "and head stay in train.dtype (ops/15_fp8). On the H200 the FP8 products run faster than "
                            "bf16's, but the quantization passes take that back: the bench steps measure slower than "
                            "bf16 and use more memory (benchmarks/RESULTS.md)")
     fp8_scaling: Literal["block", "rows"] = cfg(

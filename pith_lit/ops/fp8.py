@@ -336,7 +336,8 @@ def fp8_grouped_mm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor | None, counts
                              f"sb {None if sb is None else tuple(sb.shape)}")
     elif sa.shape != (M, KB) or not sa.t().is_contiguous() or sb is None or sb.shape != (E, triton.cdiv(N, 128), KB):
         raise ValueError(f"scales: want sa ({M}, {KB}) with strides (1, {M}) and sb ({E}, {triton.cdiv(N, 128)}, "
-                         f"{KB}); got sa {tuple(sa.shape)} strides {sa.stride()}, sb {None if sb is None else tuple(sb.shape)}")
+                         f"{KB}); got sa {tuple(sa.shape)} strides {sa.stride()}, "
+                         f"sb {None if sb is None else tuple(sb.shape)}")
     c = torch.empty(M, N, dtype=out_dtype, device=qa.device)
     grid = _max_tiles(M, E, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     if grid > 0 and K > 0:
@@ -465,7 +466,7 @@ class Fp8Rows(NamedTuple):
     col_amax: Tensor | None  # (E, K) fp32: max |x| of each column over each expert's rows (before `mult`)
 
 
-ROWS_BM = 32   # rows per program of quantize_rows: 32 rows of 2048 bf16 are 128 KB, re-read from L2
+ROWS_BM = 32   # rows per program of quantize_rows (its second loop reads them again)
 
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
@@ -538,7 +539,8 @@ ROW_WGRAD = GemmConfig(128, 256, 128, 8, 3, promote=None)    # fp8_grouped_wgrad
 # %% ../../nbs/ops/15_fp8.ipynb #61691572
 def _group_cols(x: Tensor, counts: Tensor, r: Fp8Rows, act: str | None = None, dh: Tensor | None = None):
     "The weight gradient's operand from a row pass's column maxima: x's columns quantized per expert, and scales."
-    return quantize_act(x, counts, rows=False, cols=True, act=act, dh=dh, col_amax=r.col_amax).qt, pow2_scale(r.col_amax)
+    cols = quantize_act(x, counts, rows=False, cols=True, act=act, dh=dh, col_amax=r.col_amax)
+    return cols.qt, pow2_scale(r.col_amax)
 
 
 def _wgrad(g_cols, x_cols, counts, dtype, rows):
