@@ -71,12 +71,10 @@ def bench_gemms(name, shape, tokens):
         case("block dgrad", lambda: fp8.fp8_grouped_mm(gq.q, gq.s, *wt, counts, torch.bfloat16), ref[1])
         case("block wgrad", lambda: fp8.fp8_grouped_wgrad(gq.qt, gq.st, ac.qt, ac.st, counts, torch.bfloat16), ref[2])
         # row scales: the operands, and float64 products of the quantized operands on the first four experts' rows
-        r, (qw, sw) = fp8.quantize_rows(x, counts, col_amax=True), fp8.quantize_weight_rows(w)
+        r, (qw, sw) = fp8.quantize_rows(x, counts, trans=True), fp8.quantize_weight_rows(w)
         qwt, _ = fp8.quantize_weight_rows(w, transposed=True)
-        rg = fp8.quantize_rows(dy, counts, mult=sw, col_amax=True)
-        xt, _ = fp8._group_cols(x, counts, r)
-        gt, _ = fp8._group_cols(dy, counts, rg)
-        sx, sg = fp8.pow2_scale(r.col_amax), fp8.pow2_scale(rg.col_amax)
+        rg = fp8.quantize_rows(dy, counts, mult=sw, col_amax=True, row_mult=r.s)
+        gt, sg = fp8._group_cols(dy, counts, rg, r.s)          # columns of dY ⊙ s_X; B is X's FP8 rows transposed
         d = lambda t: t.double()
         bounds = [0] + counts[:4].cumsum(0).tolist()
         ex_fwd = torch.cat([(d(r.q[a:b]) * d(r.s[a:b, None])) @ (d(qw[i]) * d(sw[i])[:, None]).T
@@ -85,7 +83,7 @@ def bench_gemms(name, shape, tokens):
                               for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
         tile = [0] + ((counts[:4] + 127) // 128).cumsum(0).tolist()
         ex_wgrad = torch.stack([(d(gt[:, 128 * tile[i]:128 * tile[i] + bounds[i + 1] - bounds[i]]) * d(sg[i])[:, None])
-                                @ (d(xt[:, 128 * tile[i]:128 * tile[i] + bounds[i + 1] - bounds[i]]) * d(sx[i])[:, None]).T
+                                @ d(r.qt[:, 128 * tile[i]:128 * tile[i] + bounds[i + 1] - bounds[i]]).T
                                 for i in range(4)])
         for cfg in TILES + PROMOTED:
             tag = f"{tuple(cfg[:5])} promote {cfg.promote}"
@@ -94,8 +92,8 @@ def bench_gemms(name, shape, tokens):
             case(f"rows dgrad {tag}", lambda: fp8.fp8_grouped_mm(rg.q, rg.s, qwt, None, counts, torch.bfloat16, cfg),
                  ref[1], ex_dgrad)
             if cfg.block_k <= 128:
-                case(f"rows wgrad {tag}", lambda: fp8.fp8_grouped_wgrad(gt, sg, xt, sx, counts, torch.bfloat16, cfg,
-                                                                        group_scales=True), ref[2], ex_wgrad)
+                case(f"rows wgrad {tag}", lambda: fp8.fp8_grouped_wgrad(gt, sg, r.qt, None, counts, torch.bfloat16,
+                                                                        cfg, group_scales=True), ref[2], ex_wgrad)
 
 
 def bench_mlp(name, shape, tokens):
@@ -142,14 +140,18 @@ def bench_quant(name, shape, tokens):
     gate_up = torch.randn(n, 2 * I, device=DEV, generator=g).bfloat16()
     w = torch.randn(E, 2 * I, H, device=DEV, generator=g).bfloat16()
     mult = fp8.pow2_scale(torch.rand(E, H, device=DEV) + 0.5)
-    r = fp8.quantize_rows(x, counts, col_amax=True)
+    s = fp8.pow2_scale(torch.rand(n, device=DEV) + 0.5)                    # another operand's row scales
+    r = fp8.quantize_rows(x, counts, col_amax=True, row_mult=s)
     group = f"{name} row passes"
     for label, fn, nbytes in [
             (f"quantize_rows x ({H})", lambda: fp8.quantize_rows(x, counts), n * H * 3),
-            (f"quantize_rows x, col_amax ({H})", lambda: fp8.quantize_rows(x, counts, col_amax=True), n * H * 3),
-            (f"quantize_rows x, mult ({H})", lambda: fp8.quantize_rows(x, counts, mult=mult), n * H * 3),
+            (f"quantize_rows x, trans ({H})", lambda: fp8.quantize_rows(x, counts, trans=True), n * H * 4),
+            (f"quantize_rows x, mult, col_amax ({H})",
+             lambda: fp8.quantize_rows(x, counts, mult=mult, col_amax=True, row_mult=s), n * H * 3),
             (f"quantize_rows swiglu ({I})", lambda: fp8.quantize_rows(gate_up, counts, act="swiglu"), n * I * 5),
-            (f"columns per expert x ({H})", lambda: fp8._group_cols(x, counts, r), n * H * 3),
+            (f"quantize_rows swiglu, trans ({I})", lambda: fp8.quantize_rows(gate_up, counts, act="swiglu", trans=True),
+             n * I * 6),
+            (f"columns per expert x ({H})", lambda: fp8._group_cols(x, counts, r, s), n * H * 3),
             (f"quantize_act rows+cols x ({H})", lambda: fp8.quantize_act(x, counts, cols=True), n * H * 4),
             ("quantize_weight_rows w1", lambda: fp8.quantize_weight_rows(w), w.numel() * 3),
             ("quantize_weight_rows w1 transposed", lambda: fp8.quantize_weight_rows(w, True), w.numel() * 3),

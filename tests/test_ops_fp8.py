@@ -246,15 +246,18 @@ def group_layer():
 
 def _row_recipe():
     """The row-scaled recipe's three products for one expert, from its definition: forward rows of x times rows of w;
-    input gradient rows of (dy times w's row scales) times w's FP8 values; weight gradient columns of dy and of x
-    over the expert's rows. Returns (fwd, dgrad, wgrad) functions in float64."""
+    input gradient rows of (dy times w's row scales) times w's FP8 values; weight gradient columns (over the expert's
+    rows) of (dy times x's row scales) times x's FP8 values. Returns (fwd, dgrad, wgrad) functions in float64."""
     from pith_lit.ops.fp8 import quantize_ref
     rows = lambda t: _fq(t, (1, max(t.shape[-1], 1)))
     cols = lambda t: _fq(t, (max(t.shape[0], 1), 1))
     def dgrad(g, w):
         q, s = quantize_ref(w, (1, w.shape[-1]))
         return rows(g * s[:, 0].double()) @ q.double()
-    return (lambda x, w: rows(x) @ rows(w).T), dgrad, (lambda g, x: cols(g).T @ cols(x))
+    def wgrad(g, x):
+        q, s = quantize_ref(x, (1, max(x.shape[-1], 1)))
+        return cols(g * s.double()).T @ q.double()
+    return (lambda x, w: rows(x) @ rows(w).T), dgrad, wgrad
 
 
 def _block_recipe():
@@ -365,9 +368,9 @@ def group_dense():
 
 
 def group_rows():
-    """One scale per row (`scaling="rows"`): the row and per-expert column quantizers equal the torch reference value
-    for value; the GEMMs at several tiles and the layers through autograd against float64 from the recipe's
-    definition; bad input."""
+    """One scale per row (`scaling="rows"`): the row quantizer (and its transpose) and the per-expert column
+    quantizer equal the torch reference value for value; the GEMMs at several tiles and the layers through autograd
+    against float64 from the recipe's definition; bad input."""
     import torch
     from pith_lit.ops.fp8 import (GemmConfig, fp8_grouped_linear, fp8_grouped_mm, fp8_grouped_wgrad,
                                   pow2_scale, quantize_act, quantize_ref, quantize_rows, quantize_weight_rows)
@@ -377,20 +380,22 @@ def group_rows():
     for i, counts, n, x, w, dy in _gemm_cases(K0=16, K4=300, seed=600):
         cfg = configs[i % len(configs)]
         K = x.shape[1]
-        r, (qw, sw) = quantize_rows(x, counts, col_amax=True), quantize_weight_rows(w)
+        r, (qw, sw) = quantize_rows(x, counts, trans=True), quantize_weight_rows(w)
         q, s = quantize_ref(x[:n], (1, K))
         assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0])
         qr, sr = quantize_ref(w, (1, K))
         assert torch.equal(qw.float(), qr.float()) and torch.equal(sw, sr[..., 0])
+        g = quantize_rows(dy, counts, mult=sw, col_amax=True, row_mult=r.s)
+        tiles = [0] + ((counts + 127) // 128).cumsum(0).tolist()
         for e, (lo, hi) in enumerate(_bounds(counts)):
-            want = x[lo:hi].abs().amax(0) if hi > lo else torch.zeros(K)
-            assert torch.equal(r.col_amax[e], want), (i, e)
-        g = quantize_rows(dy, counts, mult=sw, col_amax=True)
+            want = (dy[lo:hi] * r.s[lo:hi, None]).abs().amax(0) if hi > lo else torch.zeros(dy.shape[1])
+            assert torch.equal(g.col_amax[e], want), (i, e)
+            qt = r.qt[:, 128 * tiles[e]:128 * tiles[e + 1]].float()
+            assert torch.equal(qt[:, :hi - lo], q[lo:hi].float().T) and (qt[:, hi - lo:] == 0).all(), (i, e)
         y = fp8_grouped_mm(r.q, r.s, qw, sw, counts, torch.float32, cfg)
         dx = fp8_grouped_mm(g.q, g.s, quantize_weight_rows(w, transposed=True)[0], None, counts, torch.float32, cfg)
-        xt = quantize_act(x, counts, rows=False, cols=True, col_amax=r.col_amax).qt
-        gt = quantize_act(dy, counts, rows=False, cols=True, col_amax=g.col_amax).qt
-        dw = fp8_grouped_wgrad(gt, pow2_scale(g.col_amax), xt, pow2_scale(r.col_amax), counts, torch.float32,
+        gt = quantize_act(dy, counts, rows=False, cols=True, col_amax=g.col_amax, row_mult=r.s).qt
+        dw = fp8_grouped_wgrad(gt, pow2_scale(g.col_amax), r.qt, None, counts, torch.float32,
                                cfg._replace(block_k=min(cfg.block_k, 128), promote=None), group_scales=True)
         for e, (lo, hi) in enumerate(_bounds(counts)):
             xd, wd, gd = x[lo:hi].double(), w[e].double(), dy[lo:hi].double()
@@ -418,6 +423,11 @@ def group_rows():
         fp8_grouped_mm(*quantize_rows(torch.ones(4, 128))[:2], qw, sw[:, :32], torch.tensor([1, 3]), torch.float32)
     with pytest.raises(ValueError, match="mult must be"):
         quantize_rows(torch.ones(4, 128), torch.tensor([1, 3]), mult=torch.ones(2, 64))
+    with pytest.raises(ValueError, match="row_mult must be"):
+        quantize_rows(torch.ones(4, 128), torch.tensor([1, 3]), row_mult=torch.ones(4))     # without col_amax
+    with pytest.raises(ValueError, match="sbt"):
+        qt = torch.zeros(64, 128).to(torch.float8_e4m3fn)
+        fp8_grouped_wgrad(qt, torch.ones(1, 64), qt, None, torch.tensor([1, 3]), torch.float32)   # tile scales
 
 
 if __name__ == "__main__":

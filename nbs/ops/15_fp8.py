@@ -260,9 +260,9 @@ def _act_tile(x_ptr, dh_ptr, rows, cols, mask, K, ACT: tl.constexpr):
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, dh_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, row_offs_ptr, tile_offs_ptr, M, K, E,
-                      LDT, ROWS: tl.constexpr, COLS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr,
-                      GROUP: tl.constexpr):
+def _quant_act_kernel(x_ptr, dh_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, rmult_ptr, row_offs_ptr, tile_offs_ptr,
+                      M, K, E, LDT, ROWS: tl.constexpr, COLS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr,
+                      GROUP: tl.constexpr, RMULT: tl.constexpr):
     t = tl.program_id(0)
     kb = tl.program_id(1)
     e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
@@ -280,6 +280,8 @@ def _quant_act_kernel(x_ptr, dh_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, row
         tl.store(q_ptr + offs, _to_e4m3(x * inv[:, None]), mask=row_ok[:, None] & col_ok[None, :])
         tl.store(s_ptr + kb * M + rows, s, mask=row_ok)
     if COLS:
+        if RMULT:                                                 # the columns of x[m, k] · rmult[m]
+            x *= tl.load(rmult_ptr + rows, mask=row_ok, other=0.0)[:, None]
         if GROUP:                                                 # one scale per column of the expert's rows
             s, inv = _pow2_scale(tl.load(amax_ptr + e * K + cols, mask=col_ok, other=0.0))
         else:
@@ -334,28 +336,33 @@ def _act_input(x: Tensor, act: str | None, dh: Tensor | None) -> tuple[Tensor, T
 
 
 def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, cols: bool = False,
-                 act: str | None = None, dh: Tensor | None = None, col_amax: Tensor | None = None) -> Fp8Act:
+                 act: str | None = None, dh: Tensor | None = None, col_amax: Tensor | None = None,
+                 row_mult: Tensor | None = None) -> Fp8Act:
     """Quantize `x (M, K)` in one pass: along K in 1x128 tiles (`rows`) and/or along tokens in tiles of 128 rows that
     start at each expert's first row (`cols`; `counts (E,)` int64 rows per expert, None = one group of all M rows).
     `act="swiglu"`: quantize `swiglu(x)` for `x = [gate | up] (M, 2K)`, computed in the pass; `act="swiglu_grad"`:
     quantize the gradient of `swiglu` at `x (M, K)` given the output's gradient `dh (M, K/2)`. `col_amax (E, K)`:
     the columns' scales come from these maxima over each expert's rows (`quantize_rows(..., col_amax=True)`), not
-    from each tile's, so they are constant along an expert's tokens."""
+    from each tile's, so they are constant along an expert's tokens; with `row_mult (M,)` too, the columns quantized
+    are those of `x[m, k] · row_mult[m]`."""
     x, dh, M, K = _act_input(x, act, dh)
     counts = x.new_full((1,), M, dtype=torch.int64) if counts is None else counts
     E, T, KB = counts.numel(), _max_tiles(M, counts.numel(), 128), triton.cdiv(K, 128)
     if col_amax is not None and (col_amax.shape != (E, K) or col_amax.dtype != torch.float32 or rows):
         raise ValueError(f"col_amax must be fp32 ({E}, {K}) and comes with cols only, got {tuple(col_amax.shape)} "
                          f"{col_amax.dtype}, rows={rows}")
+    if row_mult is not None and (row_mult.shape != (M,) or row_mult.dtype != torch.float32 or col_amax is None):
+        raise ValueError(f"row_mult must be fp32 ({M},) and comes with col_amax, got {tuple(row_mult.shape)} "
+                         f"{row_mult.dtype}")
     row_offs, tile_offs = _schedule(counts, 128)
     q = torch.empty(M, K, dtype=FP8, device=x.device) if rows else None
     s = torch.empty(KB, M, dtype=torch.float32, device=x.device) if rows else None
     qt = torch.empty(K, 128 * T, dtype=FP8, device=x.device) if cols else None
     st = torch.empty(T, K, dtype=torch.float32, device=x.device) if cols else None
     if T * KB > 0 and (rows or cols):
-        _quant_act_kernel[(T, KB)](x, x if dh is None else dh, q, s, qt, st, col_amax, row_offs, tile_offs, M, K, E,
-                                   128 * T, ROWS=rows, COLS=cols, E_P2=_e_p2(E), ACT=_ACTS[act],
-                                   GROUP=col_amax is not None, num_warps=QUANT_WARPS)
+        _quant_act_kernel[(T, KB)](x, x if dh is None else dh, q, s, qt, st, col_amax, row_mult, row_offs, tile_offs,
+                                   M, K, E, 128 * T, ROWS=rows, COLS=cols, E_P2=_e_p2(E), ACT=_ACTS[act],
+                                   GROUP=col_amax is not None, RMULT=row_mult is not None, num_warps=QUANT_WARPS)
     return Fp8Act(q, s.t() if rows else None, qt, st)
 
 # %% [markdown]
@@ -650,7 +657,7 @@ print(f"grouped FP8 GEMM vs quantized reference: max rel err {max(errs):.1e} ({t
 @triton.jit
 def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tile_offs_ptr, M, N, LD,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_SCALES: tl.constexpr = False,
-                      PROMOTE: tl.constexpr = None):
+                      HAS_SB: tl.constexpr = True, PROMOTE: tl.constexpr = None):
     tm, tn = tl.cdiv(M, BM), tl.cdiv(N, BN)
     pid = tl.program_id(0)
     e = pid // (tm * tn)
@@ -676,34 +683,39 @@ def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tile_offs_ptr, M, N, 
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         a_ptrs += BK
         b_ptrs += BK
-    if GROUP_SCALES:                                                 # scales (E, M) and (E, N)
-        acc *= (tl.load(sa_ptr + e * M + rows, mask=row_ok, other=0.0)[:, None]
-                * tl.load(sb_ptr + e * N + cols, mask=col_ok, other=0.0)[None, :])
+    if GROUP_SCALES:                                                 # scales (E, M) and (E, N), or none for B
+        acc *= tl.load(sa_ptr + e * M + rows, mask=row_ok, other=0.0)[:, None]
+        if HAS_SB:
+            acc *= tl.load(sb_ptr + e * N + cols, mask=col_ok, other=0.0)[None, :]
     tl.store(c_ptr + e.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fp8_grouped_wgrad(qat: Tensor, sat: Tensor, qbt: Tensor, sbt: Tensor, counts: Tensor, out_dtype: torch.dtype,
+def fp8_grouped_wgrad(qat: Tensor, sat: Tensor, qbt: Tensor, sbt: Tensor | None, counts: Tensor, out_dtype: torch.dtype,
                       config: GemmConfig | None = None, group_scales: bool = False) -> Tensor:
     """`C[e] = A_eᵀ B_e` summed over expert e's tokens, from column quantizations (`quantize_act(..., cols=True)`
     with the same `counts`): `qat (Ma, 128·T)`, `qbt (Nb, 128·T)`, and their scales per token tile, `sat (T, Ma)`,
-    `sbt (T, Nb)`, or with `group_scales` one per expert, `sat (E, Ma)`, `sbt (E, Nb)`. Returns `(E, Ma, Nb)`."""
+    `sbt (T, Nb)`, or with `group_scales` one per expert, `sat (E, Ma)`, `sbt (E, Nb)` or None (B's values are
+    taken as they are: the row recipe's X, whose row scales are in A). Returns `(E, Ma, Nb)`."""
     cfg = _check_config(config or (ROW_WGRAD if group_scales else GemmConfig()))   # K steps within 128-token tiles
     (Ma, LD), Nb, E = qat.shape, qbt.shape[0], counts.numel()
     _check_fp8("qat", qat, (Ma, LD))
     _check_fp8("qbt", qbt, (Nb, LD))
     lead = E if group_scales else LD // 128
-    if LD % 128 or sat.shape != (lead, Ma) or sbt.shape != (lead, Nb):
+    sb_shape = None if sbt is None else tuple(sbt.shape)
+    if LD % 128 or sat.shape != (lead, Ma) or sb_shape not in ((lead, Nb),) + ((None,) if group_scales else ()):
         raise ValueError(f"want qat (Ma, 128·T), qbt (Nb, 128·T), sat ({'E' if group_scales else 'T'}, Ma), sbt "
-                         f"({'E' if group_scales else 'T'}, Nb); got qat {tuple(qat.shape)} sat {tuple(sat.shape)} "
-                         f"qbt {tuple(qbt.shape)} sbt {tuple(sbt.shape)}")
+                         f"({'E' if group_scales else 'T'}, Nb){' or None' if group_scales else ''}; got qat "
+                         f"{tuple(qat.shape)} sat {tuple(sat.shape)} qbt {tuple(qbt.shape)} sbt {sb_shape}")
     c = torch.empty(E, Ma, Nb, dtype=out_dtype, device=qat.device)
     grid = E * triton.cdiv(Ma, cfg.block_m) * triton.cdiv(Nb, cfg.block_n)
     if grid > 0:
         _, tile_offs = _schedule(counts, 128)
-        _fp8_wgrad_kernel[(grid,)](qat, sat.contiguous(), qbt, sbt.contiguous(), c, tile_offs, Ma, Nb, LD,
+        sat = sat.contiguous()
+        _fp8_wgrad_kernel[(grid,)](qat, sat, qbt, sat if sbt is None else sbt.contiguous(), c, tile_offs, Ma, Nb, LD,
                                    BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_SCALES=group_scales,
-                                   PROMOTE=cfg.promote, num_warps=cfg.warps, num_stages=cfg.stages)
+                                   HAS_SB=sbt is not None, PROMOTE=cfg.promote, num_warps=cfg.warps,
+                                   num_stages=cfg.stages)
     return c
 
 # %% [markdown]
@@ -746,43 +758,58 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 # |---|---|---|
 # | forward `Y = X Wᵀ` | token (row of X, over the in features) | row of `W[e]` (output feature, over in) |
 # | input gradient `dX = dY W` | token of `dY ⊙ s_W[e]` | none: `W[e]`'s values as they are, transposed |
-# | weight gradient `dW = dYᵀ X` | column of `dY` over expert e's tokens | column of `X` over expert e's tokens |
+# | weight gradient `dW = dYᵀ X` | column of `dY ⊙ s_X` over expert e's tokens | none: X's forward values, transposed |
 #
-# The input gradient reduces over W's rows, along which W's scales vary; they move to the other side, into `dY`
-# before it is quantized (`dY[m, n] · s_W[e, n]`, exact in fp32 since a scale is a power of two), and the B operand
-# is the forward's FP8 weight transposed, with no scale of its own. The weight gradient needs each column's maximum
-# over an expert's tokens before any of them can be quantized, so that takes two passes: the row pass, which reads
-# every element anyway, also writes each column's maximum over its tile of rows, a small kernel
+# Each gradient reduces over a dimension along which one operand's scales vary, and the same move serves both: the
+# scales go to the other side, into `dY` before it is quantized, which is exact in fp32 since a scale is a power of
+# two. The input gradient reduces over W's rows, so `dY[m, n] · s_W[e, n]` is quantized by rows and the B operand is
+# the forward's FP8 weight transposed, with no scale of its own. The weight gradient reduces over tokens, along
+# which X's row scales vary, so `dY[m, n] · s_X[m]` is quantized by columns and the B operand is the forward's FP8
+# X transposed: the weight gradient is the gradient of the product the forward computed, and X is quantized once.
+# The forward's row pass writes X's FP8 values twice, as rows for the forward and transposed, in tiles of 128
+# tokens from each expert's first row (`trans`), the layout the weight-gradient GEMM reads (on sm90 an FP8 operand
+# must be contiguous along the reduction; the tensor cores cannot transpose 8-bit tiles on the way in).
+#
+# The columns of `dY ⊙ s_X` need each column's maximum over an expert's tokens before any of them can be
+# quantized, so that takes two passes over dY: the row pass for the input gradient, which reads every element
+# anyway, also writes each column's maximum over its tile of rows (of `dY ⊙ s_X`, `row_mult`), a small kernel
 # (`_expert_max_kernel`) reduces those per expert, and the column pass (`quantize_act(..., cols=True,
-# col_amax=...)`) reads the activation again and quantizes with them.
+# col_amax=..., row_mult=...)`) reads dY again and quantizes with them.
 #
 # A row's scale is set by its largest element over all of K, so an outlier costs the whole row precision, where a
 # 1×128 tile confines it to 128 elements; how much that matters to training is measured (`nbs/validate/v05_fp8`).
 #
 # `_quant_rows_kernel` takes `BM` rows of one expert per program and reads them twice, 128 columns at a time: the
-# first loop finds the row maxima (and, asked, the column maxima), the second quantizes.
+# first loop finds the row maxima (and, asked, the column maxima), the second quantizes and writes (and, asked,
+# writes the values transposed). Its programs cover each expert's rows rounded up to 128, so the transposed tiles'
+# padding is written as zeros by the programs past the expert's end.
 # It computes the same activations as `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`,
 # the weight scales of the input gradient) before taking maxima.
 
 # %%
 #| export
 @triton.jit
-def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, q_ptr, s_ptr, amax_ptr, row_offs_ptr, tile_offs_ptr, M, K, E,
-                       MULT: tl.constexpr, AMAX: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr,
-                       BM: tl.constexpr):
+def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr, amax_ptr, row_offs_ptr,
+                       tile_offs_ptr, M, K, E, LDT, MULT: tl.constexpr, RMULT: tl.constexpr, AMAX: tl.constexpr,
+                       TRANS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr):
     t = tl.program_id(0)
     e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
     if e >= E:
         return
     rows = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * BM + tl.arange(0, BM)
     row_ok = rows < tl.load(row_offs_ptr + e + 1)
+    if AMAX and RMULT:
+        rmult = tl.load(rmult_ptr + rows, mask=row_ok, other=0.0)
     r_max = tl.zeros((BM,), dtype=tl.float32)
     for k0 in range(0, K, 128):
         cols = k0 + tl.arange(0, 128)
         col_ok = cols < K
         x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & col_ok[None, :], K, ACT)
-        if AMAX:                                   # the columns' maxima over this tile's rows, unmultiplied
-            tl.store(amax_ptr + t * K + cols, tl.max(tl.abs(x), axis=0), mask=col_ok)
+        if AMAX:                                   # the columns' maxima over this tile's rows, times rmult
+            if RMULT:
+                tl.store(amax_ptr + t * K + cols, tl.max(tl.abs(x * rmult[:, None]), axis=0), mask=col_ok)
+            else:
+                tl.store(amax_ptr + t * K + cols, tl.max(tl.abs(x), axis=0), mask=col_ok)
         if MULT:
             x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
         r_max = tl.maximum(r_max, tl.max(tl.abs(x), axis=1))
@@ -795,7 +822,11 @@ def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, q_ptr, s_ptr, amax_ptr, row_offs
         x = _act_tile(x_ptr, dh_ptr, rows, cols, mask, K, ACT)
         if MULT:
             x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], _to_e4m3(x * inv[:, None]), mask=mask)
+        q = _to_e4m3(x * inv[:, None])
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+        if TRANS:                                  # rows past the expert's end are zeros: the tile's padding
+            tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * BM + tl.arange(0, BM))[:, None], q,
+                     mask=col_ok[None, :])
 
 
 @triton.jit
@@ -814,40 +845,50 @@ def _expert_max_kernel(tile_max_ptr, amax_ptr, tile_offs_ptr, K, TILES: tl.const
 
 
 class Fp8Rows(NamedTuple):
-    "An activation quantized one scale per row, and (when asked) its columns' maxima per expert."
+    "An activation quantized one scale per row; when asked, the same values transposed, and its columns' maxima."
     q: Tensor                # (M, K) e4m3
     s: Tensor                # (M,) fp32
-    col_amax: Tensor | None  # (E, K) fp32: max |x| of each column over each expert's rows (before `mult`)
+    col_amax: Tensor | None  # (E, K) fp32: max |x · row_mult| of each column over each expert's rows (before `mult`)
+    qt: Tensor | None        # (K, 128·T) e4m3: q transposed in tiles of 128 tokens per expert, zero-padded
 
 
 ROWS_BM = 32   # rows per program of quantize_rows (its second loop reads them again)
 
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
-                  mult: Tensor | None = None, col_amax: bool = False) -> Fp8Rows:
+                  mult: Tensor | None = None, col_amax: bool = False, row_mult: Tensor | None = None,
+                  trans: bool = False) -> Fp8Rows:
     """Quantize `x (M, K)` (or `act` of it, as in `quantize_act`) one power-of-two scale per row over all of K.
     `mult (E, K)`: quantize `x[m, k] · mult[e, k]` for the expert e of row m. `col_amax`: also return each column's
-    max |x| over each expert's rows. Rows past `counts`' sum are not quantized."""
+    max |x[m, k] · row_mult[m]| (`row_mult (M,)`, or 1) over each expert's rows. `trans`: also return the FP8 values
+    transposed, in `quantize_act`'s column layout. Rows past `counts`' sum are not quantized."""
     x, dh, M, K = _act_input(x, act, dh)
     counts = x.new_full((1,), M, dtype=torch.int64) if counts is None else counts
-    E, T = counts.numel(), _max_tiles(M, counts.numel(), ROWS_BM)
+    E, T128 = counts.numel(), _max_tiles(M, counts.numel(), 128)
+    T = T128 * (128 // ROWS_BM)
     if mult is not None and (mult.shape != (E, K) or mult.dtype != torch.float32):
         raise ValueError(f"mult must be fp32 ({E}, {K}), got {tuple(mult.shape)} {mult.dtype}")
+    if row_mult is not None and (row_mult.shape != (M,) or row_mult.dtype != torch.float32 or not col_amax):
+        raise ValueError(f"row_mult must be fp32 ({M},) and comes with col_amax, got {tuple(row_mult.shape)} "
+                         f"{row_mult.dtype}, col_amax={col_amax}")
     q = torch.empty(M, K, dtype=FP8, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
+    qt = torch.empty(K, 128 * T128, dtype=FP8, device=x.device) if trans else None
     tile_max = torch.empty(T, K, dtype=torch.float32, device=x.device) if col_amax else None
-    row_offs, tile_offs = _schedule(counts, ROWS_BM)
+    row_offs, tile_offs = _schedule(counts, 128)
+    tile_offs = tile_offs * (128 // ROWS_BM)   # each expert's 128-row tiles, split: a tile never holds two experts
     if T > 0 and K > 0:
-        _quant_rows_kernel[(T,)](x, x if dh is None else dh, s if mult is None else mult.contiguous(), q, s,
-                                 s if tile_max is None else tile_max, row_offs, tile_offs, M, K, E,
-                                 MULT=mult is not None, AMAX=col_amax, E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM,
-                                 num_warps=4)
+        _quant_rows_kernel[(T,)](x, x if dh is None else dh, s if mult is None else mult.contiguous(),
+                                 s if row_mult is None else row_mult.contiguous(), q, s, q if qt is None else qt,
+                                 s if tile_max is None else tile_max, row_offs, tile_offs, M, K, E, 128 * T128,
+                                 MULT=mult is not None, RMULT=row_mult is not None, AMAX=col_amax, TRANS=trans,
+                                 E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM, num_warps=4)
     amax = None
     if col_amax:                               # each tile's column maxima, reduced per expert
         amax = torch.empty(E, K, dtype=torch.float32, device=x.device)
         if E * K > 0:
             _expert_max_kernel[(E, triton.cdiv(K, 128))](tile_max, amax, tile_offs, K, TILES=8, num_warps=4)
-    return Fp8Rows(q, s, amax)
+    return Fp8Rows(q, s, amax, qt)
 
 # %% [markdown]
 # Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes 32 rows per program, finds their
@@ -907,10 +948,10 @@ ROW_WGRAD = GemmConfig(128, 256, 128, 8, 3, promote=None)    # fp8_grouped_wgrad
 
 # %% [markdown]
 # Checks against plain torch in float64: the row quantization (`quantize_ref` with one block per row) bit for
-# bit, with a multiplier and through both SwiGLU activations; the column maxima per expert; the column pass with
-# those maxima against each expert's rows quantized one block per column; the weights both ways, from a weight
-# stored transposed too; then the two GEMMs against their float64 references, with an empty expert, a one-row expert
-# and rows past the last expert.
+# bit, with a multiplier and through both SwiGLU activations, and its transpose with the padding zero; the column
+# maxima per expert, with and without a row multiplier; the column pass with those maxima against each expert's rows
+# quantized one block per column; the weights both ways, from a weight stored transposed too; then the two GEMMs
+# against their float64 references, with an empty expert, a one-row expert and rows past the last expert.
 
 # %%
 def check_rows(counts, M, K, seed):
@@ -921,19 +962,25 @@ def check_rows(counts, M, K, seed):
     mult = pow2_scale(mult.abs() * 100)                                  # powers of two, as weight scales are
     expert = torch.repeat_interleave(torch.arange(E), counts)
     bounds = [0] + counts.cumsum(0).tolist()
+    tile = [0] + ((counts + 127) // 128).cumsum(0).tolist()
+    row_mult = pow2_scale(torch.rand(M) * 1e3)
     for act, src, want in [(None, x, x), ("swiglu", gu, swiglu(gu, impl="triton"))]:
-        r = quantize_rows(src, counts, act=act, col_amax=True)
-        q, s = quantize_ref(want[:n], (1, K))
-        assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0]), act
-        amax = torch.stack([want[a:b].abs().amax(0) if b > a else want.new_zeros(K)
-                            for a, b in zip(bounds[:-1], bounds[1:])])
-        assert torch.equal(r.col_amax, amax.float()), act
-        c = quantize_act(src, counts, rows=False, cols=True, act=act, col_amax=r.col_amax)
-        tile = [0] + ((counts + 127) // 128).cumsum(0).tolist()
-        for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if b > a:
-                qe, _ = quantize_ref(want[a:b], (b - a, 1))
-                assert torch.equal(c.qt[:, 128 * tile[e]:128 * tile[e] + b - a].float(), qe.float().T), (act, e)
+        for rm in (None, row_mult):
+            r = quantize_rows(src, counts, act=act, col_amax=True, row_mult=rm, trans=True)
+            q, s = quantize_ref(want[:n], (1, K))
+            assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0]), act
+            scaled = want if rm is None else want * rm[:, None]
+            amax = torch.stack([scaled[a:b].abs().amax(0) if b > a else want.new_zeros(K)
+                                for a, b in zip(bounds[:-1], bounds[1:])])
+            assert torch.equal(r.col_amax, amax.float()), act
+            c = quantize_act(src, counts, rows=False, cols=True, act=act, col_amax=r.col_amax, row_mult=rm)
+            for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                cols = slice(128 * tile[e], 128 * tile[e + 1])
+                assert (r.qt[:, cols].float()[:, b - a:] == 0).all(), (act, e)        # the padding
+                assert torch.equal(r.qt[:, cols][:, :b - a].float(), r.q[a:b].float().T), (act, e)
+                if b > a:
+                    qe, _ = quantize_ref(scaled[a:b], (b - a, 1))
+                    assert torch.equal(c.qt[:, cols][:, :b - a].float(), qe.float().T), (act, e)
     r = quantize_rows(x, counts, mult=mult)
     q, s = quantize_ref(x[:n] * mult[expert], (1, K))
     assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0])
@@ -973,13 +1020,13 @@ def check_row_gemms(counts, extra, K, N, cfg=None, seed=0):
     dx = fp8_grouped_mm(g.q, g.s, qwt, None, counts, torch.float32, cfg)
     want = torch.einsum("mn,mnk->mk", fake_quant_rows(dy[:n] * sw[expert]), qw.double()[expert])
     errs.append(rel_err(dx[:n], want))
-    xa = quantize_rows(x, counts, col_amax=True)
-    gt = quantize_act(dy, counts, rows=False, cols=True, col_amax=g.col_amax)
-    xt = quantize_act(x, counts, rows=False, cols=True, col_amax=xa.col_amax)
-    dw = fp8_grouped_wgrad(gt.qt, pow2_scale(g.col_amax), xt.qt, pow2_scale(xa.col_amax), counts, torch.float32,
-                           cfg, group_scales=True)
+    xa = quantize_rows(x, counts, trans=True)                          # the weight gradient: dY ⊙ s_X, X's values
+    g = quantize_rows(dy, counts, col_amax=True, row_mult=xa.s)
+    gt = quantize_act(dy, counts, rows=False, cols=True, col_amax=g.col_amax, row_mult=xa.s)
+    dw = fp8_grouped_wgrad(gt.qt, pow2_scale(g.col_amax), xa.qt, None, counts, torch.float32, cfg, group_scales=True)
     bounds = [0] + counts.cumsum(0).tolist()
-    want = torch.stack([fake_quant(dy[a:b], (max(b - a, 1), 1)).T @ fake_quant(x[a:b], (max(b - a, 1), 1))
+    qx, sx = quantize_ref(x[:n], (1, K))
+    want = torch.stack([fake_quant(dy[a:b] * sx[a:b], (max(b - a, 1), 1)).T @ qx[a:b].double()
                         for a, b in zip(bounds[:-1], bounds[1:])])
     errs.append(rel_err(dw, want))
     assert max(errs) < EXACT, (counts, K, N, errs)
@@ -1000,7 +1047,8 @@ print(f"row-scaled GEMMs (forward, input and weight gradients) vs reference: max
 # quantizing inside. With block scales, forward quantizes X both ways in one pass when the weight needs a gradient
 # and keeps only the FP8 column quantization for the weight gradient (about 1.1 bytes per element instead of
 # bf16's 2), and W in blocks; backward quantizes dY both ways in one pass and quantizes W again, transposed. With
-# row scales each activation takes a row pass and a column pass (above), and the layer keeps the same FP8 columns.
+# row scales the forward's one pass writes X's rows and their transpose, the layer keeps the transpose and X's row
+# scales, and backward quantizes dY by rows and by columns (above).
 # W is a parameter that the backward holds anyway (FSDP2 gathers it again for the backward), so the layer keeps no
 # FP8 copy alive between forward and backward (under `train.fp8` the step keeps one, below). The weight gradient
 # either runs at once or waits in a `WeightGradQueue`, exactly as in `grouped_linear`: the deferred closure holds
@@ -1020,33 +1068,39 @@ print(f"row-scaled GEMMs (forward, input and weight gradients) vs reference: max
 
 # %%
 #| export
-def _group_cols(x: Tensor, counts: Tensor, r: Fp8Rows, act: str | None = None, dh: Tensor | None = None):
-    "The weight gradient's operand from a row pass's column maxima: x's columns quantized per expert, and scales."
-    cols = quantize_act(x, counts, rows=False, cols=True, act=act, dh=dh, col_amax=r.col_amax)
+def _group_cols(g: Tensor, counts: Tensor, r: Fp8Rows, row_mult: Tensor, act: str | None = None,
+                dh: Tensor | None = None):
+    """The weight gradient's A operand from a row pass's column maxima: the columns of `g ⊙ row_mult` (the other
+    operand's row scales) quantized per expert, and their scales."""
+    cols = quantize_act(g, counts, rows=False, cols=True, act=act, dh=dh, col_amax=r.col_amax, row_mult=row_mult)
     return cols.qt, pow2_scale(r.col_amax)
 
 
 def _wgrad(g_cols, x_cols, counts, dtype, rows):
-    "The weight gradient from the two column quantizations (block: per token tile; rows: per expert)."
-    return fp8_grouped_wgrad(*g_cols, *x_cols, counts, dtype, group_scales=rows)
+    """The weight gradient from the gradient's column quantization and the input's saved one (block: both per token
+    tile; rows: the gradient's per expert, the input's the forward's FP8 rows transposed, `x_cols = (qt, s)`)."""
+    if rows:
+        return fp8_grouped_wgrad(*g_cols, x_cols[0], None, counts, dtype, group_scales=True)
+    return fp8_grouped_wgrad(*g_cols, *x_cols, counts, dtype)
 
 
 def _triton_forward(x, w, counts, keep_cols, weight, rows):
     if rows:
-        a = quantize_rows(x, counts, col_amax=keep_cols)
+        a = quantize_rows(x, counts, trans=keep_cols)
         y = fp8_grouped_mm(a.q, a.s, *weight(False, quantize_weight_rows), counts, x.dtype)
-        return y, (_group_cols(x, counts, a) if keep_cols else ())
+        return y, ((a.qt, a.s) if keep_cols else ())
     a = quantize_act(x, counts, rows=True, cols=keep_cols)
     y = fp8_grouped_mm(a.q, a.s, *weight(False, quantize_weight), counts, x.dtype)
     return y, ((a.qt, a.st) if keep_cols else ())
 
 
 def _triton_backward(dy, w, counts, saved, need_dx, need_dw, weight, rows):
-    if rows:                                   # dY ⊙ s_W by rows for dX; dY's columns per expert for dW
+    if rows:                                   # dY ⊙ s_W by rows for dX; dY ⊙ s_X's columns per expert for dW
         qwt, sw = weight(True, quantize_weight_rows)
-        g = quantize_rows(dy, counts, mult=sw, col_amax=need_dw)
+        sx = saved[1] if need_dw else None
+        g = quantize_rows(dy, counts, mult=sw, col_amax=need_dw, row_mult=sx)
         dx = fp8_grouped_mm(g.q, g.s, qwt, None, counts, dy.dtype) if need_dx else None
-        g_cols = _group_cols(dy, counts, g) if need_dw else None
+        g_cols = _group_cols(dy, counts, g, sx) if need_dw else None
     else:
         g = quantize_act(dy, counts, rows=need_dx, cols=need_dw)
         dx = fp8_grouped_mm(g.q, g.s, *weight(True, quantize_weight), counts, dy.dtype) if need_dx else None
@@ -1103,8 +1157,11 @@ def _torch_backward(dy, w, counts, saved, need_dx, need_dw, weight, rows):
             dx[a:b] = (gq[a:b] @ wq[e]).to(dx.dtype)
     def wgrad():
         (x,) = saved
-        cols = (lambda t: fake_quant(t, (max(len(t), 1), 1), torch.float32)) if rows else \
-            (lambda t: fake_quant(t, (128, 1), torch.float32))
+        if rows:                               # columns of dY ⊙ s_X per expert, times X's FP8 row values
+            q, s = quantize_ref(x[:bounds[-1]], (1, max(x.shape[1], 1)))
+            cols = lambda t: fake_quant(t, (max(len(t), 1), 1), torch.float32)
+            return torch.stack([cols(dy[a:b] * s[a:b]).T @ q[a:b].float() for a, b in ranges]).to(w.dtype)
+        cols = lambda t: fake_quant(t, (128, 1), torch.float32)
         return torch.stack([cols(dy[a:b]).T @ cols(x[a:b]) for a, b in ranges]).to(w.dtype)
     return dx, (wgrad if need_dw else None)
 
@@ -1354,7 +1411,7 @@ for bad, msg in [
 #
 # `fp8_swiglu_experts(x, w_gate_up, w_down, counts)` is `down(swiglu(gate_up(x)))` in FP8. With the Triton kernels
 # it is one autograd function around the fused passes; it saves what the two layers and SwiGLU saved apart (the
-# input's and `h`'s column quantizations for the weight gradients, and `gate_up` for SwiGLU's gradient) and defers
+# input's and `h`'s quantizations for the weight gradients, and `gate_up` for SwiGLU's gradient) and defers
 # both weight gradients to a queue the same way. The torch implementation is the two layers and SwiGLU apart.
 # GPT-OSS's experts (biases, a clamped SwiGLU on interleaved columns) call the layers one by one.
 
@@ -1364,13 +1421,12 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, counts, wgrad_queue, weight1, weight2, rows):
         keep1, keep2 = ctx.needs_input_grad[1:3]
-        if rows:
-            a = quantize_rows(x, counts, col_amax=keep1)
+        if rows:                               # the FP8 rows transposed are the weight gradients' B operands
+            a = quantize_rows(x, counts, trans=keep1)
             gate_up = fp8_grouped_mm(a.q, a.s, *weight1(False, quantize_weight_rows), counts, x.dtype)
-            h = quantize_rows(gate_up, counts, act="swiglu", col_amax=keep2)
+            h = quantize_rows(gate_up, counts, act="swiglu", trans=keep2)
             y = fp8_grouped_mm(h.q, h.s, *weight2(False, quantize_weight_rows), counts, x.dtype)
-            xs = _group_cols(x, counts, a) if keep1 else ()
-            hs = _group_cols(gate_up, counts, h, act="swiglu") if keep2 else ()
+            xs, hs = ((a.qt, a.s) if keep1 else ()), ((h.qt, h.s) if keep2 else ())
         else:
             a = quantize_act(x, counts, rows=True, cols=keep1)
             gate_up = fp8_grouped_mm(a.q, a.s, *weight1(False, quantize_weight), counts, x.dtype)
@@ -1389,14 +1445,15 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
         dy = dy.contiguous()
         if rows:
+            sx, sh = xs[1] if keep1 else None, hs[1] if keep2 else None
             qw2t, sw2 = weight2(True, quantize_weight_rows)
-            g = quantize_rows(dy, counts, mult=sw2, col_amax=keep2)
+            g = quantize_rows(dy, counts, mult=sw2, col_amax=keep2, row_mult=sh)
             dh = fp8_grouped_mm(g.q, g.s, qw2t, None, counts, dy.dtype)
-            g_cols = _group_cols(dy, counts, g) if keep2 else None
+            g_cols = _group_cols(dy, counts, g, sh) if keep2 else None
             qw1t, sw1 = weight1(True, quantize_weight_rows)
-            gg = quantize_rows(gate_up, counts, act="swiglu_grad", dh=dh, mult=sw1, col_amax=keep1)
+            gg = quantize_rows(gate_up, counts, act="swiglu_grad", dh=dh, mult=sw1, col_amax=keep1, row_mult=sx)
             dx = fp8_grouped_mm(gg.q, gg.s, qw1t, None, counts, dy.dtype) if need_dx else None
-            gg_cols = _group_cols(gate_up, counts, gg, act="swiglu_grad", dh=dh) if keep1 else None
+            gg_cols = _group_cols(gate_up, counts, gg, sx, act="swiglu_grad", dh=dh) if keep1 else None
         else:
             g = quantize_act(dy, counts, rows=True, cols=keep2)
             dh = fp8_grouped_mm(g.q, g.s, *weight2(True, quantize_weight), counts, dy.dtype)
