@@ -13,7 +13,13 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
 - `mlp`: a SwiGLU expert MLP forward + backward, bf16 against `fp8_swiglu_experts` with block and with row scales,
   with the weights' FP8 copies made beforehand (a step of several micro-batches) and made inside (a step of one);
   errors against the bf16 MLP, peak memory above the inputs;
-- `quant`: the row-scaled quantization passes alone, in GB/s of bytes read and written.
+- `quant`: the row-scaled quantization passes alone, in GB/s of bytes read and written;
+- `wgrad`: the row recipe's weight gradient `dYᵀ B` (B the layer's input: X, or SwiGLU's output h) two ways: the
+  columns of dY and of B each quantized per expert, or the columns of `dY ⊙ s_B` times B's FP8 rows transposed (the
+  package's), each with and without promotion; `err` against float64 of the unquantized operands, `acc_err`
+  against float64 of the same quantized operands, on the first four experts;
+- `rowsweep`: the row passes a SwiGLU expert MLP runs, at each rows-per-program and warp count of `quantize_rows`
+  (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`).
 
 Every case runs inside try/except (fp8_bench's `run`). Nothing here is a test; the numbers go to RESULTS.md.
 """
@@ -159,6 +165,66 @@ def bench_quant(name, shape, tokens):
         run(group, label, lambda: report(group, label, do_bench(fn, return_mode="median"), nbytes=nbytes))
 
 
+def bench_rowsweep(name, shape, tokens):
+    counts, x, w1, _, dy = mlp_inputs(shape, tokens)
+    x, n, H, I, E = x.detach(), x.shape[0], shape["hidden"], shape["ffn"], shape["experts"]
+    g = torch.Generator(device=DEV).manual_seed(5)
+    gate_up = torch.randn(n, 2 * I, device=DEV, generator=g).bfloat16()
+    dh = torch.randn(n, I, device=DEV, generator=g).bfloat16()
+    s = fp8.pow2_scale(torch.rand(n, device=DEV) + 0.5)                    # another operand's row scales
+    mult_h, mult_i = (fp8.pow2_scale(torch.rand(E, k, device=DEV) + 0.5) for k in (H, 2 * I))
+    passes = {f"x, trans ({H})": (lambda: fp8.quantize_rows(x, counts, trans=True), n * H * 4),
+              f"swiglu, trans ({I})": (lambda: fp8.quantize_rows(gate_up, counts, act="swiglu", trans=True), n * I * 6),
+              f"dy, mult, col_amax ({H})": (lambda: fp8.quantize_rows(dy, counts, mult=mult_h, col_amax=True,
+                                                                       row_mult=s), n * H * 3),
+              f"swiglu_grad, mult, col_amax ({2 * I})": (lambda: fp8.quantize_rows(
+                  gate_up, counts, act="swiglu_grad", dh=dh, mult=mult_i, col_amax=True, row_mult=s), n * I * 8)}
+    default = fp8.ROWS_BM, fp8.ROWS_WARPS
+    try:
+        for bm, warps in [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (16, 2), (16, 4)]:
+            fp8.ROWS_BM, fp8.ROWS_WARPS = bm, warps
+            for label, (fn, nbytes) in passes.items():
+                group = f"{name} quantize_rows {label}"
+                run(group, f"{bm} rows, {warps} warps", lambda: report(
+                    group, f"{bm} rows, {warps} warps", do_bench(fn, return_mode="median"), nbytes=nbytes))
+    finally:
+        fp8.ROWS_BM, fp8.ROWS_WARPS = default
+
+
+def bench_wgrad(name, shape, tokens):
+    from pith_lit.ops.swiglu import swiglu
+    counts, x, w1, _, dy = mlp_inputs(shape, tokens)
+    x, w1 = x.detach(), w1.detach()
+    gate_up = F.grouped_mm(x, w1.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    bounds = [0] + counts[:4].cumsum(0).tolist()
+    tile = [0] + ((counts[:4] + 127) // 128).cumsum(0).tolist()
+    d = lambda t: t.double()
+    span = lambda qt, i: d(qt[:, 128 * tile[i]:128 * tile[i] + bounds[i + 1] - bounds[i]])   # expert i's columns
+    for operand, src, act, b in [("x", x, None, x), ("h", gate_up, "swiglu", swiglu(gate_up))]:
+        group = f"{name} wgrad dY^T {operand} ({dy.shape[1]}x{b.shape[1]})"
+        exact = torch.stack([d(dy[a:c]).T @ d(b[a:c]) for a, c in zip(bounds[:-1], bounds[1:])])
+        flops = 2 * dy.shape[0] * dy.shape[1] * b.shape[1]
+        rb = fp8.quantize_rows(src, counts, act=act, col_amax=True, trans=True)
+        rg = fp8.quantize_rows(dy, counts, col_amax=True)                       # both operands by columns
+        gc, sg = fp8._group_cols(dy, counts, rg, None)
+        bc, sb = fp8._group_cols(src, counts, rb, None, act=act)
+        rf = fp8.quantize_rows(dy, counts, col_amax=True, row_mult=rb.s)         # dY ⊙ s_B by columns, B's rows
+        fc, sf = fp8._group_cols(dy, counts, rf, rb.s)
+        ways = {"columns of dY and B": ((gc, sg, bc, sb), torch.stack([(span(gc, i) * d(sg[i])[:, None])
+                                        @ (span(bc, i) * d(sb[i])[:, None]).T for i in range(4)])),
+                "columns of dY*s_B, B's rows": ((fc, sf, rb.qt, None), torch.stack([(span(fc, i) * d(sf[i])[:, None])
+                                                @ span(rb.qt, i).T for i in range(4)]))}
+        for way, (ops, quantized) in ways.items():
+            for cfg in (fp8.ROW_WGRAD, fp8.ROW_WGRAD._replace(promote=128)):
+                label = f"{way}, promote {cfg.promote}"
+                def go(ops=ops, quantized=quantized, cfg=cfg, label=label):
+                    fn = lambda: fp8.fp8_grouped_wgrad(*ops, counts, torch.bfloat16, cfg, group_scales=True)
+                    out = fn()[:4]
+                    report(group, label, do_bench(fn, return_mode="median"), flops,
+                           errs=dict(err=rel(out, exact), acc_err=rel(out, quantized)))
+                run(group, label, go)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -175,6 +241,10 @@ def main():
             bench_mlp(name, shape, args.tokens)
         if "quant" in parts:
             bench_quant(name, shape, args.tokens)
+        if "wgrad" in parts:
+            bench_wgrad(name, shape, args.tokens)
+        if "rowsweep" in parts:
+            bench_rowsweep(name, shape, args.tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

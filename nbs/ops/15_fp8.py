@@ -85,7 +85,10 @@ T0 = time.time()
 #
 # For a block with largest magnitude `amax`, the scale is the smallest power of two `s` with `amax / s ≤ 448`. The
 # exponent is clamped to [−126, 126], so both `s` and `1/s` are normal fp32 numbers; an all-zero block gets
-# `s = 2⁻¹²⁶` and quantizes to zeros. Dequantization is `q · s`.
+# `s = 2⁻¹²⁶` and quantizes to zeros. Dequantization is `q · s`. `pow2_scale` here and `_pow2_scale` in the
+# kernels take the exponent from amax's bits, never from a `log2`, which on CUDA is not exact at every power of
+# two: an amax of exactly `448·2^k` (bf16's coarse grid makes such maxima common) must get `2^k` on both sides,
+# because some scales are computed here for values a kernel quantized (the row recipe's weight gradient).
 #
 # `quantize_ref` quantizes the last two dimensions of a tensor in blocks of any shape: `(1, 128)` for activation
 # tiles, `(128, 128)` for weight blocks, `(128, 1)` for the token tiles of the weight gradient. Edge blocks are
@@ -99,8 +102,11 @@ FP8 = torch.float8_e4m3fn
 
 
 def pow2_scale(amax: Tensor) -> Tensor:
-    "fp32 scales `2^ceil(log2(amax/448))`, exponent clamped to [-126, 126] (so an all-zero block gets 2^-126)."
-    return torch.exp2(torch.ceil(torch.log2(amax.double() / E4M3_MAX)).clamp(-126, 126)).float()
+    """fp32 scales `2^ceil(log2(amax/448))`, exponent clamped to [-126, 126] (so an all-zero block gets 2^-126),
+    from amax's binary exponent and mantissa: `amax = m·2^e` with `m` in [0.5, 1) and `448 = 0.875·2^9`."""
+    m, e = torch.frexp(amax)
+    k = torch.where(amax > 0, e - 9 + (m > 0.875).int(), -126).clamp(-126, 126)
+    return ((k + 127).int() << 23).view(torch.float32)
 
 
 def quantize_ref(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -852,7 +858,8 @@ class Fp8Rows(NamedTuple):
     qt: Tensor | None        # (K, 128·T) e4m3: q transposed in tiles of 128 tokens per expert, zero-padded
 
 
-ROWS_BM = 32   # rows per program of quantize_rows (its second loop reads them again)
+ROWS_BM = 32      # rows per program of quantize_rows (its second loop reads them again); divides 128
+ROWS_WARPS = 4    # warps per program (benchmarks/fp8_rows.py --parts rowsweep times others)
 
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
@@ -882,7 +889,7 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
                                  s if row_mult is None else row_mult.contiguous(), q, s, q if qt is None else qt,
                                  s if tile_max is None else tile_max, row_offs, tile_offs, M, K, E, 128 * T128,
                                  MULT=mult is not None, RMULT=row_mult is not None, AMAX=col_amax, TRANS=trans,
-                                 E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM, num_warps=4)
+                                 E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM, num_warps=ROWS_WARPS)
     amax = None
     if col_amax:                               # each tile's column maxima, reduced per expert
         amax = torch.empty(E, K, dtype=torch.float32, device=x.device)
@@ -1803,10 +1810,12 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   fp32 every 128 of K costs much of the gain), which adds an error far below the quantization's own.
 # - **Quantization.** Every FP8 operand is written by a pass of its own that reads the bf16 activation: the input
 #   and `dY`, and SwiGLU's output and gradient (computed inside their passes, `fp8_swiglu_experts`). Under row
-#   scales each is read twice, once for the rows and once more for the columns the weight gradient needs, whose
-#   scales exist only after the row pass has seen all of an expert's rows. At these widths (hidden 2048, experts
-#   768 and 1408 wide) the passes take about as long as the GEMMs save, so the whole expert MLP in FP8 runs at most
-#   at bf16's speed with row scales and slower with block scales. The quantization of the experts' input stays a
+#   scales the forward's passes read their activation once and write it twice (rows, and the transpose the weight
+#   gradient reads), and the backward's read each gradient twice, once for the rows and once more for the columns
+#   the weight gradient needs, whose scales exist only after the row pass has seen all of an expert's rows. At
+#   these widths (hidden 2048, experts 768 and 1408 wide) the passes take most of what the GEMMs save, so the whole
+#   expert MLP in FP8 runs near bf16's speed with row scales (a little under it at Qwen3's width, a little over at
+#   DeepSeek-V2-Lite's) and slower with block scales. The quantization of the experts' input stays a
 #   pass of its own: the rows it reads are gathered by the dispatcher's `expand` (the engine's permutation, one per
 #   dispatcher: one rank, or expert parallelism after the all-to-all) just before the model's `stage3` (models/20),
 #   and folding that gather into the experts' first kernel would make the model's experts depend on each
@@ -1865,3 +1874,28 @@ for fused in (True, False):
 errs = [rel_err(a, b) for a, b in zip(*got)]
 print(f"fused SwiGLU experts vs apart, bf16 on the GPU: {errs}")
 assert max(errs) < 3e-2, errs
+
+# %% [markdown]
+# Scales computed in torch and in the kernels agree at every exact boundary `448·2^k` (where a `log2` on CUDA can
+# be off by one); and the row-scaled layer on bf16-valued inputs, whose maxima often sit on those boundaries (the
+# weight gradient takes scales computed in torch for values a kernel quantized), against the torch definition on
+# the same GPU: within 1e-2 (the tensor cores' accumulation), where a mismatched scale moves some columns by 2×.
+
+# %%
+#| cuda
+amax = 448 * torch.exp2(torch.arange(-126, 120, device="cuda", dtype=torch.float32))
+edge = torch.zeros(len(amax), 128, device="cuda")
+edge[:, 5] = -amax
+want = torch.exp2(torch.arange(-126, 120, device="cpu", dtype=torch.float64)).float().cuda()      # 2^k, exactly
+assert torch.equal(quantize_rows(edge).s, want) and torch.equal(pow2_scale(amax), want)
+counts = torch.tensor([300, 0, 1, 1000, 517], device="cuda")
+x, w, dy = (t.cuda().bfloat16().float() for t in randn(12, (1818, 1024), (5, 768, 1024), (1818, 768)))
+got = []
+for impl in ("triton", "torch"):
+    xl, wl = x.clone().requires_grad_(), (w / 32).requires_grad_()
+    y = fp8_grouped_linear(xl, wl, counts, impl=impl, scaling="rows")
+    y.backward(dy)
+    got.append((y.detach(), xl.grad, wl.grad))
+errs = [rel_err(a, b) for a, b in zip(*got)]
+print(f"row-scaled layer, triton vs torch on the GPU: {errs}")
+assert max(errs) < 1e-2, errs

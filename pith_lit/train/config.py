@@ -112,12 +112,14 @@ class TrainConfig:
                            "(train.fp8_scaling), each weight quantized once per step; Triton kernels on CUDA (sm89 or "
                            "newer), their torch reference on a CPU. Attention, the dense projections, router, norms "
                            "and head stay in train.dtype (ops/15_fp8). On the H200 the FP8 products run faster than "
-                           "bf16's, but the quantization passes take that back: the bench steps measure slower than "
-                           "bf16 and use more memory (benchmarks/RESULTS.md)")
+                           "bf16's, but the quantization passes take most of that back and every expert weight is "
+                           "quantized each step: the bench steps (one micro-batch each) measure slower than bf16 and "
+                           "use more memory (benchmarks/RESULTS.md)")
     fp8_scaling: Literal["block", "rows"] = cfg(
-        "block", "with train.fp8, how the experts' FP8 values are scaled: block = 1×128 activation tiles and 128×128 "
-        "weight blocks (DeepSeek-V3's recipe); rows = one scale per row of each operand over the whole reduction, "
-        "so the GEMMs chain their FP8 products and scale once at the end (ops/15_fp8, \"One scale per row\")")
+        "rows", "with train.fp8, how the experts' FP8 values are scaled: rows = one scale per row of each operand "
+        "over the whole reduction, so the GEMMs chain their FP8 products and scale once at the end (ops/15_fp8, "
+        "\"One scale per row\"; the faster recipe on the H200); block = 1×128 activation tiles and 128×128 weight "
+        "blocks (DeepSeek-V3's recipe), which confine an outlier to its block")
 
 
 @dataclass
