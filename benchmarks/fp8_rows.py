@@ -42,6 +42,12 @@ PROMOTED = [GemmConfig(128, 128, 128, 8, 4, 128), GemmConfig(128, 128, 256, 8, 3
             GemmConfig(128, 256, 128, 8, 3, 128)]
 
 
+def expert_cols(qt, counts, i):
+    "Expert i's columns of a column layout (`quantize_act(..., cols=True)`, `quantize_rows(..., trans=True)`), float64."
+    tile = int(((counts[:i] + 127) // 128).sum())
+    return qt[:, 128 * tile:128 * tile + int(counts[i])].double()
+
+
 def bench_gemms(name, shape, tokens):
     torch.backends.cuda.matmul.allow_tf32 = False
     counts = routed_counts(tokens, shape["experts"], shape["top_k"])
@@ -87,9 +93,7 @@ def bench_gemms(name, shape, tokens):
                             for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
         ex_dgrad = torch.cat([(d(rg.q[a:b]) * d(rg.s[a:b, None])) @ d(qw[i])
                               for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
-        tile = [0] + ((counts[:4] + 127) // 128).cumsum(0).tolist()
-        ex_wgrad = torch.stack([(d(gt[:, 128 * tile[i]:128 * tile[i] + bounds[i + 1] - bounds[i]]) * d(sg[i])[:, None])
-                                @ d(r.qt[:, 128 * tile[i]:128 * tile[i] + bounds[i + 1] - bounds[i]]).T
+        ex_wgrad = torch.stack([(expert_cols(gt, counts, i) * d(sg[i])[:, None]) @ expert_cols(r.qt, counts, i).T
                                 for i in range(4)])
         for cfg in TILES + PROMOTED:
             tag = f"{tuple(cfg[:5])} promote {cfg.promote}"
@@ -197,9 +201,7 @@ def bench_wgrad(name, shape, tokens):
     x, w1 = x.detach(), w1.detach()
     gate_up = F.grouped_mm(x, w1.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
     bounds = [0] + counts[:4].cumsum(0).tolist()
-    tile = [0] + ((counts[:4] + 127) // 128).cumsum(0).tolist()
     d = lambda t: t.double()
-    span = lambda qt, i: d(qt[:, 128 * tile[i]:128 * tile[i] + bounds[i + 1] - bounds[i]])   # expert i's columns
     for operand, src, act, b in [("x", x, None, x), ("h", gate_up, "swiglu", swiglu(gate_up))]:
         group = f"{name} wgrad dY^T {operand} ({dy.shape[1]}x{b.shape[1]})"
         exact = torch.stack([d(dy[a:c]).T @ d(b[a:c]) for a, c in zip(bounds[:-1], bounds[1:])])
@@ -210,11 +212,10 @@ def bench_wgrad(name, shape, tokens):
         bc, sb = fp8._group_cols(src, counts, rb, None, act=act)
         rf = fp8.quantize_rows(dy, counts, col_amax=True, row_mult=rb.s)         # dY ⊙ s_B by columns, B's rows
         fc, sf = fp8._group_cols(dy, counts, rf, rb.s)
-        ways = {"columns of dY and B": ((gc, sg, bc, sb), torch.stack([(span(gc, i) * d(sg[i])[:, None])
-                                        @ (span(bc, i) * d(sb[i])[:, None]).T for i in range(4)])),
-                "columns of dY*s_B, B's rows": ((fc, sf, rb.qt, None), torch.stack([(span(fc, i) * d(sf[i])[:, None])
-                                                @ span(rb.qt, i).T for i in range(4)]))}
-        for way, (ops, quantized) in ways.items():
+        cols = lambda qt, s, i: expert_cols(qt, counts, i) * (1 if s is None else d(s[i])[:, None])
+        ways = {"columns of dY and B": (gc, sg, bc, sb), "columns of dY*s_B, B's rows": (fc, sf, rb.qt, None)}
+        for way, ops in ways.items():
+            quantized = torch.stack([cols(*ops[:2], i) @ cols(*ops[2:], i).T for i in range(4)])
             for cfg in (fp8.ROW_WGRAD, fp8.ROW_WGRAD._replace(promote=128)):
                 label = f"{way}, promote {cfg.promote}"
                 def go(ops=ops, quantized=quantized, cfg=cfg, label=label):

@@ -55,6 +55,11 @@ def _bounds(counts):
     return list(zip(b[:-1], b[1:]))
 
 
+def _tile_starts(counts):
+    "The first 128-token tile of each expert in the column layout, and the end: `[0, ...]` of length E + 1."
+    return [0] + ((counts + 127) // 128).cumsum(0).tolist()
+
+
 def _ref_layer(x, w, counts, dy):
     """y, dx, dw of the FP8 expert layer in float64, one expert at a time: 1x128 tiles of x and dy, 128x128 blocks of
     w, tiles of 128 tokens from each expert's first row for the weight gradient. Rows past the experts: zero."""
@@ -116,7 +121,7 @@ def group_quantize():
         n = int(counts.sum())
         q, s = quantize_ref(x[:n], (1, 128))
         assert torch.equal(a.q[:n].float(), q.float()) and torch.equal(a.s[:n], s)
-        tile = [0] + ((counts + 127) // 128).cumsum(0).tolist()
+        tile = _tile_starts(counts)
         assert a.qt.shape == (K, 128 * (-(-M // 128) + len(counts) - 1)) and a.st.shape == (a.qt.shape[1] // 128, K)
         for e, (lo, hi) in enumerate(_bounds(counts)):
             q, s = quantize_ref(x[lo:hi], (128, 1))
@@ -386,7 +391,7 @@ def group_rows():
         qr, sr = quantize_ref(w, (1, K))
         assert torch.equal(qw.float(), qr.float()) and torch.equal(sw, sr[..., 0])
         g = quantize_rows(dy, counts, mult=sw, col_amax=True, row_mult=r.s)
-        tiles = [0] + ((counts + 127) // 128).cumsum(0).tolist()
+        tiles = _tile_starts(counts)
         for e, (lo, hi) in enumerate(_bounds(counts)):
             want = (dy[lo:hi] * r.s[lo:hi, None]).abs().amax(0) if hi > lo else torch.zeros(dy.shape[1])
             assert torch.equal(g.col_amax[e], want), (i, e)

@@ -1075,7 +1075,7 @@ print(f"row-scaled GEMMs (forward, input and weight gradients) vs reference: max
 
 # %%
 #| export
-def _group_cols(g: Tensor, counts: Tensor, r: Fp8Rows, row_mult: Tensor, act: str | None = None,
+def _group_cols(g: Tensor, counts: Tensor, r: Fp8Rows, row_mult: Tensor | None, act: str | None = None,
                 dh: Tensor | None = None):
     """The weight gradient's A operand from a row pass's column maxima: the columns of `g ⊙ row_mult` (the other
     operand's row scales) quantized per expert, and their scales."""

@@ -572,7 +572,7 @@ ROW_GEMM = GemmConfig(128, 256, 128, 8, 3, promote=None)     # fp8_grouped_mm wi
 ROW_WGRAD = GemmConfig(128, 256, 128, 8, 3, promote=None)    # fp8_grouped_wgrad with group scales (block_k <= 128)
 
 # %% ../../nbs/ops/15_fp8.ipynb #61691572
-def _group_cols(g: Tensor, counts: Tensor, r: Fp8Rows, row_mult: Tensor, act: str | None = None,
+def _group_cols(g: Tensor, counts: Tensor, r: Fp8Rows, row_mult: Tensor | None, act: str | None = None,
                 dh: Tensor | None = None):
     """The weight gradient's A operand from a row pass's column maxima: the columns of `g ⊙ row_mult` (the other
     operand's row scales) quantized per expert, and their scales."""
