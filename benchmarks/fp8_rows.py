@@ -165,7 +165,10 @@ def bench_quant(name, shape, tokens):
             (f"quantize_act rows+cols x ({H})", lambda: fp8.quantize_act(x, counts, cols=True), n * H * 4),
             ("quantize_weight_rows w1", lambda: fp8.quantize_weight_rows(w), w.numel() * 3),
             ("quantize_weight_rows w1 transposed", lambda: fp8.quantize_weight_rows(w, True), w.numel() * 3),
-            ("quantize_weight w1 (blocks)", lambda: fp8.quantize_weight(w), w.numel() * 3)]:
+            ("quantize_weight_rows w1 both", lambda: fp8.quantize_weight_rows(w, "both"), w.numel() * 4),
+            ("quantize_weight w1 (blocks)", lambda: fp8.quantize_weight(w), w.numel() * 3),
+            ("quantize_weight w1 (blocks) transposed", lambda: fp8.quantize_weight(w, True), w.numel() * 3),
+            ("quantize_weight w1 (blocks) both", lambda: fp8.quantize_weight(w, "both"), w.numel() * 4)]:
         run(group, label, lambda: report(group, label, do_bench(fn, return_mode="median"), nbytes=nbytes))
 
 

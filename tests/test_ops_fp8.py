@@ -143,6 +143,11 @@ def group_quantize():
         assert torch.equal(q.float(), qr.float()) and torch.equal(s, sr)
         qt, st = quantize_weight(w, transposed=True)
         assert torch.equal(qt.float(), q.float().transpose(-2, -1)) and torch.equal(st, s.transpose(-2, -1))
+        for src in (w, w.mT.contiguous().mT):                # both layouts from one pass, also from a stored transpose
+            (q2, s2), (qt2, st2) = quantize_weight(src, "both")
+            assert all(torch.equal(a.float(), b.float()) for a, b in [(q2, q), (s2, s), (qt2, qt), (st2, st)])
+    with pytest.raises(ValueError, match="'both'"):
+        quantize_weight(w, transposed="t")
 
 
 def group_gemm():
@@ -390,6 +395,9 @@ def group_rows():
         assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0])
         qr, sr = quantize_ref(w, (1, K))
         assert torch.equal(qw.float(), qr.float()) and torch.equal(sw, sr[..., 0])
+        (qw2, sw2), (qwt2, swt2) = quantize_weight_rows(w, "both")
+        assert torch.equal(qw2.float(), qr.float()) and torch.equal(qwt2.float(), qr.float().mT)
+        assert torch.equal(sw2, sw) and torch.equal(swt2, sw)
         g = quantize_rows(dy, counts, mult=sw, col_amax=True, row_mult=r.s)
         tiles = _tile_starts(counts)
         for e, (lo, hi) in enumerate(_bounds(counts)):

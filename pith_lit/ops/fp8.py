@@ -216,7 +216,7 @@ def quantize_act(x: Tensor, counts: Tensor | None = None, rows: bool = True, col
 
 # %% ../../nbs/ops/15_fp8.ipynb #bbf439f4
 @triton.jit
-def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, TRANS: tl.constexpr):
+def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, FWD: tl.constexpr, TRANS: tl.constexpr):
     e = tl.program_id(0)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
@@ -228,30 +228,50 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, TRANS: tl.constexpr):
     s, inv = _pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
     q = _to_e4m3(w * inv)
     NB, KB = tl.cdiv(N, 128), tl.cdiv(K, 128)
-    if TRANS:
-        tl.store(q_ptr + base + k[None, :] * N + n[:, None], q, mask=mask)
-        tl.store(s_ptr + (e * KB + kb) * NB + nb, s)
-    else:
+    if FWD:
         tl.store(q_ptr + base + n[:, None] * K + k[None, :], q, mask=mask)
         tl.store(s_ptr + (e * NB + nb) * KB + kb, s)
+    if TRANS:
+        tl.store(qt_ptr + base + k[None, :] * N + n[:, None], q, mask=mask)
+        tl.store(st_ptr + (e * KB + kb) * NB + nb, s)
 
 
-def quantize_weight(w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+def _layouts(transposed: bool | str) -> tuple[bool, ...]:
+    "The layouts a weight quantizer writes: `(False,)`, `(True,)`, or for `'both'` `(False, True)`."
+    if transposed == "both":
+        return (False, True)
+    if transposed in (False, True):
+        return (bool(transposed),)
+    raise ValueError(f"transposed must be False, True or 'both', got {transposed!r}")
+
+
+def _weight_result(w: Tensor, outs: list, transposed: bool | str):
+    "A weight quantizer's answer: `(q, s)`, or `((q, s), (qt, st))` for `'both'`; a 2-D weight's without the E axis."
+    if w.dim() == 2:
+        outs = [tuple(t[0] for t in o) for o in outs]
+    return tuple(outs) if transposed == "both" else outs[0]
+
+
+def quantize_weight(w: Tensor, transposed: bool | str = False):
     """128x128-block quantization of `w (E, N, K)` or `(N, K)`: e4m3 values of w's shape and scales
-    `(E, ceil(N/128), ceil(K/128))` (no E for 2-D). With `transposed`, those of `wᵀ`: `(E, K, N)`, scales transposed.
+    `(E, ceil(N/128), ceil(K/128))` (no E for 2-D). With `transposed`, those of `wᵀ`: `(E, K, N)`, scales transposed;
+    with `transposed="both"`, both pairs from one read of w, `((q, s), (qt, st))`.
     A `.mT` view of a contiguous weight (GPT-OSS stores its experts `(E, in, out)`) is read as it is stored: the
     blocks of `wᵀ` are those of `w` transposed, so no copy is made."""
+    layouts = _layouts(transposed)
     if w.dim() == 3 and not w.is_contiguous() and w.mT.is_contiguous():
-        return quantize_weight(w.mT, transposed=not transposed)
+        flipped = quantize_weight(w.mT, "both" if len(layouts) == 2 else not layouts[0])
+        return flipped[::-1] if len(layouts) == 2 else flipped
     w3 = w.contiguous() if w.dim() == 3 else w.contiguous()[None]
     E, N, K = w3.shape
     NB, KB = triton.cdiv(N, 128), triton.cdiv(K, 128)
-    shape, sshape = ((E, K, N), (E, KB, NB)) if transposed else ((E, N, K), (E, NB, KB))
-    q = torch.empty(shape, dtype=FP8, device=w.device)
-    s = torch.empty(sshape, dtype=torch.float32, device=w.device)
+    outs = [(torch.empty((E, K, N) if t else (E, N, K), dtype=FP8, device=w.device),
+             torch.empty((E, KB, NB) if t else (E, NB, KB), dtype=torch.float32, device=w.device)) for t in layouts]
     if E * NB * KB > 0:
-        _quant_weight_kernel[(E, NB, KB)](w3, q, s, N, K, TRANS=transposed, num_warps=8)
-    return (q, s) if w.dim() == 3 else (q[0], s[0])
+        (q, s), (qt, st) = outs[0], outs[-1]
+        _quant_weight_kernel[(E, NB, KB)](w3, q, s, qt, st, N, K, FWD=False in layouts, TRANS=True in layouts,
+                                          num_warps=8)
+    return _weight_result(w, outs, transposed)
 
 # %% ../../nbs/ops/15_fp8.ipynb #987d0ecb
 @triton.jit
@@ -532,7 +552,8 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 
 # %% ../../nbs/ops/15_fp8.ipynb #0113dccb
 @triton.jit
-def _quant_weight_rows_kernel(w_ptr, q_ptr, s_ptr, N, K, s_e, s_n, s_k, TRANS: tl.constexpr, BN: tl.constexpr):
+def _quant_weight_rows_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_e, s_n, s_k, FWD: tl.constexpr,
+                              TRANS: tl.constexpr, BN: tl.constexpr):
     e = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < N
@@ -544,28 +565,31 @@ def _quant_weight_rows_kernel(w_ptr, q_ptr, s_ptr, N, K, s_e, s_n, s_k, TRANS: t
         r_max = tl.maximum(r_max, tl.max(tl.abs(w), axis=1))
     s, inv = _pow2_scale(r_max)
     tl.store(s_ptr + e * N + n, s, mask=n_ok)
-    out = q_ptr + e.to(tl.int64) * N * K
+    off = e.to(tl.int64) * N * K
     for k0 in range(0, K, 128):
         k = k0 + tl.arange(0, 128)
         mask = n_ok[:, None] & (k < K)[None, :]
         q = _to_e4m3(tl.load(base + k[None, :] * s_k, mask=mask, other=0.0).to(tl.float32) * inv[:, None])
+        if FWD:
+            tl.store(q_ptr + off + n[:, None] * K + k[None, :], q, mask=mask)
         if TRANS:
-            tl.store(out + k[None, :] * N + n[:, None], q, mask=mask)
-        else:
-            tl.store(out + n[:, None] * K + k[None, :], q, mask=mask)
+            tl.store(qt_ptr + off + k[None, :] * N + n[:, None], q, mask=mask)
 
 
-def quantize_weight_rows(w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_weight_rows(w: Tensor, transposed: bool | str = False):
     """One power-of-two scale per row of `w (E, N, K)` or `(N, K)` over K: e4m3 values of w's shape (with
-    `transposed`, of `wᵀ`: `(E, K, N)`) and scales `(E, N)` (no E for 2-D), the same either way."""
+    `transposed`, of `wᵀ`: `(E, K, N)`) and scales `(E, N)` (no E for 2-D), the same either way; with
+    `transposed="both"`, both from one pass, `((q, s), (qt, s))`."""
+    layouts = _layouts(transposed)
     w3 = w if w.dim() == 3 else w[None]
     E, N, K = w3.shape
-    q = torch.empty((E, K, N) if transposed else (E, N, K), dtype=FP8, device=w.device)
     s = torch.empty(E, N, dtype=torch.float32, device=w.device)
+    outs = [(torch.empty((E, K, N) if t else (E, N, K), dtype=FP8, device=w.device), s) for t in layouts]
     if E * N * K > 0:
-        _quant_weight_rows_kernel[(E, triton.cdiv(N, 32))](w3, q, s, N, K, *w3.stride(), TRANS=transposed, BN=32,
+        _quant_weight_rows_kernel[(E, triton.cdiv(N, 32))](w3, outs[0][0], outs[-1][0], s, N, K, *w3.stride(),
+                                                           FWD=False in layouts, TRANS=True in layouts, BN=32,
                                                            num_warps=4)
-    return (q, s) if w.dim() == 3 else (q[0], s[0])
+    return _weight_result(w, outs, transposed)
 
 # %% ../../nbs/ops/15_fp8.ipynb #142be1ef
 ROW_GEMM = GemmConfig(128, 256, 128, 8, 3, promote=None)     # fp8_grouped_mm with row scales
@@ -613,16 +637,22 @@ def _triton_backward(dy, w, counts, saved, need_dx, need_dw, weight, rows):
     return dx, wgrad
 
 
-def quantize_weight_ref(w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+def _pick(fwd: tuple, trans: tuple, transposed: bool | str):
+    "A reference weight quantizer's answer from both of its layouts: the one asked, or both for `'both'`."
+    layouts = _layouts(transposed)
+    return (fwd, trans) if len(layouts) == 2 else (trans if layouts[0] else fwd)
+
+
+def quantize_weight_ref(w: Tensor, transposed: bool | str = False):
     "`quantize_weight` in plain torch (`quantize_ref` in 128x128 blocks): the weights of the torch implementation."
     q, s = quantize_ref(w, (128, 128))
-    return (q.mT, s.mT) if transposed else (q, s)
+    return _pick((q, s), (q.mT, s.mT), transposed)
 
 
-def quantize_weight_rows_ref(w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_weight_rows_ref(w: Tensor, transposed: bool | str = False):
     "`quantize_weight_rows` in plain torch (`quantize_ref` one block per row)."
     q, s = quantize_ref(w, (1, max(w.shape[-1], 1)))
-    return (q.mT if transposed else q), s[..., 0]
+    return _pick((q, s[..., 0]), (q.mT, s[..., 0]), transposed)
 
 
 def _torch_weight(weight, rows) -> Tensor:
@@ -817,12 +847,18 @@ class Fp8Weights:
         self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
 
     def weight(self, name: str, w: Tensor):
-        "`weight(transposed, quantize)` for `fp8_grouped_linear`: w's copy under `name`, quantized on first use."
+        """`weight(transposed, quantize)` for `fp8_grouped_linear`: w's copy under `name`, quantized on first use.
+        When gradients will flow into w (a training step: its backward asks for the transposed copy too), the
+        first use makes both copies in one pass over w; otherwise only the one asked for."""
+        both = torch.is_grad_enabled() and w.requires_grad
         def get(transposed: bool, quantize) -> tuple[Tensor, Tensor]:
             key = (name, transposed)
             if key not in self._copies:
                 with torch.no_grad():
-                    self._copies[key] = quantize(w.detach(), transposed)
+                    if both:
+                        self._copies[(name, False)], self._copies[(name, True)] = quantize(w.detach(), "both")
+                    else:
+                        self._copies[key] = quantize(w.detach(), transposed)
             return self._copies[key]
         return get
 
