@@ -196,6 +196,16 @@ def bench_rowsweep(name, shape, tokens):
                     group, f"{bm} rows, {warps} warps", do_bench(fn, return_mode="median"), nbytes=nbytes))
     finally:
         fp8.ROWS_BM, fp8.ROWS_WARPS = default
+    default = fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS             # the weight pass writing both layouts
+    group = f"{name} quantize_weight_rows w1 both"
+    try:
+        for rows, warps in [(64, 8), (32, 4), (32, 8), (64, 4), (128, 8), (16, 4)]:
+            fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS = rows, warps
+            run(group, f"{rows} rows, {warps} warps", lambda: report(
+                group, f"{rows} rows, {warps} warps", do_bench(lambda: fp8.quantize_weight_rows(w1.detach(), "both"),
+                                                               return_mode="median"), nbytes=w1.numel() * 4))
+    finally:
+        fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS = default
 
 
 def bench_wgrad(name, shape, tokens):

@@ -551,8 +551,8 @@ for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=
 #   unit's first backward: fp32 and unsharded for a wrapped unit, whole in the compute dtype otherwise);
 # - activations: each layer's kept bytes from its forward to its backward, the head's kept bytes from the loss to
 #   its backward, the stage input a pipeline rank received, what a zero-bubble backward leaves for W;
-# - under `train.fp8`, a layer's FP8 expert weights (ops/15: 1 byte per element) from its first forward of the step,
-#   and their transposed copy from its first backward, both to the end of the step (the FP8 layer also keeps its
+# - under `train.fp8`, a layer's FP8 expert weights and their transposed copy (ops/15: 1 byte per element each, made
+#   by one pass) from its first forward of the step to the end of the step (the FP8 layer also keeps its
 #   input for the weight gradient as FP8 tiles, not in the compute dtype, which `layer_bytes` does not count: an
 #   over-estimate);
 # - transients on top: the head while the loss runs, and in a layer's backward the gradient of its experts being
@@ -592,8 +592,8 @@ class _Walk:
         self.stages = stages
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
-        # train.fp8: a layer's expert weights quantized (1 byte each) at its first forward of the step, transposed at
-        # its first backward, both kept until the step ends
+        # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
+        # kept until the step ends
         self.fp8, self.fp8_made = 0.0, set()
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
@@ -629,15 +629,15 @@ class _Walk:
             if u.experts == experts:
                 self.gathered.add(u.name)
 
-    def _fp8_copy(self, key: str, direction: str) -> None:
-        if self.w.fp8 and (key, direction) not in self.fp8_made:
-            self.fp8_made.add((key, direction))
-            self.fp8 += sum(u.numel for u in self.layer_units.get(key, []) if u.experts)
+    def _fp8_copy(self, key: str) -> None:
+        if self.w.fp8 and key not in self.fp8_made:
+            self.fp8_made.add(key)
+            self.fp8 += 2 * sum(u.numel for u in self.layer_units.get(key, []) if u.experts)
 
     def layer_forward(self, key: str, m) -> None:
         self._gather(key, False)
         self._gather(key, True)
-        self._fp8_copy(key, "forward")
+        self._fp8_copy(key)
         self.acts += self.cost[key].kept * self.T
         self.note(f"forward of layer {key}, micro-batch {m}")
         for u in self.layer_units.get(key, []):
@@ -646,7 +646,6 @@ class _Walk:
 
     def layer_backward(self, key: str, m, zero_bubble: bool) -> None:
         self._gather(key, True)
-        self._fp8_copy(key, "backward")
         lb, w = self.cost[key], self.w
         transient = 0.0
         if lb.moe:

@@ -938,6 +938,10 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 
 # %%
 #| export
+WEIGHT_ROWS = 64        # rows of W per program (the second pass reads them again from L2)
+WEIGHT_ROWS_WARPS = 8   # benchmarks/fp8_rows.py --parts rowsweep times others
+
+
 @triton.jit
 def _quant_weight_rows_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_e, s_n, s_k, FWD: tl.constexpr,
                               TRANS: tl.constexpr, BN: tl.constexpr):
@@ -973,9 +977,9 @@ def quantize_weight_rows(w: Tensor, transposed: bool | str = False):
     s = torch.empty(E, N, dtype=torch.float32, device=w.device)
     outs = [(torch.empty((E, K, N) if t else (E, N, K), dtype=FP8, device=w.device), s) for t in layouts]
     if E * N * K > 0:
-        _quant_weight_rows_kernel[(E, triton.cdiv(N, 32))](w3, outs[0][0], outs[-1][0], s, N, K, *w3.stride(),
-                                                           FWD=False in layouts, TRANS=True in layouts, BN=32,
-                                                           num_warps=4)
+        _quant_weight_rows_kernel[(E, triton.cdiv(N, WEIGHT_ROWS))](
+            w3, outs[0][0], outs[-1][0], s, N, K, *w3.stride(), FWD=False in layouts, TRANS=True in layouts,
+            BN=WEIGHT_ROWS, num_warps=WEIGHT_ROWS_WARPS)
     return _weight_result(w, outs, transposed)
 
 # %% [markdown]

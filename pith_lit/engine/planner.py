@@ -334,8 +334,8 @@ class _Walk:
         self.stages = stages
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
-        # train.fp8: a layer's expert weights quantized (1 byte each) at its first forward of the step, transposed at
-        # its first backward, both kept until the step ends
+        # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
+        # kept until the step ends
         self.fp8, self.fp8_made = 0.0, set()
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
@@ -371,15 +371,15 @@ class _Walk:
             if u.experts == experts:
                 self.gathered.add(u.name)
 
-    def _fp8_copy(self, key: str, direction: str) -> None:
-        if self.w.fp8 and (key, direction) not in self.fp8_made:
-            self.fp8_made.add((key, direction))
-            self.fp8 += sum(u.numel for u in self.layer_units.get(key, []) if u.experts)
+    def _fp8_copy(self, key: str) -> None:
+        if self.w.fp8 and key not in self.fp8_made:
+            self.fp8_made.add(key)
+            self.fp8 += 2 * sum(u.numel for u in self.layer_units.get(key, []) if u.experts)
 
     def layer_forward(self, key: str, m) -> None:
         self._gather(key, False)
         self._gather(key, True)
-        self._fp8_copy(key, "forward")
+        self._fp8_copy(key)
         self.acts += self.cost[key].kept * self.T
         self.note(f"forward of layer {key}, micro-batch {m}")
         for u in self.layer_units.get(key, []):
@@ -388,7 +388,6 @@ class _Walk:
 
     def layer_backward(self, key: str, m, zero_bubble: bool) -> None:
         self._gather(key, True)
-        self._fp8_copy(key, "backward")
         lb, w = self.cost[key], self.w
         transient = 0.0
         if lb.moe:
