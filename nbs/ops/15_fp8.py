@@ -1857,7 +1857,8 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #
 # `benchmarks/fp8_rows.py` times each product and the whole SwiGLU expert MLP under both scalings against bf16,
 # `benchmarks/fp8_bench.py` and `benchmarks/fp8_bound.py` the block-scaled pieces and variants of its GEMM
-# (benchmarks/RESULTS.md, "FP8 with one scale per row" and the sections before it). Three things bound the experts
+# (benchmarks/RESULTS.md, "FP8 with one scale per row", the sections before it, and "FP8: both layouts of each expert
+# weight from one pass" for the bench end to end). Three things bound the experts
 # in FP8 on the H200:
 #
 # - **Promotion, under block scales.** A step's scales apply to a finished 128-deep product, so each step waits for
@@ -1880,7 +1881,9 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   pass of its own: the rows it reads are gathered by the dispatcher's `expand` (the engine's permutation, one per
 #   dispatcher: one rank, or expert parallelism after the all-to-all) just before the model's `stage3` (models/20),
 #   and folding that gather into the experts' first kernel would make the model's experts depend on each
-#   dispatcher's row layout, which the layer protocol keeps on the engine's side.
+#   dispatcher's row layout, which the layer protocol keeps on the engine's side. The weights' pass (both layouts
+#   from one read) is paid once per step: with one micro-batch per step it costs the Qwen3 bench more than the
+#   MLPs' own deficit; with several micro-batches per step it is shared among them.
 # - **The experts' share of a step.** The expert MLPs are about a quarter of a bench step's time in bf16; attention,
 #   the dense projections, the head and the optimizer take the rest. So even experts at twice bf16's speed, with
 #   quantization free, leave the step well short of 1.25× faster; that needs FP8 beyond the experts.

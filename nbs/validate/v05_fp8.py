@@ -27,8 +27,8 @@
 # With `repeat = True` it trains the unquantized configuration a second time. On a GPU two identical runs are not
 # bitwise equal (kernels that add with atomics sum in a varying order), and 300 steps of a 12-layer model turn a
 # last-digit difference in the first steps into a few percent of the per-step loss (on the Qwen3 bench, bf16 runs
-# of one setting have ended up to 10% apart at step 300, on repeating and on non-repeating text alike:
-# benchmarks/RESULTS.md), so that run measures how far
+# of one setting have ended up to 10% apart at step 300, on repeating and on non-repeating text alike, and still 3%
+# apart with fp32 master weights: benchmarks/RESULTS.md), so that run measures how far
 # the metrics move without any change in arithmetic; each margin is then the larger of `max_gap` (or
 # `max_val_gap`) and that spread, and both are printed. A 1% margin is then out of reach of one run of each; it
 # needs a setting whose identical runs end closer than that. On the CPU a run repeats bitwise, and the default
