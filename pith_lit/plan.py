@@ -6,8 +6,7 @@ __all__ = ['layouts', 'predict', 'flops_per_token', 'row', 'parser', 'main']
 # %% ../nbs/train/50_plan.ipynb #a3670b1c
 import argparse
 import json
-import math
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 

@@ -38,8 +38,7 @@
 #| export
 import argparse
 import json
-import math
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 
