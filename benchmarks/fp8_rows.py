@@ -19,7 +19,8 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
   package's), each with and without promotion; `err` against float64 of the unquantized operands, `acc_err`
   against float64 of the same quantized operands, on the first four experts;
 - `rowsweep`: the row passes a SwiGLU expert MLP runs, at each rows-per-program and warp count of `quantize_rows`
-  (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`).
+  (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), and the weight pass writing both layouts at each of its own
+  (`fp8.WEIGHT_ROWS`, `fp8.WEIGHT_ROWS_WARPS`).
 
 Every case runs inside try/except (fp8_bench's `run`). Nothing here is a test; the numbers go to RESULTS.md.
 """
@@ -174,7 +175,7 @@ def bench_quant(name, shape, tokens):
 
 def bench_rowsweep(name, shape, tokens):
     counts, x, w1, _, dy = mlp_inputs(shape, tokens)
-    x, n, H, I, E = x.detach(), x.shape[0], shape["hidden"], shape["ffn"], shape["experts"]
+    x, w1, n, H, I, E = x.detach(), w1.detach(), x.shape[0], shape["hidden"], shape["ffn"], shape["experts"]
     g = torch.Generator(device=DEV).manual_seed(5)
     gate_up = torch.randn(n, 2 * I, device=DEV, generator=g).bfloat16()
     dh = torch.randn(n, I, device=DEV, generator=g).bfloat16()
@@ -202,7 +203,7 @@ def bench_rowsweep(name, shape, tokens):
         for rows, warps in [(64, 8), (32, 4), (32, 8), (64, 4), (128, 8), (16, 4)]:
             fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS = rows, warps
             run(group, f"{rows} rows, {warps} warps", lambda: report(
-                group, f"{rows} rows, {warps} warps", do_bench(lambda: fp8.quantize_weight_rows(w1.detach(), "both"),
+                group, f"{rows} rows, {warps} warps", do_bench(lambda: fp8.quantize_weight_rows(w1, "both"),
                                                                return_mode="median"), nbytes=w1.numel() * 4))
     finally:
         fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS = default

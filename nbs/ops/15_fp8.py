@@ -931,8 +931,8 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
     return Fp8Rows(q, s, amax, qt)
 
 # %% [markdown]
-# Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes 32 rows per program, finds their
-# maxima over K, then writes them in the layouts asked, `W`'s `(E, N, K)`, transposed `(E, K, N)` (the input
+# Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes `WEIGHT_ROWS` rows per program, finds
+# their maxima over K, then writes them in the layouts asked, `W`'s `(E, N, K)`, transposed `(E, K, N)` (the input
 # gradient's B operand), or both (the second pass over the rows reads them again from L2, not from memory). It reads
 # W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in place.
 
