@@ -159,10 +159,11 @@ def rel_err(a, b):
 
 q, k, v, g, beta, s0 = make_inputs(2, 50, 2, 4, 16, 24, seed=0, dtype=torch.float64, state=True)
 o, s = gated_delta_rule_reference(q, k, v, g, beta, initial_state=s0, output_final_state=True)
-for fn, kw in ((hf.torch_recurrent_gated_delta_rule, {}), (hf.torch_chunk_gated_delta_rule, dict(chunk_size=16))):
-    o_hf, s_hf = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
-    assert rel_err(o, o_hf) < 2e-6 and rel_err(s, s_hf) < 2e-6, (fn.__name__, rel_err(o, o_hf), rel_err(s, s_hf))
-    print(f"{fn.__name__}: out {rel_err(o, o_hf):.1e}, state {rel_err(s, s_hf):.1e}")
+for name, kw in (("torch_recurrent_gated_delta_rule", {}), ("torch_chunk_gated_delta_rule", dict(chunk_size=16))):
+    o_hf, s_hf = getattr(hf, name)(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, **kw)
+    assert rel_err(o, o_hf) < 2e-6 and rel_err(s, s_hf) < 2e-6, (name, rel_err(o, o_hf), rel_err(s, s_hf))
+    print(f"{name}: out {rel_err(o, o_hf):.1e}, state {rel_err(s, s_hf):.1e}")
 
 # %% [markdown]
 # ## The chunked form
