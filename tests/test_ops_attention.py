@@ -164,8 +164,8 @@ def group_skipping():
     import torch
     from pith_lit.ops.attention import _bwd, _check_args, _fwd, attention_mask
     warnings.filterwarnings("ignore", "All-NaN slice", RuntimeWarning)
-    bm, bn, S = 16, 16, 80
-    cases = [dict(window=11), dict(cu=[0, 2, 3, 40, 80], window=25, sinks=True), dict(cu=[0, 17, 18, 50, 80]), {}]
+    bm, bn, S = 16, 16, 64
+    cases = [dict(window=11), dict(cu=[0, 2, 3, 40, 64], window=25, sinks=True), dict(cu=[0, 17, 18, 50, 64]), {}]
     for seed, opts in enumerate(cases + cases, 3000):
         if seed == 3000 + len(cases):  # the same again with dq from dSᵀ
             _force_stored_ds()

@@ -178,13 +178,13 @@ def test_pipeline_resume_repeats_straight_run(tmp_path):
 
 # Checkpoints saved at one layout load at another. Each chain trains one step per layout, each layout resuming from
 # the checkpoint the previous one saved, so every pair of neighbours is a save and a load at different layouts:
-# 1 → pp 2, pp 2 → ep 2, ep 2 → ep 2 × dp 2 (experts sharded by FSDP), ep 2 × dp 2 → 1, dp 2 → pp 2 × ep 2, HSDP →
-# FSDP, dp 2 → cp 2, and for Muon's state dp 2 → ep 2. (processes, overrides) per layout:
+# 1 → pp 2 (each rank loads its stages' layers), pp 2 → ep 2 × dp 2 (experts split, then sharded by FSDP), ep 2 ×
+# dp 2 → HSDP, HSDP → cp 2, cp 2 → pp 2 × ep 2, pp 2 × ep 2 → 1 (everything gathered onto one process), and for
+# Muon's state dp 2 → ep 2. (processes, overrides) per layout:
 ONE, PP2, EP2, DP2 = (1, []), (2, ["parallel.pp=2"]), (2, ["parallel.ep=2"]), (2, ["parallel.dp=2"])
 EP2DP2, PP2EP2 = (4, ["parallel.ep=2", "parallel.dp=2"]), (4, ["parallel.pp=2", "parallel.ep=2"])
 HSDP, CP2 = (4, ["parallel.dp_replicate=2", "parallel.dp=2"]), (2, ["parallel.cp=2"])
-RESHARD = {"1-pp2-ep2-ep2dp2-1": ([ONE, PP2, EP2, EP2DP2, ONE], []),
-           "dp2-pp2ep2-hsdp-dp2-cp2": ([DP2, PP2EP2, HSDP, DP2, CP2], []),
+RESHARD = {"1-pp2-ep2dp2-hsdp-cp2-pp2ep2-1": ([ONE, PP2, EP2DP2, HSDP, CP2, PP2EP2, ONE], []),
            "muon-dp2-ep2": ([DP2, EP2], ["train.optimizer=muon"])}
 
 
