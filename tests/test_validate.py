@@ -55,3 +55,8 @@ def test_fp8_validation_repeat(tmp_path):
                           overrides=overrides)
     assert "unquantized, again" in text
     assert "two unquantized runs end 0.00% apart (training loss) and 0.00% (held-out)" in text, text[-3000:]
+    # with identical unquantized runs, an FP8 run is as far from either as from their mean
+    lines = re.findall(r"FP8, row scales, [^\"\\]* from their mean", text)   # text: the executed notebook's JSON
+    assert len(lines) == 2, text[-3000:]
+    for line in lines:
+        assert len(set(re.findall(r"[+-]\d+\.\d+%", line))) == 1, line

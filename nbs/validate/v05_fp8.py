@@ -147,9 +147,17 @@ def gaps(s):
 
 tol, val_tol = max_gap, max_val_gap
 if repeat:
-    spread, val_spread = gaps(summary["unquantized, again"])
+    again = summary["unquantized, again"]
+    spread, val_spread = gaps(again)
     print(f"two unquantized runs end {spread:.2%} apart (training loss) and {val_spread:.2%} (held-out)")
     tol, val_tol = max(tol, spread), max(val_tol, val_spread)
+    signed = lambda a, b: f"{(a - b) / b:+.2%}" if a and b else "n/a"
+    for name in FP8_RUNS:      # signed distances, for the reader: from each unquantized run and from their mean
+        for key, what in (("end", "training loss"), ("val", "held-out")):
+            x, refs = summary[name][key], (base[key], again[key])
+            mean = sum(refs) / 2 if all(refs) else None
+            print(f"{name}, {what}: {signed(x, refs[0])} from the unquantized run, {signed(x, refs[1])} from its "
+                  f"repeat, {signed(x, mean)} from their mean")
 checks = {}
 for name in FP8_RUNS:
     fp8 = summary[name]
