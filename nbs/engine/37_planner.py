@@ -88,7 +88,7 @@ class Workload:
     pipelined: bool = False       # DualPipeV runs the step (pp > 1 or parallel.overlap)
     sync_free: bool = False       # parallel.ep_sync_free
     stage_layers: tuple = ()      # parallel.pp_stage_layers (empty: even)
-    fp8: bool = False             # train.fp8: the step's FP8 copies of the expert weights (ops/15)
+    fp8: bool = False             # train.fp8: FP8 copies of the expert weights, FP8 saved inputs (ops/15)
     document_mask: bool = False   # data.document_mask: attention within documents, by ops/14's kernels
 
     @property
@@ -160,12 +160,16 @@ def _mlp(inter: int, b: int, compiled: bool) -> float:
     return (3 if compiled else 4) * b * inter
 
 
-def _experts(k: int, H: int, inter: int, b: int, what: str, one_hot: int = 0) -> float:
+def _experts(k: int, H: int, inter: int, b: int, what: str, one_hot: int = 0, fp8: bool = False) -> float:
     """Stage 3 per token (k pairs): index maps, expanded rows, gate/up output, activation, expert outputs, summed
-    rows; with stage 3 recomputed only its input, its output and the maps. `one_hot`: GPT-OSS's bias selector."""
+    rows; with stage 3 recomputed only its input, its output and the maps. `one_hot`: GPT-OSS's bias selector.
+    `fp8`: the experts' matmuls keep their inputs for the weight gradients as FP8 (ops/15: the expanded rows and the
+    activation, 1 byte a value and a 4-byte scale a row) instead of the rows themselves."""
     maps = 2 * 8 * k
     if what == "layer":
         return maps + 2 * k * b * H + b * H
+    if fp8:
+        return maps + k * (b * (2 * inter + H + one_hot) + H + inter + 8) + b * H
     return maps + k * b * (H + 2 * inter + inter + H + one_hot) + b * H
 
 
@@ -314,7 +318,7 @@ def layer_bytes(c, i: int, w: Workload) -> LayerBytes:
         E, k, inter = _moe_shape(c)
         scale = w.ep if w.sync_free else 1
         one_hot = E if c.model_type == "gpt_oss" else 0
-        parts["experts"] = scale * _experts(k, H, inter, b, w.recompute, one_hot)
+        parts["experts"] = scale * _experts(k, H, inter, b, w.recompute, one_hot, w.fp8)
         if w.ep > 1:   # received rows and their router weights, the summed rows sent back, the rows received back
             d = w.ep if w.sync_free else ranks_per_token(E, k, w.ep)
             parts["dispatch and combine"] = d * (3 * b * H + 8 * k) + 8 * w.ep
@@ -552,9 +556,8 @@ for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=
 # - activations: each layer's kept bytes from its forward to its backward, the head's kept bytes from the loss to
 #   its backward, the stage input a pipeline rank received, what a zero-bubble backward leaves for W;
 # - under `train.fp8`, a layer's FP8 expert weights and their transposed copy (ops/15: 1 byte per element each, made
-#   by one pass) from its first forward of the step to the end of the step (the FP8 layer also keeps its
-#   input for the weight gradient as FP8 tiles, not in the compute dtype, which `layer_bytes` does not count: an
-#   over-estimate);
+#   by one pass) from its first forward of the step to the end of the step (and `layer_bytes` counts the experts'
+#   saved inputs as FP8);
 # - transients on top: the head while the loss runs, and in a layer's backward the gradient of its experts being
 #   added into the gradient already there (a whole unit's, while FSDP's hook accumulates it into fp32) plus the
 #   gradients of the expanded rows, or, where more, the score gradients that ops/14's backward stores for `dq`
@@ -1165,6 +1168,21 @@ e = estimate(c, meta_of(c), w)
 for r, p in enumerate(e.peaks):
     print(f"Qwen3-30B-A3B, {w.describe()}, pipeline rank {r}: {p.gib():.1f} GiB at the {p.where}")
 assert e.peaks[0].total > e.peaks[1].total   # rank 0 holds the embedding and the head
+
+# %% [markdown]
+# The Qwen3 bench with and without `train.fp8` (row scales), one and four micro-batches per step, against the peaks
+# the H200 measured (benchmarks/RESULTS.md, "FP8: both layouts of each expert weight from one pass"). FP8 adds the
+# weights' two copies (13.5 GiB at this size) and takes the experts' saved inputs from bf16 to FP8 (about 4 GiB
+# less over the twelve layers).
+
+# %%
+MEASURED_FP8_PEAKS = {(False, 1): 76.18, (True, 1): 86.11, (False, 4): 91.27, (True, 4): 101.20}   # GiB
+c = config_model("bench-qwen3-30b-a3b")
+for (fp8, m), got in MEASURED_FP8_PEAKS.items():
+    want = estimate(c, meta_of(c), replace(bench, fp8=fp8, micro_batches=m)).peaks[0].gib()
+    print(f"{'FP8 ' if fp8 else 'bf16'}, {m} micro-batch(es): predicted {want:6.2f} GiB, measured {got:6.2f} "
+          f"({want / got - 1:+.1%})")
+    assert abs(want / got - 1) < 0.02, (fp8, m, want, got)
 
 # %% [markdown]
 # And the pipeline cut: with a head that costs as much as three layers (a made-up profile), `choose_stage_layers`

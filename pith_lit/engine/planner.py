@@ -42,7 +42,7 @@ class Workload:
     pipelined: bool = False       # DualPipeV runs the step (pp > 1 or parallel.overlap)
     sync_free: bool = False       # parallel.ep_sync_free
     stage_layers: tuple = ()      # parallel.pp_stage_layers (empty: even)
-    fp8: bool = False             # train.fp8: the step's FP8 copies of the expert weights (ops/15)
+    fp8: bool = False             # train.fp8: FP8 copies of the expert weights, FP8 saved inputs (ops/15)
     document_mask: bool = False   # data.document_mask: attention within documents, by ops/14's kernels
 
     @property
@@ -86,12 +86,16 @@ def _mlp(inter: int, b: int, compiled: bool) -> float:
     return (3 if compiled else 4) * b * inter
 
 
-def _experts(k: int, H: int, inter: int, b: int, what: str, one_hot: int = 0) -> float:
+def _experts(k: int, H: int, inter: int, b: int, what: str, one_hot: int = 0, fp8: bool = False) -> float:
     """Stage 3 per token (k pairs): index maps, expanded rows, gate/up output, activation, expert outputs, summed
-    rows; with stage 3 recomputed only its input, its output and the maps. `one_hot`: GPT-OSS's bias selector."""
+    rows; with stage 3 recomputed only its input, its output and the maps. `one_hot`: GPT-OSS's bias selector.
+    `fp8`: the experts' matmuls keep their inputs for the weight gradients as FP8 (ops/15: the expanded rows and the
+    activation, 1 byte a value and a 4-byte scale a row) instead of the rows themselves."""
     maps = 2 * 8 * k
     if what == "layer":
         return maps + 2 * k * b * H + b * H
+    if fp8:
+        return maps + k * (b * (2 * inter + H + one_hot) + H + inter + 8) + b * H
     return maps + k * b * (H + 2 * inter + inter + H + one_hot) + b * H
 
 
@@ -223,7 +227,7 @@ def layer_bytes(c, i: int, w: Workload) -> LayerBytes:
         E, k, inter = _moe_shape(c)
         scale = w.ep if w.sync_free else 1
         one_hot = E if c.model_type == "gpt_oss" else 0
-        parts["experts"] = scale * _experts(k, H, inter, b, w.recompute, one_hot)
+        parts["experts"] = scale * _experts(k, H, inter, b, w.recompute, one_hot, w.fp8)
         if w.ep > 1:   # received rows and their router weights, the summed rows sent back, the rows received back
             d = w.ep if w.sync_free else ranks_per_token(E, k, w.ep)
             parts["dispatch and combine"] = d * (3 * b * H + 8 * k) + 8 * w.ep
