@@ -48,12 +48,14 @@ def test_validation(nb, tmp_path):
 
 
 def test_fp8_validation_repeat(tmp_path):
-    "v05's repeat run: on the CPU, with the same thread count, the unquantized run repeats bitwise (spread 0)."
+    """v05's repeat run, the FP8 runs trained first: on the CPU, with the same thread count, the unquantized run
+    repeats bitwise (spread 0)."""
     overrides = ["model.num_hidden_layers=2", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=8",
                  "train.warmup=2", "log.eval_every=0"]
     text = run_validation(NBS / "validate" / "v05_fp8.py", tmp_path, steps=8, tail=4, warm=2, repeat=True,
-                          overrides=overrides)
+                          fp8_first=True, overrides=overrides)
     assert "unquantized, again" in text
+    assert text.index("FP8, row scales: loss") < text.index("unquantized: loss"), "fp8_first: FP8 runs come first"
     assert "two unquantized runs end 0.00% apart (training loss) and 0.00% (held-out)" in text, text[-3000:]
     # with identical unquantized runs, an FP8 run is as far from either as from their mean
     lines = re.findall(r"FP8, row scales, [^\"\\]* from their mean", text)   # text: the executed notebook's JSON

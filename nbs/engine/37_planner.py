@@ -47,13 +47,13 @@
 #| export
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from pith_lit.engine.dualpipev import dualpipev_schedule, simulate, split_model
-from pith_lit.engine.ep import is_expert_param, shard_experts
+from pith_lit.engine.ep import shard_experts
 from pith_lit.engine.mesh import stage_layers
 from pith_lit.ops.attention import ds_bytes
 

@@ -9,13 +9,13 @@ __all__ = ['GiB', 'FAMILIES', 'MEASURED_LAYER_BYTES', 'CE_CHUNK', 'SLACK', 'CONT
 # %% ../../nbs/engine/37_planner.ipynb #107dfc3a
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from .dualpipev import dualpipev_schedule, simulate, split_model
-from .ep import is_expert_param, shard_experts
+from .ep import shard_experts
 from .mesh import stage_layers
 from ..ops.attention import ds_bytes
 
