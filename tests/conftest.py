@@ -14,15 +14,6 @@ NBS = ROOT / "nbs"
 os.environ.setdefault("PITH_LIT_CACHE", str(Path(tempfile.gettempdir()) / "pith_lit-test-cache"))
 
 
-# The files whose tests run longest (one to two and a half minutes each on two cores) are handed out first, so that
-# under pytest-xdist (`-n 2`) the run does not end with one worker alone on one of them while the other waits.
-FIRST = ("test_validate.py", "test_readme.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in FIRST)   # stable: the order within each group is kept
-
-
 def subprocess_env(**extra) -> dict:
     """Environment for child processes: CPU-only Triton interpreter, one thread per process, no GPU."""
     env = dict(os.environ)
