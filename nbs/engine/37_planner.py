@@ -164,7 +164,8 @@ def _experts(k: int, H: int, inter: int, b: int, what: str, one_hot: int = 0, fp
     """Stage 3 per token (k pairs): index maps, expanded rows, gate/up output, activation, expert outputs, summed
     rows; with stage 3 recomputed only its input, its output and the maps. `one_hot`: GPT-OSS's bias selector.
     `fp8`: the experts' matmuls keep their inputs for the weight gradients as FP8 (ops/15: the expanded rows and the
-    activation, 1 byte a value and a 4-byte scale a row) instead of the rows themselves."""
+    activation, 1 byte a value and a 4-byte scale a row; block scales keep 4 bytes per 128 values instead, within
+    100 bytes a row of that) instead of the rows themselves."""
     maps = 2 * 8 * k
     if what == "layer":
         return maps + 2 * k * b * H + b * H
@@ -1172,13 +1173,12 @@ assert e.peaks[0].total > e.peaks[1].total   # rank 0 holds the embedding and th
 # %% [markdown]
 # The Qwen3 bench with and without `train.fp8` (row scales), one and four micro-batches per step, against the peaks
 # the H200 measured (benchmarks/RESULTS.md, "FP8: both layouts of each expert weight from one pass"). FP8 adds the
-# weights' two copies (13.5 GiB at this size) and takes the experts' saved inputs from bf16 to FP8 (about 4 GiB
-# less over the twelve layers).
+# weights' two copies and keeps the experts' saved inputs in FP8 instead of bf16.
 
 # %%
-MEASURED_FP8_PEAKS = {(False, 1): 76.18, (True, 1): 86.11, (False, 4): 91.27, (True, 4): 101.20}   # GiB
+MEASURED_BENCH_PEAKS = {(False, 1): 76.18, (True, 1): 86.11, (False, 4): 91.27, (True, 4): 101.20}   # GiB
 c = config_model("bench-qwen3-30b-a3b")
-for (fp8, m), got in MEASURED_FP8_PEAKS.items():
+for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
     want = estimate(c, meta_of(c), replace(bench, fp8=fp8, micro_batches=m)).peaks[0].gib()
     print(f"{'FP8 ' if fp8 else 'bf16'}, {m} micro-batch(es): predicted {want:6.2f} GiB, measured {got:6.2f} "
           f"({want / got - 1:+.1%})")

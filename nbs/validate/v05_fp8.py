@@ -27,13 +27,12 @@
 # With `repeat = True` it trains the unquantized configuration a second time. On a GPU two identical runs are not
 # bitwise equal (kernels that add with atomics sum in a varying order), and 300 steps of a 12-layer model turn a
 # last-digit difference in the first steps into a few percent of the per-step loss (on the Qwen3 bench, bf16 runs
-# of one setting have ended up to 10% apart at step 300, on repeating and on non-repeating text alike, 3% apart with
-# fp32 master weights, and 1.0% (0.5% held-out) with fp32 masters at lr 1e-4: benchmarks/RESULTS.md), so that run
-# measures how far the metrics move without any change in arithmetic; each margin is then the larger of `max_gap`
-# (or `max_val_gap`) and that spread, and both are printed. A smaller learning rate slows the drift, which is why
-# the GPU parameters below train at 1e-4. On the CPU a run repeats bitwise, and the default leaves it off. On the
-# GPU the first unquantized run of a call has ended above its repeat in three of four calls, and FP8 trained in
-# between; `fp8_first = True` trains the FP8 runs before both, to tell a run's place in the call from FP8.
+# of one setting end several percent apart at step 300, less with fp32 master weights and a smaller learning rate:
+# benchmarks/RESULTS.md), so that run measures how far the metrics move without any change in arithmetic; each
+# margin is then the larger of `max_gap` (or `max_val_gap`) and that spread, and both are printed. A smaller
+# learning rate slows the drift, which is why the GPU parameters below train at 1e-4. On the CPU a run repeats
+# bitwise, and the default leaves it off. `fp8_first = True` trains the FP8 runs before both unquantized runs, to
+# tell a run's place in the call from the FP8 arithmetic.
 #
 # The CPU margins are wide because there the FP8 run is sensitive to summation order: with one thread instead of
 # two, or on another machine, its distance from the unquantized run changes by more than the
@@ -150,8 +149,7 @@ def gaps(s):
 
 tol, val_tol = max_gap, max_val_gap
 if repeat:
-    again = summary["unquantized, again"]
-    spread, val_spread = gaps(again)
+    spread, val_spread = gaps(again)   # `again`: the repeat's summary, from the figure's cell
     print(f"two unquantized runs end {spread:.2%} apart (training loss) and {val_spread:.2%} (held-out)")
     tol, val_tol = max(tol, spread), max(val_tol, val_spread)
     signed = lambda a, b: f"{(a - b) / b:+.2%}" if a and b else "n/a"

@@ -90,7 +90,8 @@ def _experts(k: int, H: int, inter: int, b: int, what: str, one_hot: int = 0, fp
     """Stage 3 per token (k pairs): index maps, expanded rows, gate/up output, activation, expert outputs, summed
     rows; with stage 3 recomputed only its input, its output and the maps. `one_hot`: GPT-OSS's bias selector.
     `fp8`: the experts' matmuls keep their inputs for the weight gradients as FP8 (ops/15: the expanded rows and the
-    activation, 1 byte a value and a 4-byte scale a row) instead of the rows themselves."""
+    activation, 1 byte a value and a 4-byte scale a row; block scales keep 4 bytes per 128 values instead, within
+    100 bytes a row of that) instead of the rows themselves."""
     maps = 2 * 8 * k
     if what == "layer":
         return maps + 2 * k * b * H + b * H
