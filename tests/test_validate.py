@@ -47,18 +47,28 @@ def test_validation(nb, tmp_path):
     run_validation(nb, tmp_path)
 
 
-def test_fp8_validation_repeat(tmp_path):
-    """v05's repeat run, the FP8 runs trained first: on the CPU, with the same thread count, the unquantized run
-    repeats bitwise (spread 0)."""
-    overrides = ["model.num_hidden_layers=2", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=8",
-                 "train.warmup=2", "log.eval_every=0"]
-    text = run_validation(NBS / "validate" / "v05_fp8.py", tmp_path, steps=8, tail=4, warm=2, repeat=True,
-                          fp8_first=True, overrides=overrides)
-    assert "unquantized, again" in text
-    assert text.index("FP8, row scales: loss") < text.index("unquantized: loss"), "fp8_first: FP8 runs come first"
-    assert "two unquantized runs end 0.00% apart (training loss) and 0.00% (held-out)" in text, text[-3000:]
-    # with identical unquantized runs, an FP8 run is as far from either as from their mean
-    lines = re.findall(r"FP8, row scales, [^\"\\]* from their mean", text)   # text: the executed notebook's JSON
-    assert len(lines) == 2, text[-3000:]
-    for line in lines:
-        assert len(set(re.findall(r"[+-]\d+\.\d+%", line))) == 1, line
+def test_fp8_validation_runs(tmp_path):
+    """v05 with two runs of each recipe, the FP8 runs first: the rounds alternate their order, and on the CPU, with
+    the same thread count, identical runs repeat bitwise (spread 0, so the margin stays max_gap). A second execution
+    with no runs of its own pools the first's runs (runs_from) into the same verdict."""
+    params = dict(steps=8, tail=4, warm=2, scalings=["rows"], overrides=[
+        "model.num_hidden_layers=2", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=8",
+        "train.warmup=2", "log.eval_every=0"])
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    text = run_validation(NBS / "validate" / "v05_fp8.py", tmp_path / "a", runs=2, fp8_first=True, **params)
+    order = re.findall(r"round (\d): ([\w ,]+) trained", text)
+    assert order == [("1", "FP8, row scales"), ("1", "unquantized"), ("2", "unquantized"), ("2", "FP8, row scales")]
+    assert "2 unquantized runs, training loss" in text and "0.00% apart" in text, text[-3000:]
+    # identical runs: each recipe's two runs report the same end loss, and the standard error is zero
+    ends = re.findall(r"(unquantized|FP8, row scales) (\d): loss [\d.]+ -> ([\d.]+)", text)
+    by = {}
+    for name, _, end in ends:
+        by.setdefault(name, set()).add(end)
+    assert len(ends) == 4 and all(len(v) == 1 for v in by.values()), ends
+    verdict = re.findall(r"(?:ok  |FAIL) FP8, row scales: [^\"\\]*", text)
+    assert len(verdict) == 3 and len(re.findall(r"over 2 and 2 runs, 2 s.e. 0.00%, margin (3.00|10.00)%",
+                                                 " ".join(verdict))) == 2, verdict
+    pooled = run_validation(NBS / "validate" / "v05_fp8.py", tmp_path / "b", runs=0, runs_from=[str(tmp_path / "a")],
+                            **params)
+    assert not re.findall(r"round \d: [\w ,]+ trained", pooled), "runs = 0 trains nothing"
+    assert re.findall(r"(?:ok  |FAIL) FP8, row scales: [^\"\\]*", pooled) == verdict

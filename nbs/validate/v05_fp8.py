@@ -15,24 +15,26 @@
 # activation tile and per 128×128 weight block, and `rows`, one scale per row of each operand over the whole
 # reduction (`train.fp8_scaling`). It checks that
 #
-# - each FP8 run's training loss, the mean of the last `tail` steps, is within `max_gap` (relative) of the
+# - each FP8 recipe's training loss, the mean of the last `tail` steps, is within `max_gap` (relative) of the
 #   unquantized run's, and its held-out loss at the last step within `max_val_gap` (one evaluation on a few windows
 #   varies more between runs than a mean of `tail` steps does);
-# - every loss is finite, and the two runs differ (the quantization was in the path);
+# - every loss is finite, and the runs differ (the quantization was in the path);
 #
-# prints each run's tokens/s (mean after the first `warm` steps) and peak memory, draws the loss curves and each FP8
+# prints each run's tokens/s (mean after the first `warm` steps) and peak memory, draws the loss curves and each
 # run's relative difference into `out_dir/v05_fp8.png`, and ends with PASS or FAIL. Each run is `python -m
 # pith_lit.train` in a process of its own, as a user would start it.
 #
-# With `repeat = True` it trains the unquantized configuration a second time. On a GPU two identical runs are not
-# bitwise equal (kernels that add with atomics sum in a varying order), and 300 steps of a 12-layer model turn a
-# last-digit difference in the first steps into a few percent of the per-step loss (on the Qwen3 bench, bf16 runs
-# of one setting end several percent apart at step 300, less with fp32 master weights and a smaller learning rate:
-# benchmarks/RESULTS.md), so that run measures how far the metrics move without any change in arithmetic; each
-# margin is then the larger of `max_gap` (or `max_val_gap`) and that spread, and both are printed. A smaller
-# learning rate slows the drift, which is why the GPU parameters below train at 1e-4. On the CPU a run repeats
-# bitwise, and the default leaves it off. `fp8_first = True` trains the FP8 runs before both unquantized runs, to
-# tell a run's place in the call from the FP8 arithmetic.
+# With `runs = n` it trains each recipe n times and compares means. On a GPU two identical runs are not bitwise
+# equal (kernels that add with atomics sum in a varying order), and 300 steps of a 12-layer model turn a last-digit
+# difference in the first steps into a few percent of the per-step loss (on the Qwen3 bench, bf16 runs of one
+# setting end several percent apart at step 300, about 1% with fp32 master weights at lr 1e-4:
+# benchmarks/RESULTS.md), so one run of each cannot resolve a 1% margin. Several runs of each measure that spread,
+# and the verdict's margin becomes the larger of `max_gap` and twice the standard error of the difference of the
+# means, printed beside it. A smaller learning rate slows the drift, which is why the GPU parameters below train at
+# 1e-4. On the CPU a run repeats bitwise, and the default is one run of each. `fp8_first = True` starts with the FP8
+# runs, to tell a run's place in the call from the FP8 arithmetic. `runs_from` pools the runs of earlier executions
+# (their `out_dir`s) into this one's verdict and figure, for a machine whose jobs are too short for all the runs at
+# once; with `runs = 0` the notebook only pools.
 #
 # The CPU margins are wide because there the FP8 run is sensitive to summation order: with one thread instead of
 # two, or on another machine, its distance from the unquantized run changes by more than the
@@ -46,10 +48,11 @@
 # Python source through the byte tokenizer, 8.5M tokens against the run's 4.9M): `python3
 # benchmarks/code_corpus.py /tmp/code.jsonl --mb 8 && python -m pith_lit.tokenize /tmp/code.jsonl --out /tmp/codec
 # --tokenizer bytes`, then the notebook with `-p config configs/bench-qwen3-30b-a3b.toml -p max_gap 0.01 -p
-# max_val_gap 0.01 -p warm 10 -p repeat True -y 'scalings: ["rows"]' -y 'overrides: ["model.num_hidden_layers=6",
+# max_val_gap 0.01 -p warm 10 -p runs 2 -y 'scalings: ["rows"]' -y 'overrides: ["model.num_hidden_layers=6",
 # "train.optim_dtype=float32", "train.lr=1e-4", "train.compile=true", "train.micro_batch=4",
 # "train.global_batch=4", "train.warmup=20", "log.eval_every=0", "log.eval_windows=16", "data.corpus=/tmp/codec"]'`
-# (about 6 minutes).
+# (about 7 minutes). Two such executions, the second with `-p fp8_first True` (each recipe then first in one and last
+# in one), pooled by a third with `-p runs 0 -y 'runs_from: [out1, out2]'`, give four runs of each recipe.
 
 # %% tags=["parameters"]
 config = "configs/tiny.toml"  # a path relative to the repository's root, or absolute
@@ -60,15 +63,17 @@ max_gap = 0.03
 max_val_gap = 0.10
 tail = 20
 warm = 5
-repeat = False  # also train the unquantized configuration a second time, to measure the runs' own spread
-fp8_first = False  # train the FP8 runs before the unquantized ones (does a run's place in the call matter?)
+runs = 1  # runs of each recipe; with 2 or more the verdict compares means and measures identical runs' spread
+fp8_first = False  # the first round trains the FP8 runs before the unquantized one (does a run's place matter?)
 scalings = ["block", "rows"]  # train.fp8_scaling of each FP8 run
+runs_from = []  # out_dir of earlier executions of this notebook (same parameters) whose runs join this verdict
 out_dir = "."
 
 # %%
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -80,96 +85,118 @@ from pith_lit.testing import repo_path
 
 matplotlib.use("Agg")
 out = Path(out_dir).resolve()
-runs = out / "v05_runs"
-shutil.rmtree(runs, ignore_errors=True)
+runs_dir = out / "v05_runs"
+assert all(Path(d).resolve() != out for d in runs_from), "runs_from must not name out_dir: its runs are replaced"
+shutil.rmtree(runs_dir, ignore_errors=True)
 
 # %% [markdown]
 # ## Runs from the same start
 #
 # The same seed gives every run the same initial weights and the same batches; only the experts' arithmetic
-# differs. Checkpoints and samples are off: the runs are compared by their `metrics.jsonl`. They run unquantized,
-# FP8, and with `repeat` unquantized again; `fp8_first` puts the FP8 runs first.
+# differs. Checkpoints and samples are off: the runs are compared by their `metrics.jsonl`. The runs go in rounds,
+# one run of each recipe per round; each round reverses the previous round's order (unquantized, FP8, FP8,
+# unquantized, …, or the FP8 runs first with `fp8_first`), so that over two rounds no recipe holds the earlier
+# places.
 
 # %%
 config = Path(config) if Path(config).is_absolute() else repo_path(config)
 common = [f"train.steps={steps}", "ckpt.every=-1", "log.sample_tokens=0", "log.tensorboard=false", *overrides]
-records = {}
-FP8_RUNS = {{"block": "FP8, block scales", "rows": "FP8, row scales"}[s]: s for s in scalings}
-fp8_plan = [(name, ["train.fp8=true", f"train.fp8_scaling={s}"], s) for name, s in FP8_RUNS.items()]
-plan = (fp8_plan if fp8_first else []) + [("unquantized", ["train.fp8=false"], "base")] + \
-    ([] if fp8_first else fp8_plan) + ([("unquantized, again", ["train.fp8=false"], "again")] if repeat else [])
-for name, fp8_sets, sub in plan:
-    run_dir = runs / sub
-    sets = common + fp8_sets + [f"run.dir={run_dir}"]
-    proc = subprocess.run([sys.executable, "-m", "pith_lit.train", str(config), *[a for s in sets for a in ("--set", s)]],
-                          cwd=repo_path("."), capture_output=True, text=True)
-    assert proc.returncode == 0, f"{name} run failed:\n{proc.stderr[-3000:]}"
-    records[name] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+RECIPES = {"unquantized": ("base", ["train.fp8=false"])}
+RECIPES.update({{"block": "FP8, block scales", "rows": "FP8, row scales"}[s]: (s, ["train.fp8=true",
+                f"train.fp8_scaling={s}"]) for s in scalings})
+FP8_RUNS = [name for name in RECIPES if name != "unquantized"]
+first = FP8_RUNS + ["unquantized"] if fp8_first else list(RECIPES)
+records = {name: [] for name in RECIPES}       # name -> one list of metrics records per run
+for r in range(runs):
+    for name in (first if r % 2 == 0 else first[::-1]):
+        sub, fp8_sets = RECIPES[name]
+        run_dir = runs_dir / f"{sub}{r + 1}"
+        sets = common + fp8_sets + [f"run.dir={run_dir}"]
+        cmd = [sys.executable, "-m", "pith_lit.train", str(config), *[a for s in sets for a in ("--set", s)]]
+        proc = subprocess.run(cmd, cwd=repo_path("."), capture_output=True, text=True)
+        assert proc.returncode == 0, f"{name} run {r + 1} failed:\n{proc.stderr[-3000:]}"
+        records[name].append([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+        print(f"round {r + 1}: {name} trained")
+for d in runs_from:                            # runs of earlier calls, pooled with these
+    for name, (sub, _) in RECIPES.items():
+        for m in sorted(Path(d).glob(f"v05_runs/{sub}[0-9]*/metrics.jsonl")):
+            records[name].append([json.loads(line) for line in m.read_text().splitlines()])
+n_runs = min(len(v) for v in records.values())
+assert n_runs >= 1, f"no runs of some recipe: {({k: len(v) for k, v in records.items()})}"
 
-summary = {}
-for name, recs in records.items():
-    loss = [r["loss"] for r in recs]
-    speed = [r["tokens_per_s"] for r in recs[warm:]]
-    summary[name] = dict(loss=loss, end=sum(loss[-tail:]) / tail, val=recs[-1].get("val_loss"),
-                         tokens_per_s=sum(speed) / max(len(speed), 1),
-                         peak=max(r.get("peak_mem_gb", 0.0) for r in recs))
-    s = summary[name]
-    print(f"{name:>18}: loss {loss[0]:.4f} -> {s['end']:.4f} (mean of the last {tail}), held-out {s['val']}, "
-          f"{s['tokens_per_s']:,.0f} tokens/s, peak {s['peak']:.2f} GiB")
-base = summary["unquantized"]
+summary = {}                                   # name -> one summary per run
+for name, per_run in records.items():
+    summary[name] = []
+    for r, recs in enumerate(per_run):
+        loss = [x["loss"] for x in recs]
+        speed = [x["tokens_per_s"] for x in recs[warm:]]
+        s = dict(loss=loss, end=sum(loss[-tail:]) / tail, val=recs[-1].get("val_loss"),
+                 tokens_per_s=sum(speed) / max(len(speed), 1), peak=max(x.get("peak_mem_gb", 0.0) for x in recs))
+        summary[name].append(s)
+        print(f"{name + (f' {r + 1}' if len(per_run) > 1 else ''):>20}: loss {loss[0]:.4f} -> {s['end']:.4f} (mean of the "
+              f"last {tail}), held-out {s['val'] or math.nan:.4f}, {s['tokens_per_s']:,.0f} tokens/s, "
+              f"peak {s['peak']:.2f} GiB")
+mean = lambda name, key: statistics.fmean(s[key] for s in summary[name])
 for name in FP8_RUNS:
-    print(f"{name} / unquantized: tokens/s {summary[name]['tokens_per_s'] / base['tokens_per_s']:.3f}×")
+    print(f"{name} / unquantized: tokens/s {mean(name, 'tokens_per_s') / mean('unquantized', 'tokens_per_s'):.3f}×")
 
 # %%
 fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
 x = range(1, steps + 1)
-for name, s in summary.items():
-    a.plot(x, s["loss"], label=name, lw=1)
+smooth = lambda v: [statistics.fmean(v[max(0, i - tail + 1):i + 1]) for i in range(len(v))]   # trailing means
+ref = smooth([statistics.fmean(v) for v in zip(*(s["loss"] for s in summary["unquantized"]))])
+colors = {"unquantized": "gray"} | {name: f"C{i}" for i, name in enumerate(FP8_RUNS)}
+for name, per_run in summary.items():
+    for r, s in enumerate(per_run):
+        label = name if r == 0 else None
+        a.plot(x, s["loss"], lw=1, color=colors[name], label=label)
+        b.plot(x, [(v - u) / u for v, u in zip(smooth(s["loss"]), ref)], lw=1, color=colors[name], label=label)
 a.set(xlabel="step", ylabel="loss (nats/token)", title="training loss"); a.legend()
-if repeat:
-    again = summary["unquantized, again"]
-    b.plot(x, [(r - u) / u for r, u in zip(again["loss"], base["loss"])], lw=1, color="gray",
-           label="unquantized, again")
-for name in FP8_RUNS:
-    b.plot(x, [(f - u) / u for f, u in zip(summary[name]["loss"], base["loss"])], lw=1, label=name)
-b.legend()
-b.axhline(0.0, color="gray", lw=0.8)
-b.set(xlabel="step", ylabel="(run − unquantized) / unquantized", title="relative difference")
+b.axhline(0.0, color="black", lw=0.8); b.legend()
+b.set(xlabel="step", ylabel="(run − unquantized) / unquantized",
+      title=f"{tail}-step means against the unquantized " + ("runs' mean" if n_runs > 1 else "run"))
 fig.tight_layout(); fig.savefig(out / "v05_fp8.png", dpi=110)
 
 # %% [markdown]
 # ## Verdict
+#
+# A recipe's training loss is the mean over its runs of each run's mean of the last `tail` steps, its held-out loss
+# the mean of the runs' last evaluations. With several runs the margin of each check is the larger of `max_gap` (or
+# `max_val_gap`) and twice the standard error of the difference of the two means, estimated from the runs' own
+# spread: where identical runs scatter by more than the margin, that many runs cannot tell the recipes apart at the
+# margin, and the check says so by printing the margin it used.
 
 # %%
-def gaps(s):
-    "Relative distance of run s from the unquantized run: (training loss at the end, held-out loss)."
-    val = abs(s["val"] - base["val"]) / base["val"] if base["val"] and s["val"] else math.inf
-    return abs(s["end"] - base["end"]) / base["end"], val
+def relative(name, key):
+    "Signed relative distance of recipe `name`'s mean from the unquantized mean, and twice its standard error."
+    xs, us = [s[key] for s in summary[name]], [s[key] for s in summary["unquantized"]]
+    if not all(xs) or not all(us):
+        return math.inf, 0.0
+    u = statistics.fmean(us)
+    se = math.sqrt(statistics.variance(xs) / len(xs) + statistics.variance(us) / len(us)) / u if n_runs > 1 else 0.0
+    return (statistics.fmean(xs) - u) / u, 2 * se
 
 
-tol, val_tol = max_gap, max_val_gap
-if repeat:
-    spread, val_spread = gaps(again)   # `again`: the repeat's summary, from the figure's cell
-    print(f"two unquantized runs end {spread:.2%} apart (training loss) and {val_spread:.2%} (held-out)")
-    tol, val_tol = max(tol, spread), max(val_tol, val_spread)
-    signed = lambda a, b: f"{(a - b) / b:+.2%}" if a and b else "n/a"
-    for name in FP8_RUNS:      # signed distances, for the reader: from each unquantized run and from their mean
-        for key, what in (("end", "training loss"), ("val", "held-out")):
-            x, refs = summary[name][key], (base[key], again[key])
-            mean = sum(refs) / 2 if all(refs) else None
-            print(f"{name}, {what}: {signed(x, refs[0])} from the unquantized run, {signed(x, refs[1])} from its "
-                  f"repeat, {signed(x, mean)} from their mean")
+if n_runs > 1:
+    for key, what in (("end", "training loss"), ("val", "held-out")):
+        us = [s[key] for s in summary["unquantized"]]
+        if all(us):
+            print(f"{len(us)} unquantized runs, {what}: {min(us):.4f} to {max(us):.4f}, "
+                  f"{(max(us) - min(us)) / statistics.fmean(us):.2%} apart")
 checks = {}
 for name in FP8_RUNS:
-    fp8 = summary[name]
-    gap, val_gap = gaps(fp8)
-    checks[f"{name}: loss within {tol:.2%} of the unquantized run's at the end ({fp8['end']:.4f} vs "
-           f"{base['end']:.4f}: {gap:.2%})"] = gap <= tol
-    checks[f"{name}: held-out loss within {val_tol:.2%} at the last step ({fp8['val']:.4f} vs {base['val']:.4f}: "
-           f"{val_gap:.2%})"] = val_gap <= val_tol
-    checks[f"{name}: the run differs from the unquantized one (the FP8 path ran)"] = fp8["loss"] != base["loss"]
-checks["all losses finite"] = all(math.isfinite(v) for s in summary.values() for v in s["loss"])
-checks[f"every run ran {steps} steps"] = all(len(s["loss"]) == steps for s in summary.values())
+    for key, what, margin in (("end", f"loss (mean of the last {tail} steps)", max_gap),
+                              ("val", "held-out loss at the last step", max_val_gap)):
+        gap, two_se = relative(name, key)
+        tol = max(margin, two_se)
+        runs_text = f"over {len(summary[name])} and {len(summary['unquantized'])} runs, 2 s.e. {two_se:.2%}, " \
+            if n_runs > 1 else ""
+        checks[f"{name}: {what} {mean(name, key):.4f} against {mean('unquantized', key):.4f}, {gap:+.2%} "
+               f"({runs_text}margin {tol:.2%})"] = abs(gap) <= tol
+    checks[f"{name}: the runs differ from the unquantized ones (the FP8 path ran)"] = all(
+        f["loss"] != u["loss"] for f in summary[name] for u in summary["unquantized"])
+checks["all losses finite"] = all(math.isfinite(v) for per_run in summary.values() for s in per_run for v in s["loss"])
+checks[f"every run ran {steps} steps"] = all(len(s["loss"]) == steps for per_run in summary.values() for s in per_run)
 for name, ok in checks.items():
     print(("ok   " if ok else "FAIL ") + name)
 assert all(checks.values()), "FAIL"
