@@ -429,6 +429,30 @@ def group_rows():
         y2.backward(d1)
         want_y = torch.cat([fwd(x[lo:hi].double(), w1[e].double()) for e, (lo, hi) in enumerate(_bounds(counts))])
         assert torch.equal(y1[:n], y2[:n]) and torch.equal(stored.grad, w1l.grad.mT) and _rel(y1[:n], want_y) < 1e-5
+    # what the deferred weight gradients hold until W: the planner's count per routed row, where the FP8 column
+    # layouts hold rows for the most 128-row tiles M rows can need over E experts (the planner leaves out those
+    # (E - 1) * 128 rows), and the gradients' scales per expert column
+    from pith_lit.engine.planner import deferred_per_row
+    from pith_lit.ops.fp8 import fp8_swiglu_experts
+    from pith_lit.ops.grouped_linear import WeightGradQueue
+    counts, H, inter = torch.tensor([128, 0, 256]), 256, 128
+    x, w1, w2 = _randn(710, (384, H), (3, 2 * inter, H), (3, H, inter))
+    w1, w2, queue = w1.requires_grad_(), w2.requires_grad_(), WeightGradQueue()
+    fp8_swiglu_experts(x, w1, w2, counts, queue, "triton", scaling="rows").sum().backward()
+    assert len(queue) == 2
+    held, stack, skip = {}, list(queue._pending), {w1.data_ptr(), w2.data_ptr(), counts.data_ptr()}
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.data_ptr() not in skip:
+                held[o.data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, (tuple, list)):
+            stack.extend(o)
+        elif callable(o) and getattr(o, "__closure__", None):
+            stack.extend(c.cell_contents for c in o.__closure__)
+    tile_rows = 128 * (384 // 128 + 3 - 1)
+    assert sum(held.values()) == (384 * deferred_per_row(H, inter, 2, fp8=True) + (tile_rows - 384) *
+                                  (2 * H + 3 * inter) + 4 * 3 * (H + 2 * inter)), held
     with pytest.raises(ValueError, match="scaling must be"):
         fp8_grouped_linear(torch.zeros(4, 128), torch.zeros(2, 64, 128), torch.tensor([1, 3]), scaling="row")
     with pytest.raises(ValueError, match="row scales"):

@@ -2,9 +2,9 @@
 
 # %% auto #0
 __all__ = ['GiB', 'FAMILIES', 'MEASURED_LAYER_BYTES', 'CE_CHUNK', 'SLACK', 'CONTEXT', 'Workload', 'LayerBytes',
-           'attention_transient', 'is_moe', 'ranks_per_token', 'layer_bytes', 'head_bytes', 'Unit', 'rank_units',
-           'Peak', 'rank_peak', 'layer_kind', 'Profile', 'profile_layers', 'Link', 'StepTime', 'step_time',
-           'choose_stage_layers', 'Estimate', 'estimate']
+           'deferred_per_row', 'attention_transient', 'is_moe', 'ranks_per_token', 'layer_bytes', 'head_bytes', 'Unit',
+           'rank_units', 'Peak', 'rank_peak', 'layer_kind', 'Profile', 'profile_layers', 'Link', 'StepTime',
+           'step_time', 'choose_stage_layers', 'Estimate', 'estimate']
 
 # %% ../../nbs/engine/37_planner.ipynb #107dfc3a
 import math
@@ -61,14 +61,25 @@ class Workload:
 # %% ../../nbs/engine/37_planner.ipynb #96fbda6c
 @dataclass
 class LayerBytes:
-    "Bytes per token that one layer keeps from its forward to its backward, by part; `deferred`: kept until W."
+    """Bytes per token that one layer keeps from its forward to its backward, by part; `deferred`: kept until W.
+    `spare`, `spare_deferred`: bytes per micro-batch whatever its tokens (FP8's spare column tiles, below)."""
     parts: dict
     deferred: float = 0.0
     moe: bool = False
+    spare: float = 0.0
+    spare_deferred: float = 0.0
 
     @property
     def kept(self) -> float:
         return sum(self.parts.values())
+
+    def kept_at(self, T: int) -> float:
+        "Bytes kept from forward to backward for a micro-batch of T tokens."
+        return self.kept * T + self.spare
+
+    def deferred_at(self, T: int) -> float:
+        "Bytes kept until W for a micro-batch of T tokens."
+        return self.deferred * T + self.spare_deferred
 
 
 def _norm(n: int, b: int, f: int, compiled: bool, fp32_gain: bool = False, groups: int = 1,
@@ -98,6 +109,13 @@ def _experts(k: int, H: int, inter: int, b: int, what: str, one_hot: int = 0, fp
     if fp8:
         return maps + k * (b * (2 * inter + H + one_hot) + H + inter + 8) + b * H
     return maps + k * b * (H + 2 * inter + inter + H + one_hot) + b * H
+
+
+def deferred_per_row(H: int, inter: int, b: int, fp8: bool = False) -> float:
+    """Bytes a SwiGLU expert MLP keeps per routed row for its deferred weight gradients: the input, gate/up's output
+    gradient, the activation, down's output gradient; under FP8 their quantized forms, 1 byte a value and a scale
+    per row of the input and of the activation (the gradients' scales, per expert column, are not per row)."""
+    return (2 * H + 3 * inter + 8) if fp8 else b * (2 * H + 3 * inter)
 
 
 def _router(E: int, k: int, b: int, f: int, extra: float = 0.0) -> float:
@@ -232,7 +250,11 @@ def layer_bytes(c, i: int, w: Workload) -> LayerBytes:
         if w.ep > 1:   # received rows and their router weights, the summed rows sent back, the rows received back
             d = w.ep if w.sync_free else ranks_per_token(E, k, w.ep)
             parts["dispatch and combine"] = d * (3 * b * H + 8 * k) + 8 * w.ep
-        deferred = scale * k * b * (2 * H + 3 * inter)   # x, dY of gate/up; activation, dY of down
+        deferred = scale * k * deferred_per_row(H, inter, b, w.fp8)
+        if w.fp8:   # the FP8 column layouts hold the most 128-row tiles the rows can need: E_local - 1 spare tiles
+            rows = 128 * (E // w.ep - 1)
+            return LayerBytes(parts, deferred, moe, 0 if w.recompute == "layer" else rows * (H + inter),
+                              rows * (2 * H + 3 * inter))
     return LayerBytes(parts, deferred, moe)
 
 # %% ../../nbs/engine/37_planner.ipynb #d6975b63
@@ -385,7 +407,7 @@ class _Walk:
         self._gather(key, False)
         self._gather(key, True)
         self._fp8_copy(key)
-        self.acts += self.cost[key].kept * self.T
+        self.acts += self.cost[key].kept_at(self.T)
         self.note(f"forward of layer {key}, micro-batch {m}")
         for u in self.layer_units.get(key, []):
             if u.experts:
@@ -405,9 +427,9 @@ class _Walk:
             transient += self.T * k * w.compute_bytes * 2 * inter * (w.ep if w.sync_free else 1)
         transient = max(transient, self.attention)   # the attention's backward runs after the experts'
         self.note(f"backward of layer {key}, micro-batch {m}", transient)
-        self.acts -= lb.kept * self.T
+        self.acts -= lb.kept_at(self.T)
         if zero_bubble:
-            self.deferred += lb.deferred * self.T
+            self.deferred += lb.deferred_at(self.T)
         self.grads.update(u.name for u in self.layer_units.get(key, []))
 
     def loss_forward(self, m) -> None:
@@ -493,7 +515,7 @@ def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
                         if i < len(steps):
                             steps[i]()
             case ("W", p, m):
-                walk.deferred -= sum(walk.cost[k].deferred for k in stages[p]) * T
+                walk.deferred -= sum(walk.cost[k].deferred_at(T) for k in stages[p])
     walk.end_of_step()
     return walk.best
 
