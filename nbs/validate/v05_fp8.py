@@ -133,10 +133,18 @@ for name, per_run in records.items():
         s = dict(loss=loss, end=sum(loss[-tail:]) / tail, val=recs[-1].get("val_loss"),
                  tokens_per_s=sum(speed) / max(len(speed), 1), peak=max(x.get("peak_mem_gb", 0.0) for x in recs))
         summary[name].append(s)
-        print(f"{name + (f' {r + 1}' if len(per_run) > 1 else ''):>20}: loss {loss[0]:.4f} -> {s['end']:.4f} (mean of the "
-              f"last {tail}), held-out {s['val'] or math.nan:.4f}, {s['tokens_per_s']:,.0f} tokens/s, "
-              f"peak {s['peak']:.2f} GiB")
-mean = lambda name, key: statistics.fmean(s[key] for s in summary[name])
+        label = name + (f" {r + 1}" if len(per_run) > 1 else "")
+        print(f"{label:>20}: loss {loss[0]:.4f} -> {s['end']:.4f} (mean of the last {tail}), held-out "
+              f"{s['val'] or math.nan:.4f}, {s['tokens_per_s']:,.0f} tokens/s, peak {s['peak']:.2f} GiB")
+
+
+def mean(name, key):
+    "The mean over recipe `name`'s runs of summary `key` (nan when a run lacks it, as a held-out loss can)."
+    values = [s[key] for s in summary[name]]
+    return statistics.fmean(values) if all(v is not None for v in values) else math.nan
+
+
+
 for name in FP8_RUNS:
     print(f"{name} / unquantized: tokens/s {mean(name, 'tokens_per_s') / mean('unquantized', 'tokens_per_s'):.3f}×")
 
