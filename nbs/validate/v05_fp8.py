@@ -51,8 +51,9 @@
 # max_val_gap 0.01 -p warm 10 -p runs 2 -y 'scalings: ["rows"]' -y 'overrides: ["model.num_hidden_layers=6",
 # "train.optim_dtype=float32", "train.lr=1e-4", "train.compile=true", "train.micro_batch=4",
 # "train.global_batch=4", "train.warmup=20", "log.eval_every=0", "log.eval_windows=16", "data.corpus=/tmp/codec"]'`
-# (about 7 minutes). Two such executions, the second with `-p fp8_first True` (each recipe then first in one and last
-# in one), pooled by a third with `-p runs 0 -y 'runs_from: [out1, out2]'`, give four runs of each recipe.
+# (about 7 minutes). Three such executions (the later two with `-p fp8_first True`), pooled by a fourth with `-p runs
+# 0 -y 'runs_from: [out1, out2, out3]'`, give six runs of each recipe, enough for the 1% margin
+# (benchmarks/RESULTS.md).
 
 # %% tags=["parameters"]
 config = "configs/tiny.toml"  # a path relative to the repository's root, or absolute
