@@ -429,9 +429,9 @@ def group_rows():
         y2.backward(d1)
         want_y = torch.cat([fwd(x[lo:hi].double(), w1[e].double()) for e, (lo, hi) in enumerate(_bounds(counts))])
         assert torch.equal(y1[:n], y2[:n]) and torch.equal(stored.grad, w1l.grad.mT) and _rel(y1[:n], want_y) < 1e-5
-    # what the deferred weight gradients hold until W: the planner's count per routed row, where the FP8 column
-    # layouts hold rows for the most 128-row tiles M rows can need over E experts (the planner leaves out those
-    # (E - 1) * 128 rows), and the gradients' scales per expert column
+    # what the deferred weight gradients hold until W: the planner's count per routed row, the spare rows of the FP8
+    # column layouts (sized for the most 128-row tiles M rows can need over E experts: (E - 1) * 128 beyond the rows,
+    # the planner's `spare_deferred`), and the gradients' scales per expert column
     from pith_lit.engine.planner import deferred_per_row
     from pith_lit.ops.fp8 import fp8_swiglu_experts
     from pith_lit.ops.grouped_linear import WeightGradQueue

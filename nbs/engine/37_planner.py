@@ -332,7 +332,7 @@ def layer_bytes(c, i: int, w: Workload) -> LayerBytes:
         k = c.num_experts_per_tok
         parts = ({"stage 1 outputs": 2 * b * H + f * _moe_shape(c)[0] + 8 * k + b * k} if moe else {})
     parts["output"] = b * H
-    deferred = 0.0
+    deferred = spare = spare_deferred = 0.0
     if moe:
         E, k, inter = _moe_shape(c)
         scale = w.ep if w.sync_free else 1
@@ -344,9 +344,9 @@ def layer_bytes(c, i: int, w: Workload) -> LayerBytes:
         deferred = scale * k * deferred_per_row(H, inter, b, w.fp8)
         if w.fp8:   # the FP8 column layouts hold the most 128-row tiles the rows can need: E_local - 1 spare tiles
             rows = 128 * (E // w.ep - 1)
-            return LayerBytes(parts, deferred, moe, 0 if w.recompute == "layer" else rows * (H + inter),
-                              rows * (2 * H + 3 * inter))
-    return LayerBytes(parts, deferred, moe)
+            spare = 0 if w.recompute == "layer" else rows * (H + inter)
+            spare_deferred = rows * (2 * H + 3 * inter)
+    return LayerBytes(parts, deferred, moe, spare, spare_deferred)
 
 # %% [markdown]
 # **Checked against the H200.** `benchmarks/layer_probe.py` runs short cuts of the four bench models one layer at a

@@ -25,16 +25,15 @@
 # pith_lit.train` in a process of its own, as a user would start it.
 #
 # With `runs = n` it trains each recipe n times and compares means. On a GPU two identical runs are not bitwise
-# equal (kernels that add with atomics sum in a varying order), and 300 steps of a 12-layer model turn a last-digit
-# difference in the first steps into a few percent of the per-step loss (on the Qwen3 bench, bf16 runs of one
-# setting end several percent apart at step 300, about 1% with fp32 master weights at lr 1e-4:
-# benchmarks/RESULTS.md), so one run of each cannot resolve a 1% margin. Several runs of each measure that spread,
-# and the verdict's margin becomes the larger of `max_gap` and twice the standard error of the difference of the
-# means, printed beside it. A smaller learning rate slows the drift, which is why the GPU parameters below train at
-# 1e-4. On the CPU a run repeats bitwise, and the default is one run of each. `fp8_first = True` starts with the FP8
-# runs, to tell a run's place in the call from the FP8 arithmetic. `runs_from` pools the runs of earlier executions
-# (their `out_dir`s) into this one's verdict and figure, for a machine whose jobs are too short for all the runs at
-# once; with `runs = 0` the notebook only pools.
+# equal (kernels that add with atomics sum in a varying order), and 300 steps turn a last-digit difference in the
+# first steps into a difference of the per-step loss that can exceed a 1% margin (less with fp32 master weights and a
+# smaller learning rate: benchmarks/RESULTS.md), so one run of each cannot resolve such a margin. Several runs of
+# each measure that spread, and the verdict's margin becomes the larger of `max_gap` and twice the standard error of
+# the difference of the means, printed beside it. A smaller learning rate slows the drift, which is why the GPU
+# parameters below train at 1e-4. On the CPU a run repeats bitwise, and the default is one run of each.
+# `fp8_first = True` starts with the FP8 runs, so that executions pooled together can give each recipe the first
+# place in turn. `runs_from` pools the runs of earlier executions (their `out_dir`s) into this one's verdict and
+# figure, for a machine whose jobs are too short for all the runs at once; with `runs = 0` the notebook only pools.
 #
 # The CPU margins are wide because there the FP8 run is sensitive to summation order: with one thread instead of
 # two, or on another machine, its distance from the unquantized run changes by more than the
@@ -52,8 +51,7 @@
 # "train.optim_dtype=float32", "train.lr=1e-4", "train.compile=true", "train.micro_batch=4",
 # "train.global_batch=4", "train.warmup=20", "log.eval_every=0", "log.eval_windows=16", "data.corpus=/tmp/codec"]'`
 # (about 7 minutes). Three such executions (the later two with `-p fp8_first True`), pooled by a fourth with `-p runs
-# 0 -y 'runs_from: [out1, out2, out3]'`, give six runs of each recipe, enough for the 1% margin
-# (benchmarks/RESULTS.md).
+# 0 -y 'runs_from: [out1, out2, out3]'`, give six runs of each recipe (benchmarks/RESULTS.md has the verdict).
 
 # %% tags=["parameters"]
 config = "configs/tiny.toml"  # a path relative to the repository's root, or absolute
@@ -65,7 +63,7 @@ max_val_gap = 0.10
 tail = 20
 warm = 5
 runs = 1  # runs of each recipe; with 2 or more the verdict compares means and measures identical runs' spread
-fp8_first = False  # the first round trains the FP8 runs before the unquantized one (does a run's place matter?)
+fp8_first = False  # the first round trains the FP8 runs first (pooled executions then share the first place)
 scalings = ["block", "rows"]  # train.fp8_scaling of each FP8 run
 runs_from = []  # out_dir of earlier executions of this notebook (same parameters) whose runs join this verdict
 out_dir = "."
@@ -145,7 +143,6 @@ def mean(name, key):
     return statistics.fmean(values) if all(v is not None for v in values) else math.nan
 
 
-
 for name in FP8_RUNS:
     print(f"{name} / unquantized: tokens/s {mean(name, 'tokens_per_s') / mean('unquantized', 'tokens_per_s'):.3f}×")
 
@@ -178,12 +175,12 @@ fig.tight_layout(); fig.savefig(out / "v05_fp8.png", dpi=110)
 # %%
 def relative(name, key):
     "Signed relative distance of recipe `name`'s mean from the unquantized mean, and twice its standard error."
-    xs, us = [s[key] for s in summary[name]], [s[key] for s in summary["unquantized"]]
-    if not all(xs) or not all(us):
+    f, u = mean(name, key), mean("unquantized", key)
+    if math.isnan(f) or math.isnan(u):
         return math.inf, 0.0
-    u = statistics.fmean(us)
+    xs, us = [s[key] for s in summary[name]], [s[key] for s in summary["unquantized"]]
     se = math.sqrt(statistics.variance(xs) / len(xs) + statistics.variance(us) / len(us)) / u if n_runs > 1 else 0.0
-    return (statistics.fmean(xs) - u) / u, 2 * se
+    return (f - u) / u, 2 * se
 
 
 if n_runs > 1:
