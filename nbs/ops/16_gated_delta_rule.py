@@ -130,8 +130,10 @@ def gated_delta_rule_reference(q, k, v, g, beta, *, initial_state=None, output_f
 
 # %% [markdown]
 # Check the loop against transformers' own per-token and chunked versions (one document: transformers' torch
-# fallbacks ignore document boundaries), with GVA and an initial state. transformers computes in float32 whatever
-# it is given, so the loop runs in float64 and the tolerance is float32's:
+# fallbacks ignore document boundaries), with GVA and an initial state. The model repeats each key head's q and k over
+# its value heads before it calls them (some transformers versions repeat inside the function, some do not), so
+# the check does that too. transformers computes in float32 whatever it is given, so the loop runs in float64 and
+# the tolerance is float32's:
 
 # %%
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
@@ -159,8 +161,9 @@ def rel_err(a, b):
 
 q, k, v, g, beta, s0 = make_inputs(2, 50, 2, 4, 16, 24, seed=0, dtype=torch.float64, state=True)
 o, s = gated_delta_rule_reference(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+q_v, k_v = (x.repeat_interleave(v.shape[2] // x.shape[2], 2) for x in (q, k))   # a value head's q/k (as the model does)
 for name, kw in (("torch_recurrent_gated_delta_rule", {}), ("torch_chunk_gated_delta_rule", dict(chunk_size=16))):
-    o_hf, s_hf = getattr(hf, name)(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+    o_hf, s_hf = getattr(hf, name)(q_v, k_v, v, g, beta, initial_state=s0, output_final_state=True,
                                    use_qk_l2norm_in_kernel=True, **kw)
     assert rel_err(o, o_hf) < 2e-6 and rel_err(s, s_hf) < 2e-6, (name, rel_err(o, o_hf), rel_err(s, s_hf))
     print(f"{name}: out {rel_err(o, o_hf):.1e}, state {rel_err(s, s_hf):.1e}")
