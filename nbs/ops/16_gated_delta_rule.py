@@ -161,10 +161,15 @@ def rel_err(a, b):
 
 q, k, v, g, beta, s0 = make_inputs(2, 50, 2, 4, 16, 24, seed=0, dtype=torch.float64, state=True)
 o, s = gated_delta_rule_reference(q, k, v, g, beta, initial_state=s0, output_final_state=True)
-q_v, k_v = (x.repeat_interleave(v.shape[2] // x.shape[2], 2) for x in (q, k))   # a value head's q/k (as the model does)
+def hf_rule(name, q, k, v, g, beta, s0, **kw):
+    "transformers' `name`, given each value head's q and k (the model repeats them before the call)."
+    q, k = (x.repeat_interleave(v.shape[2] // x.shape[2], 2) for x in (q, k))
+    return getattr(hf, name)(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, **kw)
+
+
 for name, kw in (("torch_recurrent_gated_delta_rule", {}), ("torch_chunk_gated_delta_rule", dict(chunk_size=16))):
-    o_hf, s_hf = getattr(hf, name)(q_v, k_v, v, g, beta, initial_state=s0, output_final_state=True,
-                                   use_qk_l2norm_in_kernel=True, **kw)
+    o_hf, s_hf = hf_rule(name, q, k, v, g, beta, s0, **kw)
     assert rel_err(o, o_hf) < 2e-6 and rel_err(s, s_hf) < 2e-6, (name, rel_err(o, o_hf), rel_err(s, s_hf))
     print(f"{name}: out {rel_err(o, o_hf):.1e}, state {rel_err(s, s_hf):.1e}")
 
@@ -960,8 +965,7 @@ torch._dynamo.reset()
 
 q, k, v, g, beta, s0 = make_inputs(1, 70, 2, 4, 32, 32, seed=35, state=True)
 o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=32)
-o_hf, s_hf = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                             use_qk_l2norm_in_kernel=True)
+o_hf, s_hf = hf_rule("torch_chunk_gated_delta_rule", q, k, v, g, beta, s0)
 print(f"vs transformers' chunked version: out {rel_err(o, o_hf):.1e}, state {rel_err(s, s_hf):.1e}")
 assert rel_err(o, o_hf) < 1e-5 and rel_err(s, s_hf) < 1e-5
 
