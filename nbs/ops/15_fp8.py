@@ -1751,8 +1751,8 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   its tensor-core instruction to complete (`wgmma.wait_group 0` in the kernel's PTX) and then runs the
 #   multiply-adds while the tensor cores idle. Issuing the next product before promoting the last changes nothing
 #   (Triton still waits right after each product), and neither does Triton's warp specialisation of the loop; a
-#   Gluon kernel with DeepGEMM's structure (`benchmarks/fp8_gluon.py`: a producer warp, two math partitions that
-#   promote in turn) gains a few per cent. So the three block-scaled products together run at about bf16's speed.
+#   Gluon kernel with DeepGEMM's structure (a producer warp, two math partitions that promote in turn) gains a few
+#   per cent (benchmarks/RESULTS.md). So the three block-scaled products together run at about bf16's speed.
 #   Row scales take the promotion away: the products chain inside `tl.dot` and run well above bf16's speed at both
 #   models' expert shapes. The tensor cores then accumulate the whole K (Triton's default on sm90; promoting into
 #   fp32 every 128 of K costs much of the gain), which adds an error far below the quantization's own.
