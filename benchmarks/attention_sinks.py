@@ -12,12 +12,14 @@ import torch
 from triton.testing import do_bench
 
 from pith_lit.models.gpt_oss import sink_attention
-from pith_lit.ops.attention import _bench_inputs, flash_attention
+from pith_lit.ops.attention import flash_attention
+
+from ops import attention_inputs  # benchmarks/ops.py, beside this script
 
 B, S, HQ, HKV, D = 2, 4096, 64, 8, 64
 print(f"{torch.cuda.get_device_name()} · torch {torch.__version__}")
 for window in (None, 128):
-    q, k, v, s = _bench_inputs(B, S, HQ, HKV, D, D, True)
+    q, k, v, s = attention_inputs(B, S, HQ, HKV, D, D, True)
     dout = torch.randn(B, HQ, S, D, device="cuda", dtype=torch.bfloat16)
     calls = {"flash_attention (ops/14)": lambda: flash_attention(q, k, v, s, window=window)[0],
              "sink_attention (SDPA, masked)": lambda: sink_attention(q, k, v, s, window)}

@@ -21,8 +21,9 @@ for every case):
   quantization passes (`fp8_swiglu_experts`), the weights' FP8 copies made beforehand as in a step;
 - a tile sweep of the Triton forward GEMM and weight-gradient GEMM (Qwen3's gate/up shape), printing the best.
 
-Then the dense layer: `fp8_linear` (F.scaled_mm with 1x128 / 128x128 block scales) forward + backward and the forward
-`F.scaled_mm` alone, against bf16 `F.linear` / `torch.mm`, at 16K tokens × (2048 -> 4096) and (4096 -> 2048).
+Then the dense layer: `fp8_linear` (tests/fp8_linear.py; F.scaled_mm with 1x128 / 128x128 block scales) forward +
+backward and the forward `F.scaled_mm` alone, against bf16 `F.linear` / `torch.mm`, at 16K tokens × (2048 -> 4096)
+and (4096 -> 2048).
 
 Every case runs inside try/except: a failure prints its error and the rest still runs. Times are medians of
 `triton.testing.do_bench`. Nothing here is a test; the numbers go to benchmarks/RESULTS.md with the date and GPU.
@@ -39,6 +40,7 @@ from triton.testing import do_bench
 
 from pith_lit.ops import fp8
 from pith_lit.ops.fp8 import GemmConfig
+from tests.fp8_linear import fp8_linear, scaled_mm_blockwise
 
 DEV = "cuda"
 MODELS = {"qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, top_k=8),
@@ -259,7 +261,7 @@ def bench_dense(tokens):
         ref = (xf @ wf.T, gf @ wf, gf.T @ xf)
         flops = 2 * tokens * n_in * n_out
         for case, layer in [("bf16 linear fwd+bwd", lambda: F.linear(x, w)),
-                            ("fp8_linear scaled_mm fwd+bwd", lambda: fp8.fp8_linear(x, w, impl="scaled_mm"))]:
+                            ("fp8_linear scaled_mm fwd+bwd", lambda: fp8_linear(x, w, impl="scaled_mm"))]:
             def go(layer=layer, case=case):
                 y = layer()
                 dx, dw = torch.autograd.grad(y, (x, w), dy)
@@ -274,7 +276,7 @@ def bench_dense(tokens):
         run(group, "bf16 mm fwd GEMM", go_mm)
         def go_scaled():
             a, (qw, sw) = fp8.quantize_act(xd), fp8.quantize_weight(wd)
-            gemm = lambda: fp8._scaled_mm_blockwise(a.q, a.s, qw, sw)
+            gemm = lambda: scaled_mm_blockwise(a.q, a.s, qw, sw)
             ms = do_bench(gemm, return_mode="median")
             report(group, "F.scaled_mm 1x128/128x128 fwd GEMM", ms, flops, errs=dict(err_y=rel(gemm(), ref[0])))
         run(group, "F.scaled_mm 1x128/128x128 fwd GEMM", go_scaled)

@@ -162,7 +162,7 @@ def group_skipping():
     """NaN in every block the mask hides entirely from one query block (key blocks), or from one key block
     (query blocks: q, dO, out, lse), must not reach that block's output or gradients: the kernels skip it."""
     import torch
-    from pith_lit.ops.attention import _bwd, _check_args, _fwd, attention_mask
+    from pith_lit.ops.attention import attention_bwd, attention_fwd, attention_mask, check_args
     warnings.filterwarnings("ignore", "All-NaN slice", RuntimeWarning)
     bm, bn, S = 16, 16, 64
     cases = [dict(window=11), dict(cu=[0, 2, 3, 40, 64], window=25, sinks=True), dict(cu=[0, 17, 18, 50, 64]), {}]
@@ -172,12 +172,12 @@ def group_skipping():
         opts = dict(opts)
         q, k, v, sinks, kw = _inputs(1, 2, 1, S, S, 16, 16, seed, opts.pop("sinks", False), opts.pop("cu", None))
         kw.update(opts)
-        scale, m, q_doc, k_doc = _check_args(q, k, v, sinks, True, kw.get("window"), None, kw.get("q_doc"),
+        scale, m, q_doc, k_doc = check_args(q, k, v, sinks, True, kw.get("window"), None, kw.get("q_doc"),
                                              kw.get("k_doc"), 0, 0)
         keep = attention_mask(S, S, **kw)[0, 0]
-        out, lse = _fwd(q, k, v, sinks, m, scale, q_doc, k_doc, (bm, bn))
+        out, lse = attention_fwd(q, k, v, sinks, m, scale, q_doc, k_doc, (bm, bn))
         dout = torch.randn_like(out)
-        want = _bwd(q, k, v, None, out, lse, dout, None, m, scale, q_doc, k_doc, (bm, bn))
+        want = attention_bwd(q, k, v, None, out, lse, dout, None, m, scale, q_doc, k_doc, (bm, bn))
         hidden = lambda kp, r0, rows, block: [c0 for c0 in range(0, S, block) if not kp[r0:r0 + rows, c0:c0 + block].any()]
         n = 0
         for r0 in range(0, S, bm):
@@ -185,10 +185,10 @@ def group_skipping():
             for c0 in hidden(keep, r0, bm, bn):
                 kp[:, :, c0:c0 + bn] = vp[:, :, c0:c0 + bn] = float("nan")
                 n += 1
-            o, l = _fwd(q, kp, vp, sinks, m, scale, q_doc, k_doc, (bm, bn))
+            o, l = attention_fwd(q, kp, vp, sinks, m, scale, q_doc, k_doc, (bm, bn))
             assert _rel(o[:, :, r0:r0 + bm], out[:, :, r0:r0 + bm]) < 1e-6, (opts, r0)
             assert _rel(l[:, :, r0:r0 + bm], lse[:, :, r0:r0 + bm]) < 1e-6, (opts, r0)
-            dq = _bwd(q, kp, vp, None, out, lse, dout, None, m, scale, q_doc, k_doc, (bm, bn))[0]
+            dq = attention_bwd(q, kp, vp, None, out, lse, dout, None, m, scale, q_doc, k_doc, (bm, bn))[0]
             assert _rel(dq[:, :, r0:r0 + bm], want[0][:, :, r0:r0 + bm]) < 1e-6, (opts, r0)
         for c0 in range(0, S, bn):
             ts = [t.clone() for t in (q, out, dout, lse)]
@@ -196,7 +196,7 @@ def group_skipping():
                 for t in ts:
                     t[:, :, r0:r0 + bm] = float("nan")
                 n += 1
-            _, dk, dv, _ = _bwd(ts[0], k, v, None, ts[1], ts[3], ts[2], None, m, scale, q_doc, k_doc, (bm, bn))
+            _, dk, dv, _ = attention_bwd(ts[0], k, v, None, ts[1], ts[3], ts[2], None, m, scale, q_doc, k_doc, (bm, bn))
             assert _rel(dk[:, :, c0:c0 + bn], want[1][:, :, c0:c0 + bn]) < 1e-6, (opts, c0)
             assert _rel(dv[:, :, c0:c0 + bn], want[2][:, :, c0:c0 + bn]) < 1e-6, (opts, c0)
         assert n > 10, (opts, n)

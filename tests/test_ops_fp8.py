@@ -344,37 +344,63 @@ def group_swiglu():
 
 
 def group_dense():
-    """fp8_linear's reference path against float64; the CUDA-only calls' layouts through torch's meta checks."""
+    """fp8_linear (tests/fp8_linear.py)'s reference path against float64; the CUDA-only calls' layouts through torch's
+    meta checks."""
     import torch
+    from fp8_linear import fp8_linear, scaled_mm_blockwise, scaled_mm_wgrad
     from pith_lit.ops import fp8
-    x, w, dy = _randn(400, (3, 50, 300), (200, 300), (3, 50, 200))
-    w = w / 17
-    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = fp8.fp8_linear(xl, wl)                                     # CPU: the reference path
-    y.backward(dy)
-    x2, dy2 = x.reshape(150, 300), dy.reshape(150, 200)
-    y_r, dx_r, dw_r = _ref_layer(x2, w[None], torch.tensor([150]), dy2)
-    assert _rel(y.reshape(150, 200), y_r) < 1e-5 and _rel(xl.grad.reshape(150, 300), dx_r) < 1e-5
-    assert _rel(wl.grad, dw_r[0]) < 1e-5 and _rel(y, x.double() @ w.double().T) < 0.05
+    for seed, (lead, n_in, n_out), scale in [(400, ((3, 50), 300, 200), 17), (7, ((2, 75), 200, 136), 14)]:
+        x, w, dy = _randn(seed, (*lead, n_in), (n_out, n_in), (*lead, n_out))
+        w = w / scale
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xl, wl)                                     # CPU: the reference path
+        y.backward(dy)
+        assert y.shape == (*lead, n_out)
+        M = lead[0] * lead[1]
+        x2, dy2 = x.reshape(M, n_in), dy.reshape(M, n_out)
+        y_r, dx_r, dw_r = _ref_layer(x2, w[None], torch.tensor([M]), dy2)
+        assert _rel(y.reshape(M, n_out), y_r) < 1e-5 and _rel(xl.grad.reshape(M, n_in), dx_r) < 1e-5
+        assert _rel(wl.grad, dw_r[0]) < 1e-5 and _rel(y, x.double() @ w.double().T) < 0.05
     with pytest.raises(ValueError, match="multiples of 128"):
-        fp8.fp8_linear(x, w, impl="scaled_mm")
+        fp8_linear(x, w, impl="scaled_mm")
     with pytest.raises(ValueError, match="impl must be"):
-        fp8.fp8_linear(x, w, impl="cublas")
+        fp8_linear(x, w, impl="cublas")
     with pytest.raises(ValueError, match="w \\(out, in\\)"):
-        fp8.fp8_linear(x, w.T)
-    # the F.scaled_mm calls at the real models' widths, on meta tensors
+        fp8_linear(x, w.T)
+    # the F.scaled_mm calls at the real models' widths, on meta tensors (K/128 = 6: the weight scales need padding)
     meta = lambda *s: torch.empty(*s, device="meta")
-    for M, n_in, n_out in [(256, 2048, 1536), (1000, 768, 2048), (130, 1408, 2048), (64, 2048, 2816)]:
+    for M, n_in, n_out in [(256, 2048, 1536), (1000, 768, 2048), (130, 1408, 2048), (64, 2048, 2816), (200, 384, 256)]:
         T = -(-M // 128)
         a = fp8.Fp8Act(meta(M, n_in).to(fp8.FP8), meta(n_in // 128, M).t(), meta(n_in, 128 * T).to(fp8.FP8),
                        meta(T, n_in))
         g = fp8.Fp8Act(meta(M, n_out).to(fp8.FP8), meta(n_out // 128, M).t(), meta(n_out, 128 * T).to(fp8.FP8),
                        meta(T, n_out))
-        assert fp8._scaled_mm_blockwise(a.q, a.s, meta(n_out, n_in).to(fp8.FP8),
-                                        meta(n_out // 128, n_in // 128)).shape == (M, n_out)
-        assert fp8._scaled_mm_blockwise(g.q, g.s, meta(n_in, n_out).to(fp8.FP8),
-                                        meta(n_in // 128, n_out // 128)).shape == (M, n_in)
-        assert fp8._scaled_mm_wgrad(g, a).shape == (n_out, n_in)
+        assert scaled_mm_blockwise(a.q, a.s, meta(n_out, n_in).to(fp8.FP8),
+                                   meta(n_out // 128, n_in // 128)).shape == (M, n_out)
+        assert scaled_mm_blockwise(g.q, g.s, meta(n_in, n_out).to(fp8.FP8),
+                                   meta(n_in // 128, n_out // 128)).shape == (M, n_in)
+        assert scaled_mm_wgrad(g, a).shape == (n_out, n_in)
+
+
+def test_dense_on_gpu():
+    """fp8_linear's F.scaled_mm path against its reference on the GPU, in bf16: within 1e-2 (the tensor cores'
+    accumulation and the bf16 outputs)."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU with FP8 tensor cores")
+    from fp8_linear import fp8_linear
+    torch.manual_seed(0)
+    x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(768, 1024, device="cuda") / 32).bfloat16().requires_grad_()
+    dy = torch.randn(1000, 768, device="cuda", dtype=torch.bfloat16)
+    got = []
+    for impl in ("scaled_mm", "torch"):
+        x.grad = w.grad = None
+        y = fp8_linear(x, w, impl=impl)
+        y.backward(dy)
+        got.append((y.detach(), x.grad, w.grad))
+    errs = [_rel(a, b) for a, b in zip(*got)]
+    assert max(errs) < 1e-2, errs
 
 
 def group_rows():

@@ -1,5 +1,5 @@
 """Token permutation (pith_lit.ops.permute), the grouped expert linear (pith_lit.ops.grouped_linear) and the
-benchmark command (pith_lit.ops.bench), checked at other seeds and shapes than their notebooks.
+operator benchmark command (benchmarks/ops.py), checked at other seeds and shapes than their notebooks.
 
 Triton kernels run on CPU only under the interpreter, and `TRITON_INTERPRET=1` must be in the environment
 before `@triton.jit` decorates them (that is, before pith_lit.ops.permute is first imported). A test marked
@@ -185,7 +185,17 @@ def test_deferred_through_a_view_equals_immediate():
 def test_bench_command_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the command would benchmark instead of refusing")
-    proc = subprocess.run([sys.executable, "-m", "pith_lit.ops.bench", "--json", "unused.json"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "benchmarks/ops.py", "--json", "unused.json"], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "needs a CUDA GPU" in proc.stderr and not (ROOT / "unused.json").exists()
+
+
+def test_bench_table():
+    "The benchmark's table on made-up numbers (the real ones need a GPU): one aligned row per measure."
+    from benchmarks.ops import rows_of, table
+    fake = rows_of("permute", {"gather fwd ms": 0.3125, "gather fwd % of copy": 78.04}) + \
+        rows_of("grouped_linear", {"grouped_linear 768->2048 fwd+bwd TFLOP/s": 612.0})
+    lines = table(fake).splitlines()
+    assert len(lines) == 5 and lines[2].split() == ["permute", "gather", "fwd", "ms", "0.312"]
+    assert lines[4].endswith(" 612.000") and len({len(l) for l in lines[2:]}) == 1

@@ -100,29 +100,30 @@ def group_clamped():
 
 def group_ce_rows():
     import torch
-    from pith_lit.ops.cross_entropy import _ce_rows_torch, _ce_rows_triton
+    from pith_lit.ops.cross_entropy import ce_rows_torch, ce_rows_triton
     torch.manual_seed(31)
     for rows, V in [(9, 4097), (4, 8200), (1, 3), (0, 100), (17, 513)]:
         logits = torch.randn(rows, V) * 5
         labels = torch.randint(0, V, (rows,))
         labels[::3] = -7  # a custom ignore_index
         fast, ref = logits.clone(), logits.double()
-        loss_fast, loss_ref = _ce_rows_triton(fast, labels, -7), _ce_rows_torch(ref, labels, -7)
+        loss_fast, loss_ref = ce_rows_triton(fast, labels, -7), ce_rows_torch(ref, labels, -7)
         assert loss_fast.dtype == torch.float32 and _rel(loss_fast, loss_ref) < 1e-6 and _rel(fast, ref) < 1e-6
         assert (loss_fast[::3] == 0).all() and (fast[::3] == 0).all()
     # bf16 logits: loaded as bf16, computed in fp32, gradient stored as bf16
     logits = torch.randn(6, 5000).bfloat16()
     labels = torch.randint(0, 5000, (6,))
     fast, ref = logits.clone(), logits.double()
-    assert _rel(_ce_rows_triton(fast, labels, -100), _ce_rows_torch(ref, labels, -100)) < 1e-6
+    assert _rel(ce_rows_triton(fast, labels, -100), ce_rows_torch(ref, labels, -100)) < 1e-6
     assert fast.dtype == torch.bfloat16 and _rel(fast, ref) < 1e-2
     # a label outside [0, V) gives NaN, not a silent value
-    assert _ce_rows_triton(torch.randn(2, 10), torch.tensor([10, 3]), -100).isnan().tolist() == [True, False]
+    assert ce_rows_triton(torch.randn(2, 10), torch.tensor([10, 3]), -100).isnan().tolist() == [True, False]
 
 
 def group_linear_ce():
     import torch
-    from pith_lit.ops.cross_entropy import cross_entropy_ref, linear_cross_entropy
+    from pith_lit.ops.cross_entropy import linear_cross_entropy
+    from references import cross_entropy_ref
     torch.manual_seed(41)
     for T, H, V, chunk, n_ignored in [(70, 12, 4200, 32, 9), (5, 20, 64, 100, 1), (33, 8, 9000, 1, 0),
                                       (64, 16, 50, 16, 64), (12, 4, 7, None, 3)]:
@@ -169,7 +170,7 @@ def group_linear_ce():
 
 def _bf16_ref(h, w, labels):
     "Loss and gradients of the eager reference on the same bf16 values, computed in float64 (scaled by 0.7)."
-    from pith_lit.ops.cross_entropy import cross_entropy_ref
+    from references import cross_entropy_ref
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     loss = cross_entropy_ref(h64, w64, labels)
     (loss * 0.7).backward()

@@ -61,7 +61,7 @@ from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM
 
 # %%
 #| export
-def _leaf(t: Tensor) -> Tensor:
+def new_leaf(t: Tensor) -> Tensor:
     "A stage boundary: the same values as a new leaf that requires grad."
     return t.detach().requires_grad_()
 
@@ -138,7 +138,7 @@ class LayerRun:
         self.aux = None
 
     def forward(self, h: Tensor, positions: Tensor):
-        self.h_in, self.positions = _leaf(h), positions
+        self.h_in, self.positions = new_leaf(h), positions
         yield COMPUTE, self._stage1
         if self.routing is not None:
             if self.dispatcher.counts_step:   # sizes across ranks first, rows after a switch
@@ -166,7 +166,7 @@ class LayerRun:
         if self.aux_fn is not None:
             self.aux = self.aux_fn(self.key, self.routing)
         self.s1_out = [h, x, self.routing.weights, self.aux]
-        self.h1, self.x, self.w = _leaf(h), _leaf(x), _leaf(self.routing.weights)
+        self.h1, self.x, self.w = new_leaf(h), new_leaf(x), new_leaf(self.routing.weights)
         self.routing.weights = self.w                 # dispatch sends these with the rows
 
     def _counts(self):
@@ -177,7 +177,7 @@ class LayerRun:
         self.xg_out = self.dispatcher.dispatch(self.x, self.routing)
         plan = self.routing.plan
         self.pw_out = plan.weights                    # the received rows' router weights: stage 3 applies them
-        self.xg, self.pw = _leaf(self.xg_out), _leaf(self.pw_out)
+        self.xg, self.pw = new_leaf(self.xg_out), new_leaf(self.pw_out)
         plan.weights = self.pw
 
     def _stage3(self):
@@ -185,12 +185,12 @@ class LayerRun:
         _use(self.xg, *(v for v in vars(r.plan).values() if isinstance(v, Tensor)))
         y = self.layer.stage3(*d.expand(self.xg, r), self.wgrad_queue)
         self.y_out = d.reduce(y, r)
-        self.y = _leaf(self.y_out)
+        self.y = new_leaf(self.y_out)
 
     def _combine(self):
         _use(self.y)
         self.yc_out = self.dispatcher.combine(self.y, self.routing)
-        self.yc = _leaf(self.yc_out)
+        self.yc = new_leaf(self.yc_out)
 
     def _stage5(self):
         _use(self.yc)
@@ -480,7 +480,7 @@ def staged_step(model, ids, labels, streams):
     runs = [LayerRun(layer, k, dispatcher, lb_loss) for k, layer in model.model.layers.items()]
     h0 = model.prolog(ids)
     run_steps(streams, forward_layers(runs, h0, torch.arange(ids.shape[1], device=ids.device)))
-    h_last = _leaf(runs[-1].h_out)
+    h_last = new_leaf(runs[-1].h_out)
     loss = F.cross_entropy(model.epilog(h_last).flatten(0, 1).float(), labels.flatten(), reduction="sum")
     (loss / labels.numel()).backward()                       # head and loss: gives h_last.grad
     run_steps(streams, backward_layers(runs, h_last.grad))
@@ -515,7 +515,7 @@ def prepared_backward(model, ids, labels):
     runs = [LayerRun(layer, k, dispatcher, lb_loss) for k, layer in model.model.layers.items()]
     h0 = model.prolog(ids)
     run_steps(cpu, forward_layers(runs, h0, torch.arange(ids.shape[1])))
-    h_last = _leaf(runs[-1].h_out)
+    h_last = new_leaf(runs[-1].h_out)
     F.cross_entropy(model.epilog(h_last).flatten(0, 1), labels.flatten(), reduction="sum").backward()
     return runs, h_last.grad, h0
 
@@ -592,7 +592,7 @@ def cuda_chunk(overlapped: bool, m, streams):
     "B's forward and loss backward, then A's forward and B's layer backward, overlapped or one after the other."
     runs_b = [LayerRun(layer, k, disp, big_lb) for k, layer in m.model.layers.items()]
     run_steps(streams, forward_layers(runs_b, m.prolog(idsB_c), pos_c))
-    h_last = _leaf(runs_b[-1].h_out)
+    h_last = new_leaf(runs_b[-1].h_out)
     F.cross_entropy(m.epilog(h_last).flatten(0, 1).float(), idsA_c.flatten(), reduction="sum").backward()
     m.zero_grad(set_to_none=True)
     runs_a = [LayerRun(layer, k, disp, big_lb) for k, layer in m.model.layers.items()]

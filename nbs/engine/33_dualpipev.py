@@ -48,7 +48,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pith_lit.engine.mesh import stage_layers
-from pith_lit.engine.stages import COMPUTE, LayerRun, Streams, _leaf, backward_layers, forward_layers, run_steps
+from pith_lit.engine.stages import (COMPUTE, LayerRun, Streams, backward_layers, forward_layers, new_leaf,
+                                    run_steps)
 from pith_lit.ops.grouped_linear import WeightGradQueue
 
 # %%
@@ -437,7 +438,7 @@ class StageRun:
             x = self.h0
         h = yield from forward_layers(self.runs, x, positions)
         if self.part.is_last:
-            self.h_last, self.labels, self.loss_fn = _leaf(h), labels, loss_fn
+            self.h_last, self.labels, self.loss_fn = new_leaf(h), labels, loss_fn
             yield COMPUTE, self._loss
         else:
             self.output = h

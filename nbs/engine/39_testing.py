@@ -47,8 +47,6 @@ import subprocess
 import sys
 import tempfile
 
-import matplotlib.pyplot as plt
-
 # %% [markdown]
 # Notebooks and checks find the repository's files (configs, the package's source for spawned processes) through
 # `repo_path`, whatever the current directory: Jupyter runs a notebook in its folder, papermill wherever `--cwd`
@@ -605,46 +603,15 @@ print("\n".join(sorted(l for l in torchrun(2, "pipeline", "--micro", "4", "6", "
                        if l.startswith("rank"))))
 
 # %% [markdown]
-# ### Pictures of the schedule
+# ### The measured schedule and the predicted one
 #
-# `draw_timeline` draws a step one row per rank: F in blue (light: phase 0, dark: phase 1), B in green, an
-# overlapped F&B pair as a half-blue half-green box, W in orange, and waiting for transfers in grey; numbers are
-# micro-batches. First the ideal schedule of the DualPipe paper's units (F = 1, B = 2, a zero-bubble B and its W
-# 1 each); then the measured timeline above the one `simulate` predicts from the measured median duration of each
-# kind of action: the prediction assumes free transfers, so the difference between the two bubble fractions is
-# what the transfers and the waiting for them cost on this machine.
+# Every rank's recorded compute actions are its schedule's, in order; `simulate` then predicts the step from the
+# measured median duration of each kind of action. The prediction assumes free transfers, so the difference between
+# the two bubble fractions is what the transfers and the waiting for them cost on this machine. (validate/v02 draws
+# the two timelines.)
 
 # %%
-#| export
-COLORS = {"F0": "#9ecae1", "F1": "#3182bd", "B0": "#a1d99b", "B1": "#31a354", "W": "#fdae6b", "comm": "#d9d9d9"}
-
-
-def draw_timeline(ax, events: list[list[tuple]], title: str = "") -> None:
-    "Draw per-rank events `(kind, micro, start, end)` on a matplotlib axis, rank 0 at the top, with a legend."
-    for r, ev in enumerate(events):
-        for kind, micro, start, end in ev:
-            parts = kind.split("&")
-            h = 0.8 / len(parts)
-            for i, part in enumerate(parts):          # F&B: upper half forward, lower half backward
-                ax.broken_barh([(start, end - start)], (r - 0.4 + i * h, h), color=COLORS[part],
-                               edgecolor="white", linewidth=0.5)
-            if micro is not None and kind != "comm":
-                label = "|".join(map(str, micro)) if isinstance(micro, (list, tuple)) else str(micro)
-                ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(len(events)), [f"rank {r}" for r in range(len(events))])
-    ax.invert_yaxis()
-    ax.set_title(title, fontsize=9)
-    from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=c, label="wait" if k == "comm" else k) for k, c in COLORS.items()],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=6, frameon=False)
-
-# %%
-from pith_lit.engine.dualpipev import (COMPUTE_ACTIONS, _kind, bubble_fraction, dualpipev_schedule, simulate,
-                                       unit_duration)
-
-fig, ax = plt.subplots(figsize=(10, 2.2))
-draw_timeline(ax, simulate(4, 10, unit_duration), "ideal DualPipeV, P = 4, M = 10 (F 1, B 2, zero-bubble B and W 1)")
-plt.show()
+from pith_lit.engine.dualpipev import COMPUTE_ACTIONS, _kind, bubble_fraction, dualpipev_schedule, simulate
 
 # %%
 run = json.loads(out.read_text())
@@ -664,12 +631,6 @@ def median_durations(events):
     return lambda a, rank: med[("B", a[3]) if a[0] == "B" else (a[0],)]
 
 predicted = simulate(P, M, median_durations(measured))
-fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
-draw_timeline(axes[0], measured, f"measured, P = {P}, M = {M}: bubble {bubble_fraction(measured):.1%}")
-draw_timeline(axes[1], predicted, f"predicted from the measured durations: bubble {bubble_fraction(predicted):.1%}")
-axes[1].set_xlabel("seconds")
-plt.tight_layout()
-plt.show()
 print(f"bubble fraction: measured {bubble_fraction(measured):.3f}, predicted {bubble_fraction(predicted):.3f}")
 
 # %% [markdown]
@@ -718,6 +679,3 @@ if torch.cuda.is_available():
     t_pipe = seconds(lambda: pipe.step(batches, scale))
     tokens = M * shape[0] * shape[1]
     print(f"step of {tokens} tokens: plain {t_ref * 1e3:.1f} ms, DualPipeV P=1 {t_pipe * 1e3:.1f} ms")
-    fig, ax = plt.subplots(figsize=(11, 1.4))
-    draw_timeline(ax, [pipe.timeline.events()], f"P = 1, M = {M}: compute-stream timeline")
-    plt.show()

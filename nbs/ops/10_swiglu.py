@@ -419,53 +419,14 @@ assert dup[1] == 0 and dup[2] == 0 and dup[0] != 0 and dup[3] != 0, dup  # ups -
 # ## On the GPU: bf16 at real sizes, and speed
 #
 # Bytes are the measure: forward must read `2·N·I` and write `N·I` elements, backward read `3·N·I` and write
-# `2·N·I`, so fwd+bwd moves at least 16·N·I bytes in bf16 (1.6 GB at N = 131072, I = 768). `bench` times the
-# Triton path and the eager reference on the same inputs and reports achieved GB/s against the 4.3 TB/s
-# device-copy ceiling. It replays each call as a CUDA graph (`triton.testing.do_bench_cudagraph`, median): on the
-# H200 machine the host needs about 0.4 ms to launch one fwd+bwd through autograd, as long as the GPU needs to
-# run it, so plain timing measured the Python launch path as much as the kernels (medians from 0.40 to 0.59 ms
-# for the same kernels). In training these launches queue behind larger kernels. Backward alone is timed as
-# fwd+bwd minus fwd (autograd runs a backward on its forward's stream, which a graph captured on another stream
-# cannot include).
-
-# %%
-#| export
-COPY_CEILING = 4.3e12  # H200 device-to-device copy, bytes read + written (measured, DESIGN.md)
-
-
-def _times(fn, x: torch.Tensor, dy: torch.Tensor) -> dict:
-    "Median ms of `fn` forward and forward+backward, replayed as CUDA graphs; backward is their difference."
-    from triton.testing import do_bench_cudagraph
-    fwd = do_bench_cudagraph(lambda: fn(x), return_mode="median")
-    both = do_bench_cudagraph(lambda: torch.autograd.grad(fn(x), x, dy), return_mode="median")
-    return {"fwd": fwd, "bwd": both - fwd, "fwd+bwd": both}
-
-
-def bench(n: int = 131072, i: int = 768) -> dict:
-    "Time both SwiGLUs (Triton vs eager, bf16 on CUDA): ms, GB/s, % of the 4.3 TB/s copy ceiling, speed-up."
-    min_elems = {"fwd": 3, "bwd": 5, "fwd+bwd": 8}  # elements of N·I that must be read + written
-    out = {}
-    for name, fast, ref in [("swiglu", swiglu, swiglu_ref), ("clamped_swiglu", clamped_swiglu, clamped_swiglu_ref)]:
-        x = torch.randn(n, 2 * i, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(n, i, device="cuda", dtype=torch.bfloat16)
-        t_fast, t_ref = _times(fast, x, dy), _times(ref, x, dy)
-        for pas, elems in min_elems.items():
-            gbps = elems * n * i * x.element_size() / t_fast[pas] / 1e6
-            out.update({f"{name} {pas} ms": t_fast[pas], f"{name} {pas} GB/s": gbps,
-                        f"{name} {pas} % of copy": 100 * gbps * 1e9 / COPY_CEILING,
-                        f"{name} {pas} eager ms": t_ref[pas], f"{name} {pas} speed-up": t_ref[pas] / t_fast[pas]})
-    return out
-
+# `2·N·I`, so fwd+bwd moves at least 16·N·I bytes in bf16. `swiglu_bench` in `benchmarks/ops.py` times the Triton
+# path and the eager reference on the same inputs, each call replayed as a CUDA graph, and reports achieved GB/s
+# against the device-copy ceiling.
 
 # %% [markdown]
 # The GPU cell checks bf16 at the target size against an fp32 reference on the same bf16 inputs (bf16 output
 # rounding gives about 2⁻⁹ relative error), then benchmarks. Targets: fwd+bwd at ≥ 85% of the copy ceiling and
-# ≥ 2× faster than eager. Measured on the H200 (2026-11-29, torch 2.11, Triton 3.6; N = 131072, I = 768, bf16):
-#
-# | | fwd | bwd | fwd+bwd | % of copy | eager fwd+bwd | speed-up |
-# |---|---|---|---|---|---|---|
-# | swiglu | 0.145 ms | 0.244 ms | 0.389 ms | 96% | 1.43 ms | 3.7× |
-# | clamped_swiglu | 0.145 ms | 0.246 ms | 0.391 ms | 96% | 4.34 ms | 11× |
+# ≥ 2× faster than eager (the figures: benchmarks/RESULTS.md).
 
 # %%
 #| cuda
@@ -481,7 +442,8 @@ for fast, ref in [(swiglu, swiglu_ref), (clamped_swiglu, clamped_swiglu_ref)]:
     errs = rel_err(y, yf), rel_err(dx, xf.grad)
     print(f"{fast.__name__}: bf16 fwd rel err {errs[0]:.1e}, bwd {errs[1]:.1e}")
     assert max(errs) < 1e-2, errs
-results = bench()
+from benchmarks.ops import swiglu_bench
+results = swiglu_bench()
 for k, v in results.items():
     print(f"{k:36s} {v:10.3f}")
 for name in ("swiglu", "clamped_swiglu"):

@@ -15,12 +15,15 @@
 #
 # 1. `sort_by_expert(ids, num_experts, pad_to)`: where each (token, expert) pair goes in the grouped order.
 # 2. `gather_rows(x, src_token)`: the **permute**, token order → grouped order (T rows in, N = T·k rows out).
-# 3. `weighted_gather(y, row_index, weights)`: the **un-permute** fused with stage 5's router-weighted sum,
-#    grouped order → token order (N rows in, T rows out).
+# 3. `weighted_gather(y, row_index, weights)`: the **un-permute** fused with the router-weighted sum,
+#    grouped order → token order (N rows in, T rows out). Stage 3 calls it on the experts' outputs: each
+#    received token row becomes the weighted sum of its experts' outputs before the combine sends it back
+#    (engine/31_ep; under expert parallelism the combine adds the rows from different ranks with the same
+#    kernel and unit weights).
 #
 # At Qwen3-30B-A3B's shape (16K tokens, hidden 2048, top-8 of 128 experts, bf16) the permuted activation
-# is 131072 × 2048 × 2 B = 512 MiB, so each copy is ~1 GiB of memory traffic, ~0.25 ms at the 4.3 TB/s
-# copy ceiling. The copies are worth a kernel because of what eager PyTorch does around them (below).
+# is 131072 × 2048 × 2 B = 512 MiB, so each copy moves about 1 GiB of memory. The copies are worth a kernel
+# because of what eager PyTorch does around them (below).
 
 # %%
 #| default_exp ops.permute
@@ -283,7 +286,7 @@ print("gather_rows: triton == torch == float64 reference")
 # %% [markdown]
 # ## 3. Un-permute fused with the weighted sum: `weighted_gather`
 #
-# Stage 5 needs `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]`. Eager PyTorch gathers `y[row_index]` into a
+# Stage 3 ends with `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]`. Eager PyTorch gathers `y[row_index]` into a
 # (T, k, H) tensor (read N rows, write N rows), multiplies by the weights (read and write them again) and sums
 # over k (read once more): about 5 × N × H × 2 B and 3 launches, plus a (T, k, H) fp32 intermediate if it
 # accumulates in fp32. The fused kernel reads each grouped row once and writes each token row once:
@@ -458,56 +461,9 @@ print("weighted_gather: pairs without a row add nothing and get no gradient")
 # %% [markdown]
 # ## 4. On the GPU: bf16 at the real size, and speed
 #
-# `bench()` times the permute and un-permute, forward and backward, against the eager reference at
-# Qwen3-30B-A3B's shape, with `triton.testing.do_bench`. Bytes are counted as the kernel must move them,
-# read plus written, so they compare directly with the 4.3 TB/s copy ceiling: the gather reads and writes N
-# rows; the weighted gather reads N rows and writes T; the gather's backward reads N rows and writes T; the
-# weighted gather's backward reads T rows (each k times, counted once) and N rows of `y`, and writes N rows.
-# The gather can exceed 100% of the ceiling: each row of `x` is read k times, and the re-reads partly hit the
-# 60 MB L2. `python -m pith_lit.ops.bench` prints the table.
-
-# %%
-#| export
-COPY_CEILING = 4.3e12   # bytes/s read plus written, device copy measured on the H200
-
-
-def bench(T: int = 16384, H: int = 2048, E: int = 128, k: int = 8) -> dict:
-    "sort_by_expert time; permute and un-permute, fwd and bwd, Triton vs eager, bf16 on CUDA: ms, GB/s, % of copy."
-    from triton.testing import do_bench
-    dev, dt = "cuda", torch.bfloat16
-    ids = torch.randn(T, E, device=dev).topk(k, dim=1).indices
-    src, row_index, _ = sort_by_expert(ids, E)
-    N = src.numel()
-    x = torch.randn(T, H, device=dev, dtype=dt)
-    y = torch.randn(N, H, device=dev, dtype=dt)
-    w = torch.rand(T, k, device=dev)
-    gN, gT = torch.randn(N, H, device=dev, dtype=dt), torch.randn(T, H, device=dev, dtype=dt)
-
-    def fwd_bwd(fn, *args, grad):
-        ins = [a.detach().requires_grad_() if a.is_floating_point() else a for a in args]
-        out = fn(*ins)
-        return lambda: torch.autograd.grad(out, [a for a in ins if a.requires_grad], grad, retain_graph=True)
-
-    cases = {   # name: (triton fn, eager fn, bytes moved)
-        "gather fwd": (lambda: gather_rows(x, src, impl="triton"), lambda: gather_rows(x, src, impl="torch"),
-                       2 * N * H * 2),
-        "gather bwd": (fwd_bwd(lambda a, s: gather_rows(a, s, impl="triton"), x, src, grad=gN),
-                       fwd_bwd(lambda a, s: gather_rows(a, s, impl="torch"), x, src, grad=gN),
-                       (N + T) * H * 2),
-        "weighted_gather fwd": (lambda: weighted_gather(y, row_index, w, impl="triton"),
-                                lambda: weighted_gather(y, row_index, w, impl="torch"), (N + T) * H * 2),
-        "weighted_gather bwd": (
-            fwd_bwd(lambda a, i, b: weighted_gather(a, i, b, impl="triton"), y, row_index, w, grad=gT),
-            fwd_bwd(lambda a, i, b: weighted_gather(a, i, b, impl="torch"), y, row_index, w, grad=gT),
-            (T + 2 * N) * H * 2),
-    }
-    out = {"sort_by_expert ms": do_bench(lambda: sort_by_expert(ids, E), return_mode="median")}
-    for name, (fast, eager, nbytes) in cases.items():
-        ms, eager_ms = do_bench(fast, return_mode="median"), do_bench(eager, return_mode="median")
-        out.update({f"{name} ms": ms, f"{name} GB/s": nbytes / ms / 1e6,
-                    f"{name} % of copy": 100 * nbytes / ms / 1e-3 / COPY_CEILING,
-                    f"{name} eager ms": eager_ms, f"{name} speed-up": eager_ms / ms})
-    return out
+# The GPU cell checks the permute and un-permute in bf16 at Qwen3-30B-A3B's shape against the eager reference,
+# then prints `permute_bench` from `benchmarks/ops.py`: forward and backward of both copies, Triton against eager,
+# in bytes moved against the device-copy ceiling (`python benchmarks/ops.py` prints every kernel's table).
 
 # %%
 #| cuda
@@ -527,5 +483,6 @@ torch.testing.assert_close(x.grad.double(), w.detach().double().sum(1, keepdim=T
 src_p, row_index_p, counts_p = sort_by_expert(ids, E, pad_to=16)
 assert (counts_p % 16 == 0).all() and torch.equal(gather_rows(x.detach(), src_p)[row_index_p], x.detach()[:, None]
                                                    .expand(T, k, H))
-for name, value in bench().items():
+from benchmarks.ops import permute_bench
+for name, value in permute_bench().items():
     print(f"{name:36s} {value:10.3f}")

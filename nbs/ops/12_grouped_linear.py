@@ -336,39 +336,9 @@ print("deferred == immediate, bitwise; the empty expert's weight gradients are z
 # %% [markdown]
 # ## On the GPU
 #
-# `bench()` times `grouped_linear` forward + backward against raw `F.grouped_mm` (autograd's own backward)
-# at Qwen3-30B-A3B's expert shapes: 16K tokens × top-8 = 131072 rows over 128 experts, gate/up projection
-# 2048 → 1536 and down projection 768 → 2048, bf16, with counts from random top-8 routing. FLOPs are
-# 3 × 2 × N × in × out (forward, input gradient, weight gradient), against the ~789 TFLOP/s matmul ceiling.
-
-# %%
-#| export
-MATMUL_CEILING = 789e12   # bf16 dense matmul FLOP/s measured on the H200
-
-
-def bench(T: int = 16384, k: int = 8, E: int = 128, shapes=((2048, 1536), (768, 2048))) -> dict:
-    "grouped_linear fwd+bwd vs raw F.grouped_mm fwd+bwd, bf16 on CUDA: ms, TFLOP/s, % of the matmul ceiling."
-    from triton.testing import do_bench
-    ids = torch.randn(T, E, device="cuda").topk(k, dim=1).indices
-    counts = torch.bincount(ids.flatten(), minlength=E)
-    offs = counts.cumsum(0).to(torch.int32)
-    N = T * k
-    out = {}
-    for n_in, n_out in shapes:
-        x = torch.randn(N, n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = (torch.randn(E, n_out, n_in, device="cuda") / n_in ** 0.5).to(torch.bfloat16).requires_grad_()
-        g = torch.randn(N, n_out, device="cuda", dtype=torch.bfloat16)
-        def ours():
-            torch.autograd.grad(grouped_linear(x, w, counts), (x, w), g)
-        def raw():
-            torch.autograd.grad(F.grouped_mm(x, w.transpose(-2, -1), offs=offs), (x, w), g)
-        ms, raw_ms = do_bench(ours, return_mode="median"), do_bench(raw, return_mode="median")
-        tflops = 3 * 2 * N * n_in * n_out / ms / 1e9
-        name = f"grouped_linear {n_in}->{n_out} fwd+bwd"
-        out.update({f"{name} ms": ms, f"{name} TFLOP/s": tflops,
-                    f"{name} % of matmul": 100 * tflops * 1e12 / MATMUL_CEILING,
-                    f"{name} raw grouped_mm ms": raw_ms, f"{name} time / raw": ms / raw_ms})
-    return out
+# The GPU cell checks both implementations in bf16 against each other, then prints `grouped_linear_bench` from
+# `benchmarks/ops.py`: forward + backward against raw `F.grouped_mm` (autograd's own backward) at Qwen3-30B-A3B's
+# expert shapes (131072 routed rows over 128 experts), against the bf16 matmul ceiling.
 
 # %%
 #| cuda
@@ -390,5 +360,6 @@ x.grad = w.grad = None
 grouped_linear(x, w, counts, queue).backward(g)
 queue.drain()
 assert torch.equal(w.grad, grads[0][2]) and torch.equal(x.grad, grads[0][1])
-for name, value in bench().items():
+from benchmarks.ops import grouped_linear_bench
+for name, value in grouped_linear_bench().items():
     print(f"{name:44s} {value:10.3f}")

@@ -41,7 +41,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pith_lit.ops.grouped_linear import MATMUL_CEILING
 
 # %% [markdown]
 # The checks below run on the GPU when there is one (compiled kernels), otherwise on the CPU under the Triton
@@ -59,18 +58,13 @@ else:
 # %% [markdown]
 # ## The reference
 #
-# Eager and obvious; the checks compare against it in float64, and the GPU benchmark measures what the fused
-# version saves against it.
+# Eager and obvious: `cross_entropy_ref` (in `tests/references.py`, shared with the tests and the benchmark)
+# computes the full logits `h @ weightᵀ` in fp32, or fp64 for fp64 inputs, and sums `F.cross_entropy` over the
+# tokens. The checks compare against it in float64, and the GPU benchmark measures what the fused version saves
+# against it.
 
 # %%
-#| export
-def cross_entropy_ref(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                      ignore_index: int = -100) -> torch.Tensor:
-    "Sum of token cross-entropies of `h @ weight^T` against `labels` (eager: full logits in fp32, or fp64)."
-    logits = h @ weight.t()
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
-
+from tests.references import cross_entropy_ref
 
 # %% [markdown]
 # ## The per-row step: loss, and the logits' gradient in place
@@ -80,7 +74,7 @@ def cross_entropy_ref(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
 
 # %%
 #| export
-def _ce_rows_torch(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def ce_rows_torch(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     "Per-row losses of `logits (c, V)`; overwrite `logits` with d(sum of losses)/d(logits). Plain PyTorch."
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     valid = labels != ignore_index
@@ -129,8 +123,8 @@ def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, n_cols, stride, ignore_ind
         tl.store(x_ptr + c, grad.to(logits_ptr.dtype.element_ty), mask=c < n_cols)
 
 
-def _ce_rows_triton(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    "Same contract as `_ce_rows_torch`, in one Triton launch (one program per row)."
+def ce_rows_triton(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    "Same contract as `ce_rows_torch`, in one Triton launch (one program per row)."
     loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     if logits.shape[0]:
         block = min(triton.next_power_of_2(logits.shape[1]), 4096)
@@ -155,15 +149,15 @@ labels = torch.randint(0, 5000, (13,))
 labels[[2, 7]] = -100
 labels[3], labels[4] = 0, 4999
 fast, ref = logits.clone(), logits.double()
-loss_fast, loss_ref = _ce_rows_triton(fast, labels, -100), _ce_rows_torch(ref, labels, -100)
+loss_fast, loss_ref = ce_rows_triton(fast, labels, -100), ce_rows_torch(ref, labels, -100)
 errs = rel_err(loss_fast, loss_ref), rel_err(fast, ref)
 print(f"loss rows rel err {errs[0]:.1e}, gradient rel err {errs[1]:.1e}")
 assert max(errs) < 1e-6, errs
 assert (loss_fast[[2, 7]] == 0).all() and (fast[[2, 7]] == 0).all()
 assert torch.allclose(ref.sum(1), torch.zeros(13, dtype=torch.float64), atol=1e-12)  # softmax − onehot sums to 0
 bad = torch.tensor([5000, -1, -100])  # out of range, negative, ignored
-print("loss rows for bad labels:", _ce_rows_triton(torch.randn(3, 5000), bad, -100))
-assert _ce_rows_triton(torch.randn(3, 5000), bad, -100).isnan().tolist() == [True, True, False]
+print("loss rows for bad labels:", ce_rows_triton(torch.randn(3, 5000), bad, -100))
+assert ce_rows_triton(torch.randn(3, 5000), bad, -100).isnan().tolist() == [True, True, False]
 
 
 # %% [markdown]
@@ -201,9 +195,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             h_c, labels_c = h[start:start + chunk_size], labels[start:start + chunk_size]
             logits = h_c @ weight.t()
             if impl == "triton":
-                loss += _ce_rows_triton(logits, labels_c, ignore_index).sum()
+                loss += ce_rows_triton(logits, labels_c, ignore_index).sum()
             else:
-                loss += _ce_rows_torch(logits, labels_c, ignore_index).sum()
+                loss += ce_rows_torch(logits, labels_c, ignore_index).sum()
             # logits now holds d(loss)/d(logits)
             if need_grad_h:
                 torch.mm(logits, weight, out=grad_h[start:start + chunk_size])
@@ -319,59 +313,11 @@ for msg, call in [("with the same H", lambda: linear_cross_entropy(h, w[:, :4], 
 # %% [markdown]
 # ## On the GPU: bf16 at real sizes, memory and speed
 #
-# The fused version does the same three matmuls as eager (6·T·H·V flops: 30.6 TFLOP at 16K tokens × 2048 ×
-# 151936), so its floor is matmul time, about 39 ms at 789 TFLOP/s; what it removes is the fp32 logits traffic
-# and memory. `bench` measures forward+backward time and the peak memory above the inputs
-# (`torch.cuda.max_memory_allocated`), for the fused function and the eager reference.
-
-# %%
-#| export
-def _peak_bytes(fn) -> int:
-    "Peak device memory allocated while `fn()` runs, above what was allocated before it."
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
-def bench(T: int = 16384, H: int = 2048, V: int = 151936, chunk_size: int | None = None) -> dict:
-    "Fused vs eager linear cross-entropy, fwd+bwd in bf16 on CUDA: ms, TFLOP/s, % of matmul ceiling, peak GB."
-    from triton.testing import do_bench
-    h = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(V, H, device="cuda") / H ** 0.5).bfloat16().requires_grad_()
-    labels = torch.randint(0, V, (T,), device="cuda")
-    labels[::50] = -100
-    runs = {"linear_cross_entropy": lambda: linear_cross_entropy(h, w, labels, chunk_size=chunk_size).backward(),
-            "eager": lambda: cross_entropy_ref(h, w, labels).backward()}
-    res = {}
-    for name, run in runs.items():
-        h.grad = w.grad = None
-        peak = _peak_bytes(run) / 1e9
-        ms = do_bench(run, rep=1000, grad_to_none=[h, w], return_mode="median")  # ~15 runs of 50-70 ms
-        res[name] = {"ms": ms, "peak GB": peak, "TFLOP/s": 6 * T * H * V / ms / 1e9}
-    fused, eager = res["linear_cross_entropy"], res["eager"]
-    key = "linear_cross_entropy fwd+bwd"
-    return {f"{key} ms": fused["ms"], f"{key} TFLOP/s": fused["TFLOP/s"],
-            f"{key} % of matmul": 100 * fused["TFLOP/s"] * 1e12 / MATMUL_CEILING, f"{key} peak GB": fused["peak GB"],
-            f"{key} eager ms": eager["ms"], f"{key} eager TFLOP/s": eager["TFLOP/s"],
-            f"{key} eager peak GB": eager["peak GB"], f"{key} speed-up": eager["ms"] / fused["ms"],
-            f"{key} peak / eager peak": fused["peak GB"] / eager["peak GB"]}
-
-
-# %% [markdown]
-# The GPU cell checks bf16 at the real vocabulary against an fp32 reference on the same bf16 inputs, then
-# benchmarks. Targets: peak memory ≤ 1/4 of eager's, and no slower. Measured on the H200 (2026-11-29, torch 2.11,
-# Triton 3.6; T = 16384, H = 2048, V = 151936, bf16, every 50th label ignored):
-#
-# | | fwd+bwd | TFLOP/s | % of matmul | peak above inputs |
-# |---|---|---|---|---|
-# | linear_cross_entropy | 49.6 ms | 617 | 78% | 3.8 GB |
-# | eager reference | 71.6 ms | 427 | 54% | 29.9 GB |
-#
-# 1.45× faster at 0.13 of the memory. The row kernel alone streams a 4096-row chunk (three passes of 1.24 GB) in
-# 0.94 ms, about 4.0 TB/s; the rest is the three matmuls.
+# The fused version does the same three matmuls as eager (6·T·H·V flops), so its floor is matmul time; what it
+# removes is the fp32 logits' traffic and memory. The GPU cell checks bf16 at the real vocabulary against an fp32
+# reference on the same bf16 inputs, then runs `cross_entropy_bench` from `benchmarks/ops.py` (forward+backward
+# time and peak memory above the inputs, fused and eager). Targets: peak memory ≤ 1/4 of eager's, and no slower
+# (the figures: benchmarks/RESULTS.md).
 
 # %%
 #| cuda
@@ -388,7 +334,8 @@ loss_ref.backward()
 errs = rel_err(loss, loss_ref), rel_err(h.grad, hf.grad), rel_err(w.grad, wf.grad)
 print(f"bf16 vs fp32: loss {errs[0]:.1e}, grad_h {errs[1]:.1e}, grad_W {errs[2]:.1e}")
 assert max(errs) < 1e-2, errs
-results = bench()
+from benchmarks.ops import cross_entropy_bench
+results = cross_entropy_bench()
 for k, v in results.items():
     print(f"{k:45s} {v:10.3f}")
 key = "linear_cross_entropy fwd+bwd"

@@ -35,7 +35,6 @@
 
 # %%
 #| export
-import contextlib
 import os
 from typing import NamedTuple
 
@@ -45,7 +44,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pith_lit.ops.grouped_linear import MATMUL_CEILING
 
 # %% [markdown]
 # The checks below run on the GPU when there is one (compiled kernels), otherwise on the CPU under the Triton
@@ -105,7 +103,7 @@ def attention_mask(Sq: int, Sk: int, *, causal: bool = True, window: int | None 
 
 # %%
 #| export
-class _Mask(NamedTuple):
+class Mask(NamedTuple):
     "The static part of the mask, passed through autograd as one argument."
     causal: bool
     window: int | None
@@ -113,8 +111,8 @@ class _Mask(NamedTuple):
     k_offset: int
 
 
-def _check_args(q, k, v, sinks, causal, window, scale, q_doc, k_doc, q_offset, k_offset):
-    "Validate; return (scale, _Mask, q_doc, k_doc) with the ids as contiguous int32 (or None)."
+def check_args(q, k, v, sinks, causal, window, scale, q_doc, k_doc, q_offset, k_offset):
+    "Validate; return (scale, Mask, q_doc, k_doc) with the ids as contiguous int32 (or None)."
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (B, heads, S, head_dim); got "
@@ -152,7 +150,7 @@ def _check_args(q, k, v, sinks, causal, window, scale, q_doc, k_doc, q_offset, k
         q_doc = q_doc.to(device=q.device, dtype=torch.int32).contiguous()
         k_doc = k_doc.to(device=q.device, dtype=torch.int32).contiguous()
     scale = Dqk ** -0.5 if scale is None else float(scale)
-    return scale, _Mask(bool(causal), window, q_offset, k_offset), q_doc, k_doc
+    return scale, Mask(bool(causal), window, q_offset, k_offset), q_doc, k_doc
 
 
 # %% [markdown]
@@ -169,7 +167,7 @@ def _check_args(q, k, v, sinks, causal, window, scale, q_doc, k_doc, q_offset, k
 def attention_reference(q, k, v, sinks=None, *, causal=True, window=None, scale=None, q_doc=None, k_doc=None,
                         q_offset=0, k_offset=0):
     "Plain-torch attention with explicit scores: (out (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq)). The oracle."
-    scale, m, q_doc, k_doc = _check_args(q, k, v, sinks, causal, window, scale, q_doc, k_doc, q_offset, k_offset)
+    scale, m, q_doc, k_doc = check_args(q, k, v, sinks, causal, window, scale, q_doc, k_doc, q_offset, k_offset)
     (B, Hq, Sq, _), (Hkv, Sk) = q.shape, k.shape[1:3]
     k, v = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
     keep = attention_mask(Sq, Sk, causal=m.causal, window=m.window, q_doc=q_doc, k_doc=k_doc,
@@ -612,7 +610,7 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
 
 # %%
 #| export
-def _kernel_flags(q, m: _Mask, q_doc) -> dict:
+def _kernel_flags(q, m: Mask, q_doc) -> dict:
     "The compile-time flags shared by the kernels."
     dot, prec = _dot_dtype(q.dtype)
     return dict(CAUSAL=m.causal, HAS_WINDOW=m.window is not None, HAS_DOC=q_doc is not None, DOT=dot, PREC=prec)
@@ -641,7 +639,7 @@ def _descs(t: torch.Tensor, rows: int, widths) -> list[TensorDescriptor | None]:
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w else None for w in widths]
 
 
-def _fwd(q, k, v, sinks, m: _Mask, scale: float, q_doc, k_doc, blocks=None):
+def attention_fwd(q, k, v, sinks, m: Mask, scale: float, q_doc, k_doc, blocks=None):
     "Launch the forward: (out (B, Hq, Sq, Dv) with (B, Sq, Hq, Dv) memory, lse (B, Hq, Sq) float32)."
     (B, Hq, Sq, Dqk), (Hkv, Sk, Dv) = q.shape, (k.shape[1], k.shape[2], v.shape[3])
     out = torch.empty(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -719,10 +717,10 @@ def ref64(q, k, v, sinks, **kw):
 
 def fwd_of(q, k, v, sinks, blocks, **kw):
     "The forward launcher with the API's defaults."
-    scale, m, q_doc, k_doc = _check_args(q, k, v, sinks, kw.get("causal", True), kw.get("window"), None,
+    scale, m, q_doc, k_doc = check_args(q, k, v, sinks, kw.get("causal", True), kw.get("window"), None,
                                          kw.get("q_doc"), kw.get("k_doc"), kw.get("q_offset", 0),
                                          kw.get("k_offset", 0))
-    return _fwd(q, k, v, sinks, m, scale, q_doc, k_doc, blocks)
+    return attention_fwd(q, k, v, sinks, m, scale, q_doc, k_doc, blocks)
 
 for seed, (B, Hq, Hkv, Sq, Sk, dqk, dv, opts, blocks) in enumerate(FWD_CASES):
     q, k, v, sinks, kw = split_opts(opts, seed, B, Hq, Hkv, Sq, Sk, dqk, dv)
@@ -821,7 +819,7 @@ for opts in [{}, dict(window=9), dict(docs=[10, 1, 25, 28]), dict(docs=[3, 30, 3
 # visible pair, for 4 bytes of memory traffic per pair (written once, read once) and `B·Hq·Sk·Sq` bf16 elements of
 # transient memory. The trade wins where the heads are wide: at MLA's 192 + 128 the backward is faster this way
 # and at Qwen3's 128 + 128 or GPT-OSS's 64 + 64 it is slower (RESULTS.md, "dq from a stored dS"), so
-# `_bwd` stores `dS` when `Dqk + Dv > 256` and the buffer fits in `DS_BUDGET` (1 GiB; MLA's bench shape, batch 4 ×
+# `attention_bwd` stores `dS` when `Dqk + Dv > 256` and the buffer fits in `DS_BUDGET` (1 GiB; MLA's bench shape, batch 4 ×
 # 2,048 tokens × 16 heads, needs 512 MiB), and recomputes otherwise. The two ways give the same `dq` up to the
 # order of fp32 sums. The buffer is not initialised: the `dk, dv` kernel writes every tile it visits, and the `dq`
 # kernel reads only tiles that hold a visible pair and masks the rest of them by the same predicate, with a select,
@@ -1147,7 +1145,7 @@ def _ds_desc(dst: torch.Tensor | None, keys: int, queries: int):
     return TensorDescriptor(dst, list(dst.shape), list(dst.stride()), [1, 1, keys, queries])
 
 
-def _bwd(q, k, v, sinks, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_doc, blocks=None,
+def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q_doc, k_doc, blocks=None,
          ds_budget: int | None = None):
     "Gradients (dq, dk, dv, dsinks or None) given dout (or None) and dlse (or None)."
     (B, Hq, Sq, Dqk), (Hkv, Sk, Dv) = q.shape, (k.shape[1], k.shape[2], v.shape[3])
@@ -1223,11 +1221,11 @@ def check_bwd(cases, seed0, tol=1e-5, grad_lse=True):
         q, k, v, sinks, kw = split_opts(opts, seed, B, Hq, Hkv, Sq, Sk, dqk, dv)
         out, lse = fwd_of(q, k, v, sinks, blocks, **kw)
         dout, dlse = torch.randn_like(out), torch.randn_like(lse) if grad_lse else None
-        _, m, q_doc, k_doc = _check_args(q, k, v, sinks, kw.get("causal", True), kw.get("window"), None,
+        _, m, q_doc, k_doc = check_args(q, k, v, sinks, kw.get("causal", True), kw.get("window"), None,
                                          kw.get("q_doc"), kw.get("k_doc"), kw.get("q_offset", 0), kw.get("k_offset", 0))
         want = ref_grads(q, k, v, sinks, dout, dlse if grad_lse else torch.zeros_like(lse), **kw)
         for budget, how in ((0, "recomputed"), (1 << 40, "from dSᵀ")):  # both ways of getting dq
-            got = _bwd(q, k, v, sinks, out, lse, dout, dlse, m, q.shape[-1] ** -0.5, q_doc, k_doc, blocks, budget)
+            got = attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m, q.shape[-1] ** -0.5, q_doc, k_doc, blocks, budget)
             errs = [rel_err(a, b) for a, b in zip(got, want) if b is not None]
             assert all(torch.isfinite(g).all() for g in got if g is not None)
             assert max(errs) < tol, (seed, opts, how, errs)
@@ -1245,7 +1243,7 @@ check_bwd(FWD_CASES, seed0=100)
 q, k, v, sinks, kw = split_opts(dict(sinks=True), 7, 1, 2, 1, 33, 33, 16, 16)
 out, lse = fwd_of(q, k, v, sinks, (16, 16))
 dlse = torch.randn_like(lse)
-got = _bwd(q, k, v, sinks, out, lse, None, dlse, _Mask(True, None, 0, 0), 0.25, None, None, (16, 16))
+got = attention_bwd(q, k, v, sinks, out, lse, None, dlse, Mask(True, None, 0, 0), 0.25, None, None, (16, 16))
 want = ref_grads(q, k, v, sinks, torch.zeros_like(out), dlse)
 assert max(rel_err(a, b) for a, b in zip(got, want)) < 1e-5 and got[0].abs().max() > 0.1
 check_bwd(FWD_CASES[:2], seed0=200, grad_lse=False)
@@ -1266,10 +1264,10 @@ check_bwd([(1, 2, 1, 33, 33, 5, 3, {}, (16, 16))], seed0=300)
 q, k, v, sinks, kw = split_opts({}, 301, 1, 2, 1, 33, 33, 16, 16)
 out, lse = fwd_of(q, k, v, None, (16, 16))
 dout = torch.randn_like(out)
-want = _bwd(q, k, v, None, out, lse, dout, None, _Mask(True, None, 0, 0), 0.25, None, None, (16, 16))
+want = attention_bwd(q, k, v, None, out, lse, dout, None, Mask(True, None, 0, 0), 0.25, None, None, (16, 16))
 k0 = k.as_strided(k.shape, (k.stride(0), 0, k.stride(2), k.stride(3)))  # one KV head, stride 0
-got = _bwd(q.transpose(2, 3).contiguous().transpose(2, 3), k0, v, None, out, lse,
-           dout.transpose(2, 3).contiguous().transpose(2, 3), None, _Mask(True, None, 0, 0), 0.25, None, None, (16, 16))
+got = attention_bwd(q.transpose(2, 3).contiguous().transpose(2, 3), k0, v, None, out, lse,
+           dout.transpose(2, 3).contiguous().transpose(2, 3), None, Mask(True, None, 0, 0), 0.25, None, None, (16, 16))
 assert max(rel_err(a, b) for a, b in zip(got[:3], want[:3])) < 1e-6
 
 # %% [markdown]
@@ -1286,16 +1284,16 @@ def check_bwd_skipping(S, opts, blocks, seed):
     keep = attention_mask(S, S, **kw, device=q.device)[0, 0]
     out, lse = fwd_of(q, k, v, sinks, blocks, **kw)
     dout = torch.randn_like(out)
-    _, m, q_doc, k_doc = _check_args(q, k, v, sinks, True, kw.get("window"), None, kw.get("q_doc"), kw.get("k_doc"),
+    _, m, q_doc, k_doc = check_args(q, k, v, sinks, True, kw.get("window"), None, kw.get("q_doc"), kw.get("k_doc"),
                                      0, 0)
-    want = _bwd(q, k, v, sinks, out, lse, dout, None, m, 0.25, q_doc, k_doc, blocks)
+    want = attention_bwd(q, k, v, sinks, out, lse, dout, None, m, 0.25, q_doc, k_doc, blocks)
     bm, bn = blocks
     n = 0
     for r0 in range(0, S, bm):  # dq of query block r0: poison the key blocks it never sees
         kp, vp = k.clone(), v.clone()
         for c0 in hidden_blocks(keep, r0, bm, bn):
             kp[:, :, c0:c0 + bn], vp[:, :, c0:c0 + bn], n = float("nan"), float("nan"), n + 1
-        dq = _bwd(q, kp, vp, sinks, out, lse, dout, None, m, 0.25, q_doc, k_doc, blocks)[0]
+        dq = attention_bwd(q, kp, vp, sinks, out, lse, dout, None, m, 0.25, q_doc, k_doc, blocks)[0]
         assert rel_err(dq[:, :, r0:r0 + bm], want[0][:, :, r0:r0 + bm]) < 1e-6, ("dq", opts, r0)
     for c0 in range(0, S, bn):  # dk, dv of key block c0: poison the query blocks that never see it
         qp, op, dop, lsep = q.clone(), out.clone(), dout.clone(), lse.clone()
@@ -1303,7 +1301,7 @@ def check_bwd_skipping(S, opts, blocks, seed):
             for t in (qp, op, dop, lsep):
                 t[:, :, r0:r0 + bm] = float("nan")
             n += 1
-        _, dk, dv, _ = _bwd(qp, k, v, None, op, lsep, dop, None, m, 0.25, q_doc, k_doc, blocks)
+        _, dk, dv, _ = attention_bwd(qp, k, v, None, op, lsep, dop, None, m, 0.25, q_doc, k_doc, blocks)
         assert rel_err(dk[:, :, c0:c0 + bn], want[1][:, :, c0:c0 + bn]) < 1e-6, ("dk", opts, c0)
         assert rel_err(dv[:, :, c0:c0 + bn], want[2][:, :, c0:c0 + bn]) < 1e-6, ("dv", opts, c0)
     return n
@@ -1330,8 +1328,8 @@ class FlashAttention(torch.autograd.Function):
     "Triton flash attention: (out, lse), both differentiable (see `flash_attention`)."
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, mask: _Mask, scale: float, q_doc, k_doc, blocks):
-        out, lse = _fwd(q, k, v, sinks, mask, scale, q_doc, k_doc, blocks)
+    def forward(ctx, q, k, v, sinks, mask: Mask, scale: float, q_doc, k_doc, blocks):
+        out, lse = attention_fwd(q, k, v, sinks, mask, scale, q_doc, k_doc, blocks)
         ctx.save_for_backward(q, k, v, sinks, out, lse, q_doc, k_doc)
         ctx.mask, ctx.scale, ctx.blocks = mask, scale, blocks
         ctx.set_materialize_grads(False)
@@ -1343,7 +1341,7 @@ class FlashAttention(torch.autograd.Function):
         if dout is None and dlse is None:
             return (None,) * 9
         sinks_for_grad = sinks if ctx.needs_input_grad[3] else None
-        dq, dk, dv, dsinks = _bwd(q, k, v, sinks_for_grad, out, lse, dout, dlse, ctx.mask, ctx.scale, q_doc, k_doc,
+        dq, dk, dv, dsinks = attention_bwd(q, k, v, sinks_for_grad, out, lse, dout, dlse, ctx.mask, ctx.scale, q_doc, k_doc,
                                   ctx.blocks)
         return dq, dk, dv, dsinks, None, None, None, None, None
 
@@ -1359,7 +1357,7 @@ def flash_attention(q, k, v, sinks=None, *, causal=True, window=None, scale=None
     the tiles. Returns out (B, Hq, Sq, Dv) in q's dtype, laid out as (B, Sq, Hq, Dv), and lse (B, Hq, Sq) float32:
     the natural-log logsumexp of the scaled visible scores and the sink; a row with nothing visible and no sink
     has out = 0 and lse = -inf. Both outputs are differentiable with respect to q, k, v and sinks."""
-    scale, mask, q_doc, k_doc = _check_args(q, k, v, sinks, causal, window, scale, q_doc, k_doc, q_offset, k_offset)
+    scale, mask, q_doc, k_doc = check_args(q, k, v, sinks, causal, window, scale, q_doc, k_doc, q_offset, k_offset)
     if not (q.is_cuda or INTERPRET):
         raise ValueError("flash_attention runs Triton kernels: give CUDA tensors, or set TRITON_INTERPRET=1 before "
                          "importing triton to run them on the CPU (attention_reference is the plain-torch version)")
@@ -1484,7 +1482,7 @@ def documents(positions: torch.Tensor) -> torch.Tensor | None:
 @torch.library.custom_op("pith_lit::causal_attention_fwd", mutates_args=())
 def _causal_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, window: int,
                 scale: float, docs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd(q, k, v, sinks, _Mask(True, window or None, 0, 0), scale, docs, docs)
+    return attention_fwd(q, k, v, sinks, Mask(True, window or None, 0, 0), scale, docs, docs)
 
 
 @_causal_fwd.register_fake
@@ -1497,7 +1495,7 @@ def _(q, k, v, sinks, window, scale, docs):
 def _causal_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
                 lse: torch.Tensor, dout: torch.Tensor, window: int, scale: float,
                 docs: torch.Tensor | None) -> list[torch.Tensor]:
-    dq, dk, dv, ds = _bwd(q, k, v, sinks, out, lse, dout, None, _Mask(True, window or None, 0, 0), scale, docs, docs)
+    dq, dk, dv, ds = attention_bwd(q, k, v, sinks, out, lse, dout, None, Mask(True, window or None, 0, 0), scale, docs, docs)
     return [dq, dk, dv] + ([ds] if sinks is not None else [])
 
 
@@ -1559,140 +1557,29 @@ torch._dynamo.reset()
 # %% [markdown]
 # ## On the GPU: speed against SDPA
 #
-# `bench()` times forward and forward+backward in bf16 at the models' shapes, with `q, k, v` as transposed
-# `(B, S, H, D)` projections (the layout the models pass), against `F.scaled_dot_product_attention(is_causal=True,
-# enable_gqa=True)` on the same tensors: once as SDPA's dispatcher picks (it prints the pick) and once with each
-# fused backend forced, flash (FlashAttention-2, which takes one head dim, so at MLA's shape V is padded to `Dqk`),
-# cuDNN and memory-efficient (which refuses grouped heads). SDPA has no sinks and its flash path no window, so for
-# GPT-OSS its full causal time is the baseline for both layer kinds; `benchmarks/attention_sinks.py` times the
-# masked SDPA path that GPT-OSS would otherwise take. FLOPs count the two forward products (`2·(Dqk + Dv)` per
-# visible query-key pair) and five backward products (`2·(3·Dqk + 2·Dv)`, recomputation included, FA's
-# convention); a causal layer counts half the pairs, a window layer the pairs it actually sees. The errors are
-# measured at a smaller length against the reference in fp32 on the same bf16 inputs (max error over max value).
+# `attention_bench` in `benchmarks/ops.py` times forward and forward+backward in bf16 at the models' shapes, with
+# `q, k, v` as transposed `(B, S, H, D)` projections (the layout the models pass), against
+# `F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on the same tensors: once as SDPA's dispatcher
+# picks and once with each fused backend forced (flash, cuDNN, memory-efficient). SDPA has no sinks and its flash
+# path no window, so for GPT-OSS its full causal time is the baseline for both layer kinds;
+# `benchmarks/attention_sinks.py` times the masked SDPA path that GPT-OSS would otherwise take. It also measures
+# each shape's errors at a smaller length against the reference in fp32 on the same bf16 inputs.
 #
-# On the H200 the dispatcher picks cuDNN's fused kernel at every shape here, and for plain causal attention it is
-# faster than these kernels, which in turn are faster than the flash backend (benchmarks/RESULTS.md, "Attention
-# against each SDPA backend"). So Qwen3 and DeepSeek-V2 call SDPA for plain causal attention and these kernels
-# only for packed documents, and GPT-OSS calls these kernels for its sinks and windows.
+# On the H200 the dispatcher picks cuDNN's fused kernel at every shape, and for plain causal attention it is faster
+# than these kernels, which in turn are faster than the flash backend (benchmarks/RESULTS.md, "Attention against
+# each SDPA backend"). So Qwen3 and DeepSeek-V2 call SDPA for plain causal attention and these kernels only for
+# packed documents, and GPT-OSS calls these kernels for its sinks and windows.
 #
-# Where the time goes: the backward is about three quarters of forward+backward at every shape. Accumulating `dq`
-# inside the `dk, dv` pass instead of recomputing it (`benchmarks/attention_fused_bwd.py`) is slower at every shape
-# measured: each key block adds its share of `dq` for every query block it sees, and that fp32 reduction traffic
-# costs more than the products it saves, whether added element by element or as TMA tile reductions (RESULTS.md,
-# "Attention backward by TMA"). The bf16 `dS` that the stored way writes and reads once is a quarter of that
-# traffic, and it wins at MLA's head dims. Timed eagerly through autograd, a forward+backward at these shapes costs
-# the host about as long as its kernels cost the GPU (the launches, the descriptors, autograd), so that a do_bench
-# figure can be the host's; `fwd+bwd graph ms` replays the same calls from a CUDA graph, the GPU's time alone,
-# which is what a training step sees while its GPU has queued work (RESULTS.md, "dq from a stored dS"). What
-# remains toward cuDNN is a forward and backward whose softmax overlaps the next block's products
-# (FlashAttention-3's warp specialisation).
-
-# %%
-#| export
-BENCH_SHAPES = {  # name: (B, S, Hq, Hkv, Dqk, Dv, sinks, window)
-    "qwen3 causal": (2, 4096, 32, 4, 128, 128, False, None),
-    "gpt-oss causal+sinks": (2, 4096, 64, 8, 64, 64, True, None),
-    "gpt-oss window128+sinks": (2, 4096, 64, 8, 64, 64, True, 128),
-    "deepseek-mla causal": (4, 2048, 16, 16, 192, 128, False, None),
-}
-
-
-def _pairs(S: int, window: int | None) -> float:
-    "Visible (query, key) pairs of one causal head: S²/2, or Σ_i min(i + 1, W) with a window."
-    return S * S / 2 if window is None else float(sum(min(i + 1, window) for i in range(S)))
-
-
-def _bench_inputs(B, S, Hq, Hkv, dqk, dv, sinks, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda H, D: torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16().transpose(1, 2).requires_grad_()
-    s = torch.randn(Hq, device="cuda", generator=g).requires_grad_() if sinks else None
-    return mk(Hq, dqk), mk(Hkv, dqk), mk(Hkv, dv), s
-
-
-def _max_errors(B, S, Hq, Hkv, dqk, dv, sinks, window) -> dict:
-    "Max |Δ| / max |ref| of out, lse and every gradient: bf16 kernels vs the fp32 reference on the same inputs."
-    q, k, v, s = _bench_inputs(B, S, Hq, Hkv, dqk, dv, sinks, seed=1)
-    out, lse = flash_attention(q, k, v, s, window=window)
-    dout = torch.randn_like(out)
-    leaves = [q, k, v] + ([s] if s is not None else [])
-    grads = torch.autograd.grad((out.float() * dout.float()).sum() + lse.sum(), leaves)
-    leaves32 = [t.detach().float().requires_grad_() for t in leaves]
-    out_r, lse_r = attention_reference(*leaves32[:3], leaves32[3] if s is not None else None, window=window)
-    grads_r = torch.autograd.grad((out_r * dout.float()).sum() + lse_r.sum(), leaves32)
-    err = lambda a, b: ((a.float() - b).abs().max() / b.abs().max()).item()
-    res = {"out": err(out, out_r), "lse": err(lse, lse_r)}
-    res.update({n: err(a, b) for n, a, b in zip(("dq", "dk", "dv", "dsinks"), grads, grads_r)})
-    if s is None and window is None:  # and against SDPA's bf16 output
-        res["out vs sdpa"] = err(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).float())
-    return res
-
-
-def _sdpa_calls(q, k, v) -> dict:
-    """SDPA on the same causal GQA inputs: as dispatched, and with each fused backend forced. The flash backend
-    takes one head dim for q, k and v, so at MLA's shape V is padded to Dqk and the output cut back (what a model
-    does to use it)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    pad = q.shape[-1] - v.shape[-1]
-
-    def call(backend=None):
-        def fn():
-            vv = F.pad(v, (0, pad)) if pad and backend == SDPBackend.FLASH_ATTENTION else v
-            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-                o = F.scaled_dot_product_attention(q, k, vv, is_causal=True, enable_gqa=True)
-            return o[..., :v.shape[-1]]
-        return fn
-    return {" sdpa causal": call(), " sdpa flash": call(SDPBackend.FLASH_ATTENTION),
-            " sdpa cudnn": call(SDPBackend.CUDNN_ATTENTION), " sdpa efficient": call(SDPBackend.EFFICIENT_ATTENTION)}
-
-
-def _sdpa_choice(q, k, v) -> str:
-    "The backend SDPA's dispatcher picks for causal GQA attention on these inputs."
-    from torch.nn.attention import SDPBackend
-    idx = torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=None, enable_gqa=True)
-    return next((n for n, b in SDPBackend.__members__.items() if int(b) == idx), str(idx))
-
-
-def bench(err_len: int = 512) -> dict:
-    """fwd and fwd+bwd of flash_attention vs SDPA (bf16, CUDA) at the models' shapes: ms, TFLOP/s, errors. SDPA
-    runs as dispatched (`sdpa causal`, its pick printed) and with each fused backend forced (a backend that refuses
-    the inputs is left out). `fwd+bwd graph ms` times ours and SDPA as dispatched replayed from a CUDA graph: the
-    GPU's time without the host's (launches, descriptors, autograd), which a step whose GPU is busy hides."""
-    from triton.testing import do_bench, do_bench_cudagraph
-    res = {}
-    for name, (B, S, Hq, Hkv, dqk, dv, sinks, window) in BENCH_SHAPES.items():
-        q, k, v, s = _bench_inputs(B, S, Hq, Hkv, dqk, dv, sinks)
-        dout = torch.randn(B, Hq, S, dv, device="cuda", dtype=torch.bfloat16)
-        leaves = [q, k, v] + ([s] if s is not None else [])
-        print(f"{name}: SDPA dispatches to {_sdpa_choice(q.detach(), k.detach(), v.detach())}")
-        cases = {"": (lambda: flash_attention(q, k, v, s, window=window)[0], _pairs(S, window), leaves)}
-        cases.update({who: (fn, _pairs(S, None), leaves[:3]) for who, fn in _sdpa_calls(q, k, v).items()})
-        for who, (fn, pairs, grad_of) in cases.items():
-            fl_fwd, fl_bwd = 2 * B * Hq * pairs * (dqk + dv), 2 * B * Hq * pairs * (3 * dqk + 2 * dv)
-            try:
-                fwd = do_bench(fn, return_mode="median")
-            except RuntimeError as e:   # a forced backend that does not take these inputs
-                print(f"{name}{who}: not run ({str(e).splitlines()[0][:90]})")
-                continue
-            both = do_bench(lambda: torch.autograd.grad(fn(), grad_of, dout), return_mode="median")
-            res[f"{name}{who} fwd ms"] = fwd
-            res[f"{name}{who} fwd TFLOP/s"] = fl_fwd / fwd / 1e9
-            res[f"{name}{who} fwd+bwd ms"] = both
-            res[f"{name}{who} fwd+bwd TFLOP/s"] = (fl_fwd + fl_bwd) / both / 1e9
-            if who in ("", " sdpa causal"):
-                res[f"{name}{who} fwd+bwd graph ms"] = do_bench_cudagraph(
-                    lambda: torch.autograd.grad(fn(), grad_of, dout), return_mode="median")
-        res[f"{name} fwd+bwd graph speed-up vs sdpa causal"] = (res[f"{name} sdpa causal fwd+bwd graph ms"]
-                                                                / res[f"{name} fwd+bwd graph ms"])
-        res[f"{name} fwd+bwd % of matmul"] = 100 * res[f"{name} fwd+bwd TFLOP/s"] * 1e12 / MATMUL_CEILING
-        for who in (" sdpa causal", " sdpa flash"):
-            if f"{name}{who} fwd+bwd ms" in res:
-                res[f"{name} fwd+bwd speed-up vs{who}"] = res[f"{name}{who} fwd+bwd ms"] / res[f"{name} fwd+bwd ms"]
-        del q, k, v, s, dout, leaves
-        torch.cuda.empty_cache()
-        for what, e in _max_errors(1, err_len, Hq, Hkv, dqk, dv, sinks, window).items():
-            res[f"{name} max err {what}"] = e
-    return res
-
+# Where the time goes: the backward is most of forward+backward at every shape. Accumulating `dq` inside the
+# `dk, dv` pass instead of recomputing it is slower at every shape measured: each key block adds its share of `dq`
+# for every query block it sees, and that fp32 reduction traffic costs more than the products it saves, whether
+# added element by element or as TMA tile reductions (RESULTS.md, "Attention backward by TMA"). The bf16 `dS` that
+# the stored way writes and reads once is a quarter of that traffic, and it wins at MLA's head dims. Timed eagerly
+# through autograd, a forward+backward at these shapes costs the host about as long as its kernels cost the GPU
+# (the launches, the descriptors, autograd); the benchmark's `fwd+bwd graph ms` replays the same calls from a CUDA
+# graph, the GPU's time alone, which is what a training step sees while its GPU has queued work (RESULTS.md, "dq
+# from a stored dS"). What remains toward cuDNN is a forward and backward whose softmax overlaps the next block's
+# products (FlashAttention-3's warp specialisation).
 
 # %%
 print(f"notebook checks took {time.time() - T0:.1f} s")
@@ -1708,7 +1595,8 @@ print(f"notebook checks took {time.time() - T0:.1f} s")
 for args in [(2, 8, 2, 300, 128, 128, dict(docs=[1, 100, 99, 1, 99])), (1, 8, 8, 300, 192, 128, dict(q_offset=40)),
              (2, 16, 2, 257, 64, 64, dict(window=37, sinks=True))]:
     print(args[:6], args[6], "max err %.1e" % max(check_api(*args, 400, torch.bfloat16, 2e-2)))
-results = bench()
+from benchmarks.ops import attention_bench
+results = attention_bench()
 for key, val in results.items():
     print(f"{key:60s} {val:10.3f}")
 assert all(v < 2e-2 for key, v in results.items() if "max err" in key)

@@ -10,16 +10,21 @@
 # # FP8 linear layers
 #
 # The expert projections are most of a MoE layer's FLOPs, and an H200's tensor cores multiply FP8 at twice their
-# bf16 rate. This notebook is the FP8 path for them, following DeepSeek-V3's recipe:
+# bf16 rate. This notebook is the FP8 path for them. Values are **E4M3** (`torch.float8_e4m3fn`: 4 exponent bits,
+# 3 mantissa bits, largest finite value 448), each group of values with an fp32 scale that is a **power of two**,
+# `s = 2^ceil(log2(amax/448))`, so that `x/s` fits in ±448 and dividing by `s` changes no mantissa bit. Two recipes
+# choose the groups (`train.fp8_scaling`):
 #
-# - values in **E4M3** (`torch.float8_e4m3fn`: 4 exponent bits, 3 mantissa bits, largest finite value 448);
-# - one fp32 scale per **1×128 tile** of an activation (a row piece along the reduction dimension K) and per
-#   **128×128 block** of a weight, each a **power of two** `s = 2^ceil(log2(amax/448))`, so that `x/s` fits in ±448
-#   and dividing by `s` changes no mantissa bit;
-# - matmuls that multiply FP8 on the tensor cores and **promote** the partial sums to fp32 every 128 of K, where the
-#   scales are applied: `acc += dot(a, b) * (s_a · s_b)`.
+# - **one scale per row** over the whole reduction (`"rows"`, the default): the scales factor out of each product's
+#   sum, so the GEMMs chain their FP8 products inside `tl.dot` and scale once, at the end;
+# - **block scales**, DeepSeek-V3's recipe (`"block"`), the alternative: one scale per **1×128 tile** of an
+#   activation (a row piece along the reduction dimension K) and per **128×128 block** of a weight, with the partial
+#   sums **promoted** to fp32 every 128 of K, where the scales are applied: `acc += dot(a, b) * (s_a · s_b)`. A
+#   block confines an outlier to its 128 values, where a row's scale is set by its largest element over all of K.
 #
-# A linear layer needs three products, and each quantizes its operands along its own reduction dimension:
+# The notebook builds the block-scaled pieces first, since the row recipe reuses their parts (the activation inside
+# the quantization pass, the grouped GEMMs, which take either recipe's scales). A linear layer needs three
+# products, and each quantizes its operands along its own reduction dimension; under block scales:
 #
 # | product | A (rows × K) | B (cols × K) | K is |
 # |---|---|---|---|
@@ -29,11 +34,8 @@
 #
 # A weight block is square, so Wᵀ's blocks are W's blocks transposed, with the same scales and values. The weight
 # gradient reduces over tokens: X and dY are quantized a second time, along the other dimension (the *transposed*
-# quantization), in tiles of 128 tokens that start at each expert's first row.
-#
-# A second recipe, **one scale per row** over the whole reduction (`scaling="rows"`, `train.fp8_scaling`), lets the
-# GEMMs chain their FP8 products and scale once at the end; the section of that name says what it changes and the
-# section on speed what each recipe costs.
+# quantization), in tiles of 128 tokens that start at each expert's first row. The section "One scale per row" says
+# what the row recipe changes, and the section on speed what each recipe costs.
 #
 # What is here: the torch reference (quantize, dequantize, multiply in float64); Triton kernels that quantize
 # (activations both ways in one pass, weights in either layout; and by rows); a grouped FP8 GEMM over rows grouped
@@ -41,9 +43,9 @@
 # taking either recipe's scales; `fp8_grouped_linear`, the
 # autograd function for the experts, whose weight gradient can wait in ops/grouped_linear's `WeightGradQueue`;
 # `fp8_swiglu_experts`, both projections of a SwiGLU expert with the activation and its gradient computed inside
-# the quantization passes; `Fp8Weights`, `expert_mlp` and `expert_linear`, through which the models' experts run in
-# FP8 under `train.fp8` with one copy of each weight per step; and `fp8_linear`, the dense layer through
-# `F.scaled_mm`. On a CPU the kernels run under the Triton interpreter, which is how the checks run in CI.
+# the quantization passes; and `Fp8Weights`, `expert_mlp` and `expert_linear`, through which the models' experts
+# run in FP8 under `train.fp8` with one copy of each weight per step. On a CPU the kernels run under the Triton
+# interpreter, which is how the checks run in CI.
 
 # %%
 #| default_exp ops.fp8
@@ -1733,123 +1735,7 @@ def check_copies(n_in=256, n_out=128, counts=(100, 0, 60)):
 check_copies()
 print("FP8 copies: the same outputs and gradients, one quantization pass per step, fresh after clear")
 
-# %% [markdown]
-# ## The dense layer
-#
-# `fp8_linear(x, w)` is `x @ wᵀ` for one weight `(out, in)`, the same recipe: on CUDA through cuBLAS's block-scaled
-# FP8 GEMM, `F.scaled_mm` with 1×128 tiles for the activation and 128×128 blocks for the weight, quantized by the
-# kernels above; elsewhere the reference (fake-quantize, multiply in fp32). The three products:
-#
-# - forward: `scaled_mm(X̂, Ŵᵀ, s_x, BlockWise1x128, s_w, BlockWise128x128)`;
-# - input gradient: the same with dY and Wᵀ's quantization (`quantize_weight(w, transposed=True)`);
-# - weight gradient: `scaled_mm(dŶᵀ, X̂ (column-major), s_dy, BlockWise1x128, s_x, BlockWise1x128)` with both
-#   quantized along tokens (`quantize_act(..., cols=True)` with one group, zero-padded to a multiple of 128 tokens).
-#
-# cuBLAS's layout rules, which torch checks: the second operand column-major; the 1×128 scales M-major, strides
-# `(1, M)` (what `quantize_act` returns); the 128×128 scales of the second operand as a `(L4, N/128)` view with
-# strides `(1, L4)`, where `L4` is `K/128` rounded up to a multiple of 4 (padded with zeros). The scaled_mm path
-# needs `in` and `out` to be multiples of 128; the reference takes any size.
-
 # %%
-#| export
-def _scaled_mm_blockwise(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor) -> Tensor:
-    "`(qa·sa) @ (qb·sb)ᵀ` in bf16 via F.scaled_mm: qa (M, K) 1x128 tiles, qb (N, K) with (N/128, K/128) block scales."
-    nb, kb = sb.shape
-    sb_pad = sb.new_zeros(nb, -(-kb // 4) * 4)
-    sb_pad[:, :kb] = sb
-    return F.scaled_mm(qa, qb.t(), sa, F.ScalingType.BlockWise1x128, sb_pad.t(), F.ScalingType.BlockWise128x128,
-                       output_dtype=torch.bfloat16)
-
-
-def _scaled_mm_wgrad(g: Fp8Act, a: Fp8Act) -> Tensor:
-    "`dYᵀ X` in bf16 via F.scaled_mm from both operands' column quantizations (1x128 along tokens)."
-    return F.scaled_mm(g.qt, a.qt.t(), g.st.t(), F.ScalingType.BlockWise1x128, a.st.t(),
-                       F.ScalingType.BlockWise1x128, output_dtype=torch.bfloat16)
-
-
-class _Fp8Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, use_scaled_mm):
-        keep = ctx.needs_input_grad[1]
-        if use_scaled_mm:
-            a = quantize_act(x, rows=True, cols=keep)
-            y = _scaled_mm_blockwise(a.q, a.s, *quantize_weight(w)).to(x.dtype)
-            saved = (a.qt, a.st) if keep else ()
-        else:
-            y = (fake_quant(x, (1, 128), torch.float32) @ fake_quant(w, (128, 128), torch.float32).T).to(x.dtype)
-            saved = (x,) if keep else ()
-        ctx.use_scaled_mm = use_scaled_mm
-        ctx.save_for_backward(w, *saved)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        w, *saved = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        dy = dy.contiguous()
-        dx = dw = None
-        if ctx.use_scaled_mm:
-            g = quantize_act(dy, rows=need_dx, cols=need_dw)
-            if need_dx:
-                dx = _scaled_mm_blockwise(g.q, g.s, *quantize_weight(w, transposed=True)).to(dy.dtype)
-            if need_dw:
-                dw = _scaled_mm_wgrad(g, Fp8Act(None, None, *saved)).to(w.dtype)
-        else:
-            if need_dx:
-                dx = (fake_quant(dy, (1, 128), torch.float32) @ fake_quant(w, (128, 128), torch.float32)).to(dy.dtype)
-            if need_dw:
-                (x,) = saved
-                dw = (fake_quant(dy, (128, 1), torch.float32).T @ fake_quant(x, (128, 1), torch.float32)).to(w.dtype)
-        return dx, dw, None
-
-
-def fp8_linear(x: Tensor, w: Tensor, impl: str | None = None) -> Tensor:
-    """`x @ wᵀ` in FP8 for `x (..., in)`, `w (out, in)`, in x's dtype: 1x128 activation tiles, 128x128 weight blocks.
-    `impl`: "scaled_mm" (CUDA; in and out multiples of 128), "torch" (the reference), or None (by device)."""
-    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"fp8_linear wants x (..., in) and w (out, in), got x {tuple(x.shape)}, w {tuple(w.shape)}")
-    if impl not in (None, "scaled_mm", "torch"):
-        raise ValueError(f"impl must be 'scaled_mm', 'torch' or None (choose by device), got {impl!r}")
-    use_scaled_mm = x.is_cuda if impl is None else impl == "scaled_mm"
-    if use_scaled_mm and (w.shape[0] % 128 or w.shape[1] % 128):
-        raise ValueError(f"fp8_linear through F.scaled_mm needs in and out features that are multiples of 128, got "
-                         f"w {tuple(w.shape)}; use impl='torch' for other sizes")
-    lead = x.shape[:-1]
-    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w, use_scaled_mm)
-    return y.reshape(*lead, w.shape[0])
-
-# %% [markdown]
-# The reference path against float64 (the same quantization, so within `EXACT` in fp32), with leading dimensions and sizes
-# that are no multiple of 128; then the scaled_mm path's three calls on meta tensors, which runs torch's layout
-# checks for `F.scaled_mm` (an actual product needs the GPU cell below).
-
-# %%
-x, w, dy = randn(7, (2, 75, 200), (136, 200), (2, 75, 136))
-x, w = x.requires_grad_(), (w / 14).requires_grad_()
-y = fp8_linear(x, w, impl="torch")
-y.backward(dy)
-xd, wd, dyd = x.detach().reshape(150, 200).double(), w.detach().double(), dy.reshape(150, 136).double()
-errs = [rel_err(y.reshape(150, 136), fake_quant(xd, (1, 128)) @ fake_quant(wd, (128, 128)).T),
-        rel_err(x.grad.reshape(150, 200), fake_quant(dyd, (1, 128)) @ fake_quant(wd, (128, 128))),
-        rel_err(w.grad, fake_quant(dyd, (128, 1)).T @ fake_quant(xd, (128, 1)))]
-assert y.shape == (2, 75, 136) and max(errs) < EXACT, errs
-assert rel_err(y, x.detach().double() @ wd.T) < 0.05
-
-
-def scaled_mm_meta_check(M=200, n_in=384, n_out=256):
-    "The dense path's three F.scaled_mm calls on meta tensors: torch checks shapes, dtypes and scale layouts."
-    meta = lambda *s: torch.empty(*s, device="meta")
-    a = Fp8Act(meta(M, n_in).to(FP8), meta(n_in // 128, M).t(), meta(n_in, 128 * triton.cdiv(M, 128)).to(FP8),
-               meta(triton.cdiv(M, 128), n_in))
-    g = Fp8Act(meta(M, n_out).to(FP8), meta(n_out // 128, M).t(), meta(n_out, 128 * triton.cdiv(M, 128)).to(FP8),
-               meta(triton.cdiv(M, 128), n_out))
-    y = _scaled_mm_blockwise(a.q, a.s, meta(n_out, n_in).to(FP8), meta(n_out // 128, n_in // 128))
-    dx = _scaled_mm_blockwise(g.q, g.s, meta(n_in, n_out).to(FP8), meta(n_in // 128, n_out // 128))
-    dw = _scaled_mm_wgrad(g, a)
-    assert y.shape == (M, n_out) and dx.shape == (M, n_in) and dw.shape == (n_out, n_in)
-
-scaled_mm_meta_check()
-scaled_mm_meta_check(M=1000, n_in=768, n_out=2048)      # K/128 = 6: the weight scales need the padding to 8
 print(f"CPU checks done in {time.time() - T0:.1f} s")
 
 # %% [markdown]
@@ -1865,8 +1751,8 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   its tensor-core instruction to complete (`wgmma.wait_group 0` in the kernel's PTX) and then runs the
 #   multiply-adds while the tensor cores idle. Issuing the next product before promoting the last changes nothing
 #   (Triton still waits right after each product), and neither does Triton's warp specialisation of the loop; a
-#   Gluon kernel with DeepGEMM's structure (`benchmarks/fp8_gluon.py`: a producer warp, two math partitions that
-#   promote in turn) gains a few per cent. So the three block-scaled products together run at about bf16's speed.
+#   Gluon kernel with DeepGEMM's structure (a producer warp, two math partitions that promote in turn) gains a few
+#   per cent (benchmarks/RESULTS.md). So the three block-scaled products together run at about bf16's speed.
 #   Row scales take the promotion away: the products chain inside `tl.dot` and run well above bf16's speed at both
 #   models' expert shapes. The tensor cores then accumulate the whole K (Triton's default on sm90; promoting into
 #   fp32 every 128 of K costs much of the gain), which adds an error far below the quantization's own.
@@ -1896,25 +1782,13 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #
 # The compiled kernels against the quantized reference at a moderate size, in bf16: the FP8 tensor cores accumulate
 # each 128-deep product with fewer bits than fp32 (about 2e-4 relative) and the output is rounded to bf16 (about
-# 2⁻⁹), so the bound is 1e-2; and the dense path's two implementations against each other.
-# `benchmarks/fp8_bench.py` measures speed at the real expert shapes.
+# 2⁻⁹), so the bound is 1e-2. `benchmarks/fp8_rows.py` and `benchmarks/fp8_bench.py` measure speed at the real
+# expert shapes.
 
 # %%
 #| cuda
 err, quant = check_layer([300, 0, 1, 1000, 517], 1024, 768, "triton", torch.bfloat16, extra=3)
 print(f"triton bf16 on the GPU: {err:.1e} vs quantized reference, {quant:.3f} vs exact")
-x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = (torch.randn(768, 1024, device="cuda") / 32).bfloat16().requires_grad_()
-dy = torch.randn(1000, 768, device="cuda", dtype=torch.bfloat16)
-got = []
-for impl in ("scaled_mm", "torch"):
-    x.grad = w.grad = None
-    y = fp8_linear(x, w, impl=impl)
-    y.backward(dy)
-    got.append((y.detach(), x.grad, w.grad))
-errs = [rel_err(a, b) for a, b in zip(*got)]
-print(f"fp8_linear scaled_mm vs reference: {errs}")
-assert max(errs) < 1e-2, errs
 
 # %% [markdown]
 # The fused SwiGLU experts against the layers apart, in bf16: apart, `h` and its gradient are rounded to bf16

@@ -1075,7 +1075,6 @@ if torch.cuda.is_available():
 # 32 value heads of 128 (`C = 64`), full attention with 16 query and 2 KV heads of 256. Computed, not measured.
 
 # %%
-#| export
 def gdr_costs(T: int, Hk: int = 16, Hv: int = 32, K: int = 128, V: int = 128, C: int = 64) -> dict:
     "FLOPs and bytes of one gated-delta-rule layer on one sequence of T tokens (bf16 inputs), as the kernels run."
     per_chunk_wy = 2 * C * C * K + (int(math.log2(C)) - 1) * 4 * C ** 3 + 2 * C * C * (K + V)

@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from pith_lit.ops.attention import _Mask, _bwd, _fwd, attention_mask, attention_reference
+from pith_lit.ops.attention import Mask, attention_bwd, attention_fwd, attention_mask, attention_reference
 
 # %% [markdown]
 # ## Zigzag chunks
@@ -136,19 +136,19 @@ def visible(qi: int, kj: int, c: int, window: int | None) -> bool:
     return kj <= qi and (window is None or qi * c - (kj * c + c - 1) < window)
 
 
-def _mask(qi: int, kj: int, c: int, window: int | None) -> _Mask:
-    return _Mask(True, window, qi * c, kj * c)
+def _mask(qi: int, kj: int, c: int, window: int | None) -> Mask:
+    return Mask(True, window, qi * c, kj * c)
 
 
-def block_forward(q, k, v, m: _Mask, scale: float, q_doc, k_doc) -> tuple[Tensor, Tensor]:
+def block_forward(q, k, v, m: Mask, scale: float, q_doc, k_doc) -> tuple[Tensor, Tensor]:
     "(out, lse) of q over k, v under mask `m`: the Triton kernel on CUDA, explicit scores on the CPU."
     if q.is_cuda:
-        return _fwd(q, k, v, None, m, scale, q_doc, k_doc)
+        return attention_fwd(q, k, v, None, m, scale, q_doc, k_doc)
     return attention_reference(q, k, v, causal=m.causal, window=m.window, scale=scale, q_doc=q_doc, k_doc=k_doc,
                                q_offset=m.q_offset, k_offset=m.k_offset)
 
 
-def _block_backward_torch(q, k, v, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_doc):
+def _block_backward_torch(q, k, v, out, lse, dout, dlse, m: Mask, scale: float, q_doc, k_doc):
     (B, Hq, Sq, D), (Hkv, Sk) = q.shape, k.shape[1:3]
     ct, rep = torch.promote_types(q.dtype, torch.float32), Hq // Hkv
     qf, dof, of = q.to(ct), dout.to(ct), out.to(ct)
@@ -165,11 +165,11 @@ def _block_backward_torch(q, k, v, out, lse, dout, dlse, m: _Mask, scale: float,
     return dq, dk, dv
 
 
-def block_backward(q, k, v, out, lse, dout, dlse, m: _Mask, scale: float, q_doc, k_doc):
+def block_backward(q, k, v, out, lse, dout, dlse, m: Mask, scale: float, q_doc, k_doc):
     """(dq, dk, dv) of one block, given the *merged* out and lse of its query rows and their gradients (dlse may
     be None)."""
     if q.is_cuda:
-        return _bwd(q, k, v, None, out, lse.contiguous(), dout, dlse, m, scale, q_doc, k_doc)[:3]
+        return attention_bwd(q, k, v, None, out, lse.contiguous(), dout, dlse, m, scale, q_doc, k_doc)[:3]
     return _block_backward_torch(q, k, v, out, lse, dout, dlse, m, scale, q_doc, k_doc)
 
 

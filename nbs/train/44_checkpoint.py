@@ -20,7 +20,7 @@
 # - the **step**, which is also the data position, because the dataset is a pure function of the step;
 # - every **random stream** a step may draw from: torch's CPU generator, the current CUDA device's
 #   generator, numpy's and Python's `random`, per rank;
-# - a small `meta.json` with the step, the pith_lit version, the world size, and the model's *signature*:
+# - a small `meta.json` with the step, the installed pith_lit's version, the world size, and the model's *signature*:
 #   its config (`model_type` and every field) and a hash of its parameter names and shapes, so that
 #   `load` can refuse a checkpoint of another model before touching anything.
 #
@@ -44,6 +44,7 @@ import random
 import shutil
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +56,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pith_lit import __version__
 from pith_lit.train.config import ExistingFile, InvalidInput, MissingFile
 
 # %%
@@ -347,7 +347,7 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
     files = {name: entry for part in _gathered(_digests(mine)) for name, entry in part.items()}
     if rank == 0:
         files.update(_digests(sorted(p for p in tmp.iterdir() if p.name not in files)))  # .metadata, any other
-        meta = {"step": step, "pith_lit_version": __version__, "world_size": _world_size(), "layout": layout,
+        meta = {"step": step, "pith_lit_version": version("pith_lit"), "world_size": _world_size(), "layout": layout,
                 "model_config": model_config, "params_sha256": params_hash(shapes)}
         if rng is None:
             meta["weights_only"] = True

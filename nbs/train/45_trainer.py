@@ -43,13 +43,11 @@ import math
 import resource
 import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from tqdm.auto import tqdm
 
 from pith_lit.engine.dualpipev import DualPipeV, split_model
@@ -790,70 +788,6 @@ class Reporter:
             if f is not None:
                 f.close()
         self.writer = self.metrics = None
-
-# %% [markdown]
-# ## Watching memory
-#
-# `memory_prints` is observation only: while it is active, every layer's forward and backward (in the plain loop,
-# and engine/32's `LayerRun` under DualPipeV), every loss and every optimizer step says how much memory the
-# allocator holds and its peak so far,
-# on GPUs (a CPU has no allocator statistics, so the lines show the points only). It changes no value, only the
-# timing (it synchronises at each line): for a few steps, to see where the memory goes next to the planner's
-# prediction (`skills/add-memory-prints`).
-
-# %%
-#| export
-@contextmanager
-def memory_prints(say=print):
-    "While active: say the allocated memory and its peak so far after each layer, loss and optimizer step."
-    from pith_lit.engine.stages import LayerRun
-    cuda = torch.cuda.is_available()
-
-    def point(label: str) -> None:
-        if cuda:
-            torch.cuda.synchronize()
-            used, peak = torch.cuda.memory_allocated() / GiB, torch.cuda.max_memory_allocated() / GiB
-            say(f"memory after {label}: allocated {used:.2f} GiB, peak so far {peak:.2f} GiB")
-        else:
-            say(f"memory after {label}: (no allocator statistics on the CPU)")
-
-    originals = {name: getattr(LayerRun, name) for name in ("_stage1", "_stage5", "_stage1_backward")}
-
-    def after(name: str, what: str):
-        def wrapped(self):
-            originals[name](self)
-            if name != "_stage1" or self.routing is None:   # a dense layer's forward ends with stage 1
-                point(f"layer {self.key} {what}")
-        return wrapped
-
-    loss, layered = globals()["head_loss"], globals()["run_layers"]
-
-    def loss_then_point(*args, **kwargs):
-        out = loss(*args, **kwargs)
-        point("the loss")
-        return out
-
-    def layer_by_layer(layers, h, positions, dispatcher):   # the plain loop: autograd runs the backward
-        routings = []
-        for i, layer in enumerate(layers):
-            if h.requires_grad:   # its gradient exists once layer i's backward is done
-                h.register_hook(lambda grad, i=i: point(f"layer {i} backward"))
-            h, r = layered([layer], h, positions, dispatcher)
-            routings += r
-            point(f"layer {i} forward")
-        return h, routings
-
-    for name, what in (("_stage1", "forward"), ("_stage5", "forward"), ("_stage1_backward", "backward")):
-        setattr(LayerRun, name, after(name, what))
-    globals().update(head_loss=loss_then_point, run_layers=layer_by_layer)
-    hook = register_optimizer_step_post_hook(lambda *a: point("the optimizer step"))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(LayerRun, name, fn)
-        globals().update(head_loss=loss, run_layers=layered)
-        hook.remove()
 
 # %% [markdown]
 # ## The loop

@@ -43,12 +43,40 @@ import matplotlib
 import matplotlib.pyplot as plt
 
 from pith_lit.engine.dualpipev import COMPUTE_ACTIONS, _kind, bubble_fraction, dualpipev_schedule, simulate
-from pith_lit.testing import draw_timeline
 
 matplotlib.use("Agg")
 out = Path(out_dir)
 timeline_file = out / "v02_timeline.json"
 failures = []
+
+# %% [markdown]
+# `draw_timeline` draws a step one row per rank: F in blue (light: phase 0, dark: phase 1), B in green, an
+# overlapped F&B pair as a half-blue half-green box, W in orange, and waiting for transfers in grey; numbers are
+# micro-batches.
+
+# %%
+COLORS = {"F0": "#9ecae1", "F1": "#3182bd", "B0": "#a1d99b", "B1": "#31a354", "W": "#fdae6b", "comm": "#d9d9d9"}
+
+
+def draw_timeline(ax, events: list[list[tuple]], title: str = "") -> None:
+    "Draw per-rank events `(kind, micro, start, end)` on a matplotlib axis, rank 0 at the top, with a legend."
+    from matplotlib.patches import Patch
+    for r, ev in enumerate(events):
+        for kind, micro, start, end in ev:
+            parts = kind.split("&")
+            h = 0.8 / len(parts)
+            for i, part in enumerate(parts):          # F&B: upper half forward, lower half backward
+                ax.broken_barh([(start, end - start)], (r - 0.4 + i * h, h), color=COLORS[part],
+                               edgecolor="white", linewidth=0.5)
+            if micro is not None and kind != "comm":
+                label = "|".join(map(str, micro)) if isinstance(micro, (list, tuple)) else str(micro)
+                ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(events)), [f"rank {r}" for r in range(len(events))])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+    ax.legend(handles=[Patch(color=c, label="wait" if k == "comm" else k) for k, c in COLORS.items()],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=6, frameon=False)
+
 
 # %% [markdown]
 # ## Against one process, then a measured step

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .mesh import stage_layers
-from .stages import COMPUTE, LayerRun, Streams, _leaf, backward_layers, forward_layers, run_steps
+from .stages import (COMPUTE, LayerRun, Streams, backward_layers, forward_layers, new_leaf,
+                                    run_steps)
 from ..ops.grouped_linear import WeightGradQueue
 
 # %% ../../nbs/engine/33_dualpipev.ipynb #5c85a5f4
@@ -293,7 +294,7 @@ class StageRun:
             x = self.h0
         h = yield from forward_layers(self.runs, x, positions)
         if self.part.is_last:
-            self.h_last, self.labels, self.loss_fn = _leaf(h), labels, loss_fn
+            self.h_last, self.labels, self.loss_fn = new_leaf(h), labels, loss_fn
             yield COMPUTE, self._loss
         else:
             self.output = h

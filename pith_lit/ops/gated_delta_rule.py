@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['INTERPRET', 'l2norm', 'gated_delta_rule_reference', 'chunk_gated_delta_rule_torch', 'chunk_gated_delta_rule',
-           'causal_conv1d', 'gdn_gates', 'gated_rms_norm', 'gdr_costs', 'attention_costs']
+           'causal_conv1d', 'gdn_gates', 'gated_rms_norm']
 
 # %% ../../nbs/ops/16_gated_delta_rule.ipynb #66eae3d6
 import math
@@ -632,25 +632,3 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     xf = x.to(ct)
     xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return ((weight * xn) * F.silu(z.to(ct))).to(x.dtype)
-
-# %% ../../nbs/ops/16_gated_delta_rule.ipynb #017e55db
-def gdr_costs(T: int, Hk: int = 16, Hv: int = 32, K: int = 128, V: int = 128, C: int = 64) -> dict:
-    "FLOPs and bytes of one gated-delta-rule layer on one sequence of T tokens (bf16 inputs), as the kernels run."
-    per_chunk_wy = 2 * C * C * K + (int(math.log2(C)) - 1) * 4 * C ** 3 + 2 * C * C * (K + V)
-    per_chunk_state = 4 * C * K * V
-    per_chunk_out = 2 * C * C * K + 2 * C * K * V + 2 * C * C * V
-    fwd = per_chunk_wy + per_chunk_state + per_chunk_out
-    state_bwd = 2 * C * C * K + 2 * C * C * V + 2 * C * K * V + 4 * C * K * V
-    chunk_bwd = 6 * C * K * V + 6 * C * C * V + 8 * C * C * K + 8 * C * C * K + 4 * C ** 3
-    bwd = per_chunk_wy + per_chunk_state + state_bwd + chunk_bwd
-    n = math.ceil(T / C) * Hv
-    saved = 2 * T * (2 * Hk * K + Hv * V) + 4 * 2 * T * Hv               # q, k, v (bf16), g, β (float32)
-    transient = 4 * Hv * (2 * math.ceil(T / C) * K * V + T * (K + 2 * V + C) + 2 * T * K)
-    return dict(fwd=fwd * n, bwd=bwd * n, saved=saved, transient=transient)
-
-
-def attention_costs(T: int, Hq: int = 16, Hkv: int = 2, D: int = 256) -> dict:
-    "FLOPs and bytes of one causal flash-attention layer on T tokens (bf16): T²/2 pairs."
-    pairs = T * T / 2
-    return dict(fwd=2 * Hq * pairs * 2 * D, bwd=2 * Hq * pairs * 5 * D,
-                saved=2 * T * D * (2 * Hq + 2 * Hkv) + 4 * T * Hq, transient=4 * T * Hq)

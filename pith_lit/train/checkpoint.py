@@ -12,6 +12,7 @@ import random
 import shutil
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import __version__
 from .config import ExistingFile, InvalidInput, MissingFile
 
 # %% ../../nbs/train/44_checkpoint.ipynb #de084f61
@@ -187,7 +187,7 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
     files = {name: entry for part in _gathered(_digests(mine)) for name, entry in part.items()}
     if rank == 0:
         files.update(_digests(sorted(p for p in tmp.iterdir() if p.name not in files)))  # .metadata, any other
-        meta = {"step": step, "pith_lit_version": __version__, "world_size": _world_size(), "layout": layout,
+        meta = {"step": step, "pith_lit_version": version("pith_lit"), "world_size": _world_size(), "layout": layout,
                 "model_config": model_config, "params_sha256": params_hash(shapes)}
         if rng is None:
             meta["weights_only"] = True

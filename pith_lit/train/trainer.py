@@ -3,8 +3,8 @@
 # %% auto #0
 __all__ = ['PEAK_FLOPS', 'build_model', 'peak_flops', 'start_distributed', 'StopFlag', 'NonFiniteLoss', 'cut_pipeline',
            'memory_verdict', 'check_memory', 'Run', 'build_run', 'aux_div', 'positions_of', 'rank_tokens', 'micro_step',
-           'build_pipeline', 'train_step', 'evaluate', 'json_record', 'keep_metrics_until', 'Reporter', 'memory_prints',
-           'train', 'greedy_sample']
+           'build_pipeline', 'train_step', 'evaluate', 'json_record', 'keep_metrics_until', 'Reporter', 'train',
+           'greedy_sample']
 
 # %% ../../nbs/train/45_trainer.ipynb #240b8621
 import dataclasses
@@ -13,13 +13,11 @@ import math
 import resource
 import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from tqdm.auto import tqdm
 
 from ..engine.dualpipev import DualPipeV, split_model
@@ -514,59 +512,6 @@ class Reporter:
             if f is not None:
                 f.close()
         self.writer = self.metrics = None
-
-# %% ../../nbs/train/45_trainer.ipynb #696b22ae
-@contextmanager
-def memory_prints(say=print):
-    "While active: say the allocated memory and its peak so far after each layer, loss and optimizer step."
-    from pith_lit.engine.stages import LayerRun
-    cuda = torch.cuda.is_available()
-
-    def point(label: str) -> None:
-        if cuda:
-            torch.cuda.synchronize()
-            used, peak = torch.cuda.memory_allocated() / GiB, torch.cuda.max_memory_allocated() / GiB
-            say(f"memory after {label}: allocated {used:.2f} GiB, peak so far {peak:.2f} GiB")
-        else:
-            say(f"memory after {label}: (no allocator statistics on the CPU)")
-
-    originals = {name: getattr(LayerRun, name) for name in ("_stage1", "_stage5", "_stage1_backward")}
-
-    def after(name: str, what: str):
-        def wrapped(self):
-            originals[name](self)
-            if name != "_stage1" or self.routing is None:   # a dense layer's forward ends with stage 1
-                point(f"layer {self.key} {what}")
-        return wrapped
-
-    loss, layered = globals()["head_loss"], globals()["run_layers"]
-
-    def loss_then_point(*args, **kwargs):
-        out = loss(*args, **kwargs)
-        point("the loss")
-        return out
-
-    def layer_by_layer(layers, h, positions, dispatcher):   # the plain loop: autograd runs the backward
-        routings = []
-        for i, layer in enumerate(layers):
-            if h.requires_grad:   # its gradient exists once layer i's backward is done
-                h.register_hook(lambda grad, i=i: point(f"layer {i} backward"))
-            h, r = layered([layer], h, positions, dispatcher)
-            routings += r
-            point(f"layer {i} forward")
-        return h, routings
-
-    for name, what in (("_stage1", "forward"), ("_stage5", "forward"), ("_stage1_backward", "backward")):
-        setattr(LayerRun, name, after(name, what))
-    globals().update(head_loss=loss_then_point, run_layers=layer_by_layer)
-    hook = register_optimizer_step_post_hook(lambda *a: point("the optimizer step"))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(LayerRun, name, fn)
-        globals().update(head_loss=loss, run_layers=layered)
-        hook.remove()
 
 # %% ../../nbs/train/45_trainer.ipynb #d451d050
 def _planned(run: Run, end: int, say) -> bool:

@@ -35,7 +35,9 @@ fi
 import json, re, sys
 import torch
 from pith_lit.train.config import parse_args
-from pith_lit.train.trainer import memory_prints, train
+from pith_lit.train.trainer import train
+sys.path.insert(0, "skills/add-memory-prints")
+from memory_prints import memory_prints
 out, argv = sys.argv[1], sys.argv[2:]
 cfg = parse_args(argv + ["--set", f"run.dir={out}/watched"])
 lines = []
