@@ -1,5 +1,5 @@
 """Measured memory and time of each decoder layer, the embedding and the head of a bench config on one GPU: what
-the planner's memory model (engine/37_memory) and its time profile are checked against.
+the planner's memory model (engine/37_planner) and its time profile (engine/38_steptime) are checked against.
 
 For each layer of a short cut of the model (a few layers, so every layer kind appears), one micro-batch runs forward
 stage by stage (engine/32 `LayerRun`, the local dispatcher), then the loss, then backward layer by layer. Around

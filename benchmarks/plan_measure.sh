@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Measurements the planner (engine/37_memory, python -m pith_lit.plan) is built on and checked against, on one GPU:
+# Measurements the planner (engine/37_planner, 38_steptime, python -m pith_lit.plan) is built on and checked against,
+# on one GPU:
 #
 #     OUT=/tmp/plan bash benchmarks/plan_measure.sh probes|configs NAME...
 #

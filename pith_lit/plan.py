@@ -10,11 +10,12 @@ from dataclasses import asdict
 
 import torch
 
-from .engine.planner import GiB, Estimate, Link, Profile, choose_stage_layers, estimate
+from .engine.planner import GiB, Estimate, estimate
+from .engine.steptime import Link, Profile, StepTime, choose_stage_layers, profile_layers, step_time
 from .train.config import (Config, ConfigError, UserError, from_dict, read_toml, run_command, to_dict,
                                    validate)
 from .train.optim import optimizer_states
-from .train.trainer import PEAK_FLOPS, _meta_model
+from .train.trainer import PEAK_FLOPS, _meta_model, optimizer_for
 
 # %% ../nbs/train/50_plan.ipynb #6f724b56
 def _divisors(n: int) -> list[int]:
@@ -45,8 +46,9 @@ def layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, micro_batches=(1, 2,
                                 continue
 
 # %% ../nbs/train/50_plan.ipynb #625a3ef3
-def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(), cache: dict | None = None) -> Estimate:
-    "The planner's estimate of `cfg`'s layout (engine/37), with its step time when `profile` is given."
+def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(),
+            cache: dict | None = None) -> tuple[Estimate, StepTime | None]:
+    "The planner's estimate of `cfg`'s layout (engine/37), and its step time when `profile` is given (engine/38)."
     cache = {} if cache is None else cache
     if profile is not None and cfg.parallel.pp > 1 and not cfg.parallel.pp_stage_layers:
         w = cfg.workload()
@@ -54,8 +56,9 @@ def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(), ca
         if key not in cache:
             cache[key] = choose_stage_layers(cfg.model, w, profile)
         cfg = validate(from_dict(to_dict(cfg), [f"parallel.pp_stage_layers={cache[key]}"]))
-    return estimate(cfg.model, _meta_model(cfg), cfg.workload(), optimizer_states(cfg.train.optimizer), profile,
-                    link, cache)
+    w = cfg.workload()
+    e = estimate(cfg.model, _meta_model(cfg), w, optimizer_states(cfg.train.optimizer), cache)
+    return e, (step_time(cfg.model, w, profile, e.units[0], link) if profile is not None else None)
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -63,7 +66,7 @@ def flops_per_token(cfg: Config) -> float:
     return _meta_model(cfg)().flops_per_token(cfg.train.seq_len)
 
 
-def row(cfg: Config, e: Estimate, gpu: float, flops: float, peak_flops: float) -> dict:
+def row(cfg: Config, e: Estimate, time: StepTime | None, gpu: float, flops: float, peak_flops: float) -> dict:
     "One line of the table: the layout, the predicted peak and what it needs, the step time and MFU if known."
     p, t = cfg.parallel, cfg.train
     out = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp": p.dp, "cp": p.cp, "ep": p.ep, "overlap": p.overlap,
@@ -71,10 +74,10 @@ def row(cfg: Config, e: Estimate, gpu: float, flops: float, peak_flops: float) -
            "stages": list(e.workload.stage_layers) or "even",
            "peak_gib": round(e.peak.gib(), 2), "needs_gib": round(e.needs() / GiB, 1), "fits": e.fits(gpu),
            "where": e.peak.where, "parts_gib": {k: round(v / GiB, 2) for k, v in e.peak.parts.items()}}
-    if e.time is not None:
-        out.update(tokens_per_s=round(e.time.tokens_per_s), step_s=round(e.time.seconds, 4),
-                   mfu=round(e.time.tokens_per_s * flops / (peak_flops * cfg.world_size), 4),
-                   time_parts_s={k: round(v, 4) for k, v in e.time.parts.items()})
+    if time is not None:
+        out.update(tokens_per_s=round(time.tokens_per_s), step_s=round(time.seconds, 4),
+                   mfu=round(time.tokens_per_s * flops / (peak_flops * cfg.world_size), 4),
+                   time_parts_s={k: round(v, 4) for k, v in time.parts.items()})
     return out
 
 # %% ../nbs/train/50_plan.ipynb #6c269f42
@@ -93,7 +96,7 @@ def _table(rows: list[dict], timed: bool) -> str:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pith_lit.plan",
-                                 description="Predict per-GPU peak memory and step time of layouts (engine/37).")
+                                 description="Predict per-GPU peak memory and step time of layouts (engine/37, 38).")
     ap.add_argument("config", help="TOML run config")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
     ap.add_argument("--gpus", type=int, help="list the layouts of this many GPUs (default: the config's own layout)")
@@ -119,12 +122,12 @@ def _gpu_memory(args) -> float:
 
 def _profile(args, cfg: Config) -> Profile | None:
     if args.measure:
-        from pith_lit.engine.planner import profile_layers
         from pith_lit.models.protocol import LocalDispatcher
         if not torch.cuda.is_available():
             raise UserError("--measure times the layers on a GPU, and torch sees none here; measure on the GPU "
                             "machine, then pass the file with --profile")
-        prof = profile_layers(_meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts))
+        prof = profile_layers(_meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts),
+                              optimizer_for(cfg), cfg.train.fp8_scaling)
         with open(args.measure, "w") as fh:
             json.dump(asdict(prof), fh, indent=1)
         print(f"wrote {args.measure}")
@@ -132,9 +135,14 @@ def _profile(args, cfg: Config) -> Profile | None:
     if args.profile:
         try:
             with open(args.profile) as fh:
-                return Profile(**json.load(fh))
+                prof = Profile(**json.load(fh))
         except (OSError, ValueError, TypeError) as e:
             raise UserError(f"--profile {args.profile}: not a profile written by --measure ({e})") from None
+        if (prof.optimizer, prof.fp8) != (cfg.train.optimizer, cfg.train.fp8):
+            raise UserError(f"--profile {args.profile} timed train.optimizer = {prof.optimizer} with train.fp8 = "
+                            f"{str(prof.fp8).lower()}; this run has {cfg.train.optimizer} and "
+                            f"{str(cfg.train.fp8).lower()}: measure its profile with --measure")
+        return prof
     return None
 
 
@@ -148,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         flops = flops_per_token(cfg)
         peak = PEAK_FLOPS["H200"]
         if args.check or not args.gpus:
-            e = predict(cfg, prof, link)
-            r = row(cfg, e, gpu, flops, peak)
+            e, t = predict(cfg, prof, link)
+            r = row(cfg, e, t, gpu, flops, peak)
             if args.check:
                 print(json.dumps(r))
                 return
@@ -158,16 +166,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'fits' if e.fits(gpu) else 'does not fit'}")
             for rank, p in enumerate(e.peaks):
                 print(f"  pipeline rank {rank}: {p.gib():.1f} GiB at the {p.where}")
-            if e.time is not None:
-                print(f"  predicted step {e.time.seconds:.3f} s, {e.time.tokens_per_s:,.0f} tokens/s, MFU "
-                      f"{r['mfu']:.1%} ({', '.join(f'{k} {v:.3f} s' for k, v in e.time.parts.items())})")
+            if t is not None:
+                print(f"  predicted step {t.seconds:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU "
+                      f"{r['mfu']:.1%} ({', '.join(f'{k} {v:.3f} s' for k, v in t.parts.items())})")
             return
         cache, rows, fitted = {}, [], set()
         for c in layouts(cfg, args.gpus, args.gpus_per_node):
             key = (tuple(c.layout.values()), c.parallel.overlap, c.train.micro_batch)
             if c.train.recompute != "none" and key in fitted:
                 continue   # recomputation costs time: only where the layout does not fit without it
-            rows.append(row(c, predict(c, prof, link, cache), gpu, flops, peak))
+            rows.append(row(c, *predict(c, prof, link, cache), gpu, flops, peak))
             if rows[-1]["fits"]:
                 fitted.add(key)
         fit = [r for r in rows if r["fits"]]

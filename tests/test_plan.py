@@ -1,4 +1,4 @@
-"""The planner (engine/37, python -m pith_lit.plan), the trainer's memory check, parallel.pp_stage_layers = "auto",
+"""The planner (engine/37 and 38, python -m pith_lit.plan), the trainer's memory check, parallel.pp_stage_layers = "auto",
 and the two memory skills."""
 import dataclasses
 import json
@@ -28,10 +28,10 @@ def test_plan_lists_the_layouts_of_eight_gpus(capsys):
 
 def test_plan_predicts_step_time_from_a_profile(tmp_path, capsys):
     "With a profile the table has tokens/s, and a pipelined layout gets a cut other than the even one."
-    from pith_lit.engine.planner import Profile
+    from pith_lit.engine.steptime import Profile
     from pith_lit.plan import main
     prof = Profile(4096, "made up", True, {"moe full": {"F": 5.0, "B": 8.0, "W": 3.0}}, {"F": 40.0, "B": 3.0},
-                   {"F": 0.1, "B": 1.0}, 6.0)
+                   {"F": 0.1, "B": 1.0}, {"moe full": 0.5, "moe full experts": 4.0, "root": 1.0})
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(dataclasses.asdict(prof)))
     cfg = str(ROOT / "configs" / "bench-qwen3-30b-a3b.toml")

@@ -7,14 +7,13 @@
 # ---
 
 # %% [markdown]
-# # The planner: memory and time of a layout before it runs
+# # The planner: memory of a layout before it runs
 #
 # A layout (pp × dp_replicate × dp × cp × ep, micro-batch, recomputation) either fits a GPU or dies minutes into
 # the run, after the model was built and compiled. This notebook predicts, for every rank of a layout, the peak of
-# `torch.cuda.max_memory_allocated` and the step time, from the model's config alone. The trainer refuses a layout
-# predicted not to fit before it allocates anything (train/45), `python -m pith_lit.plan` lists the layouts that
-# fit a number of GPUs (train/50), and `parallel.pp_stage_layers = "auto"` cuts the pipeline from measured stage
-# times (below).
+# `torch.cuda.max_memory_allocated`, from the model's config alone. The trainer refuses a layout predicted not to
+# fit before it allocates anything (train/45), and `python -m pith_lit.plan` lists the layouts that fit a number of
+# GPUs (train/50). The step time of a layout is the next notebook's (engine/38).
 #
 # A rank's memory is four things, each followed through the step:
 #
@@ -34,11 +33,6 @@
 # 4. **Slack**: the caching allocator reserves more than it hands out (fragmentation); the peak reserved was
 #    1–13% above the peak allocated in the runs of `benchmarks/RESULTS.md`. A layout fits when the predicted
 #    peak, plus this slack and the CUDA context, stays under the GPU's memory.
-#
-# Step time comes from a **profile**: the forward, backward and deferred weight-gradient time of one layer of each
-# kind and of the head, measured on one GPU at the run's micro-batch (`profile_layers`), plus a stated link model
-# for the all-to-alls, FSDP's collectives and the pipeline's transfers. The DualPipeV schedule is simulated with
-# those durations (engine/33 `simulate`).
 
 # %%
 #| default_exp engine.planner
@@ -46,13 +40,12 @@
 # %%
 #| export
 import math
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pith_lit.engine.dualpipev import dualpipev_schedule, simulate, split_model
+from pith_lit.engine.dualpipev import dualpipev_schedule, split_model
 from pith_lit.engine.ep import shard_experts
 from pith_lit.engine.mesh import stage_layers
 from pith_lit.ops.attention import ds_bytes
@@ -354,42 +347,39 @@ def layer_bytes(c, i: int, w: Workload) -> LayerBytes:
 # planner"). The formulas above against those measurements, for a layer past the first (the first layer of each
 # cut kept 4–6% less than the others, its stage-1 outputs; the model counts every layer like the later ones):
 
-# %%
-#| export
-MEASURED_LAYER_BYTES = {   # bytes per token the H200 kept after one layer's forward (benchmarks/layer_probe.py)
-    # (bench config, layer, compiled, recompute): bytes per token
-    ("qwen3-30b-a3b", 1, False, "none"): 194828.4, ("qwen3-30b-a3b", 1, True, "none"): 151566.4,
-    ("qwen3-30b-a3b", 1, False, "attention"): 119504.2, ("qwen3-30b-a3b", 1, False, "layer"): 82640.2,
-    ("deepseek-v2-lite", 0, False, "none"): 145164.1, ("deepseek-v2-lite", 0, True, "none"): 100685.1,
-    ("deepseek-v2-lite", 2, False, "none"): 209256.3, ("deepseek-v2-lite", 2, True, "none"): 180905.3,
-    ("gpt-oss-20b", 1, False, "none"): 209528.2, ("gpt-oss-20b", 1, True, "none"): 163202.2,
-    ("qwen3-5-moe", 2, False, "none"): 432080.6, ("qwen3-5-moe", 2, True, "none"): 287486.5,
-    ("qwen3-5-moe", 3, False, "none"): 232968.9, ("qwen3-5-moe", 3, True, "none"): 167304.6,
-}
-
 # %% [markdown]
 # The bench configs are TOML files of train/40's schema; this notebook comes before the config, so it reads their
-# `[model]` tables with `tomllib` into the model families' own `Config` classes.
+# `[model]` tables with `tomllib` into the model families' own `Config` classes. The measurements are
+# `benchmarks/layer_bytes_h200.csv`, one row per (bench config, layer, compiled, recompute).
 
 # %%
+import csv
 import tomllib
+from dataclasses import replace
+from pathlib import Path
 
+import pith_lit
 from pith_lit.models import deepseek_v2, gpt_oss, qwen3_5_moe, qwen3_moe
 
+ROOT = Path(pith_lit.__file__).resolve().parents[1]   # the repository the package is imported from
 MODEL_CONFIGS = {"qwen3_moe": qwen3_moe.Config, "deepseek_v2": deepseek_v2.Config, "gpt_oss": gpt_oss.Config,
                  "qwen3_5_moe": qwen3_5_moe.Config}
 
 
 def config_model(name: str, **extra):
     "The [model] table of configs/NAME.toml as its family's Config."
-    from pith_lit.testing import repo_path
-    with open(repo_path(f"configs/{name}.toml"), "rb") as fh:
+    with open(ROOT / "configs" / f"{name}.toml", "rb") as fh:
         table = tomllib.load(fh)["model"] | extra
     return MODEL_CONFIGS[table["model_type"]](**table)
 
 # %%
 rows = []
-for (name, i, comp, rec), got in MEASURED_LAYER_BYTES.items():
+with open(ROOT / "benchmarks" / "layer_bytes_h200.csv") as fh:
+    measured = list(csv.DictReader(fh))
+assert len(measured) == 14
+for m in measured:
+    name, i, comp, rec, got = (m["config"], int(m["layer"]), m["compiled"] == "true", m["recompute"],
+                               float(m["bytes_per_token"]))
     c = config_model(f"bench-{name}")
     want = layer_bytes(c, i, Workload(compile=comp, recompute=rec)).kept
     rows.append((name, i, comp, rec, want, got, want / got - 1))
@@ -777,344 +767,12 @@ def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
     return walk.best
 
 # %% [markdown]
-# ## Time: a measured profile and a link model
-#
-# A layer's time on the GPU is measured, not modelled: `profile_layers` builds one layer of each kind of the model
-# (dense or MoE, and the attention kind: full, sliding, linear) at full width on one GPU, runs a micro-batch through
-# it stage by stage with the local dispatcher (engine/32 `LayerRun`) and times its forward, its backward with the
-# expert weight gradients deferred, and their W (ops/12's queue), then the head's loss and its backward, the
-# embedding, and the gradient clipping and fused AdamW step per parameter; for a MoE layer also the forward of its
-# stage 3 alone, which `train.recompute = "layer"` runs again in backward (`"attention"` the rest of the forward).
-# Compiled stages are compiled first (`w.compile`). Times scale with a rank's tokens per micro-batch (the sequence
-# length stays the profile's).
-
-# %%
-#| export
-def layer_kind(c, i: int) -> str:
-    "A layer's kind for the profile: dense or MoE, and its attention (full, sliding, linear)."
-    kinds = getattr(c, "layer_types", None) or []
-    attention = kinds[i].removesuffix("_attention") if kinds else "full"
-    return f"{'moe' if is_moe(c, i) else 'dense'} {attention}"
-
-
-@dataclass
-class Profile:
-    "Times in ms of one micro-batch of `tokens` tokens on one GPU, per layer kind and for the ends of the model."
-    tokens: int
-    device: str
-    compile: bool
-    layers: dict                 # kind -> {"F": ms, "B": ms (its W deferred), "W": ms, "F3": ms of F in stage 3}
-    head: dict                   # {"F": ms (the loss, gradients included), "B": ms}
-    embed: dict                  # {"F": ms, "B": ms}
-    adamw_ms_per_billion: float  # clipping and a fused AdamW step over 1e9 parameters of the optimizer's dtype
-    param_bytes: int = 2         # the bytes of that dtype
-
-    def scaled(self, tokens: int) -> "Profile":
-        "The same profile for `tokens` tokens per micro-batch (times proportional to tokens)."
-        s = tokens / self.tokens
-        sc = lambda d: {k: v * s for k, v in d.items()}
-        return replace(self, tokens=tokens, layers={k: sc(v) for k, v in self.layers.items()}, head=sc(self.head),
-                       embed=sc(self.embed))
-
-
-def _time(fn, device, reps: int, warm: bool = True) -> float:
-    "Median ms of `fn()` over `reps` runs after one warm-up (CUDA events on a GPU, the host clock elsewhere)."
-    if warm:
-        fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(); fn(); b.record(); b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter(); fn(); out.append((time.perf_counter() - t) * 1e3)
-    return sorted(out)[len(out) // 2]
-
-
-@torch.no_grad()
-def _materialise(module: nn.Module, device, dtype) -> nn.Module:
-    "A meta module on `device` in `dtype`, with N(0, 0.02) weights (norm gains 1): for timing only."
-    module.to_empty(device=device)
-    for name, p in module.named_parameters():
-        p.normal_(0, 0.02) if p.dim() >= 2 else p.fill_(1.0)
-    return module.to(dtype)
-
-
-def profile_layers(model: nn.Module, w: Workload, device, dispatcher, reps: int = 3) -> Profile:
-    """Measure `model` (a whole model on the meta device, left as it is) on `device`: one layer of each kind,
-    the head and the embedding, for one micro-batch of `w.micro_batch` × `w.seq_len` tokens in `w`'s compute
-    dtype; `dispatcher`: the local one (models/20 `LocalDispatcher`)."""
-    from pith_lit.engine.stages import LayerRun
-    from pith_lit.models.protocol import head_loss
-    from pith_lit.ops.grouped_linear import WeightGradQueue
-    device = torch.device(device)
-    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[w.compute_bytes]
-    c, B, S = model.config, w.micro_batch, w.seq_len
-    positions = torch.arange(S, device=device)
-    g = torch.Generator(device=device).manual_seed(0)
-    ids = torch.randint(0, c.vocab_size, (B, S), device=device, generator=g)
-    x = torch.randn(B, S, c.hidden_size, device=device, generator=g, dtype=dtype)
-    layers = {}
-    for i, (key, meta_layer) in enumerate(model.model.layers.items()):
-        kind = layer_kind(c, i)
-        if kind in layers:
-            continue
-        import copy
-        layer = _materialise(copy.deepcopy(meta_layer), device, dtype)
-        if w.compile:
-            layer.stage1, layer.stage5 = torch.compile(layer.stage1), torch.compile(layer.stage5, fullgraph=True)
-        queue = WeightGradQueue()
-        state = {}
-
-        def fwd():
-            run = LayerRun(layer, key, dispatcher, None, queue)
-            for _, fn in run.forward(x.detach().requires_grad_(), positions):
-                fn()
-            state["run"] = run
-
-        def bwd():
-            fwd_run = state.pop("run")
-            for _, fn in fwd_run.backward(torch.ones_like(fwd_run.h_out)):
-                fn()
-
-        def experts_time() -> float:   # ms of stage 3 inside whole forwards (median after a warm-up)
-            out = []
-            for _ in range(reps + 1):
-                run = LayerRun(layer, key, dispatcher, None, queue)
-                for _, fn in run.forward(x.detach().requires_grad_(), positions):
-                    if fn.__name__ != "_stage3":
-                        fn()
-                        continue
-                    out.append(_time(fn, device, 1, warm=False))
-            return sorted(out[1:])[len(out[1:]) // 2]
-
-        with torch.enable_grad():
-            t_f = _time(fwd, device, reps)
-            t_fb = _time(lambda: (fwd(), bwd()), device, reps)
-            t_w = _time(lambda: (fwd(), bwd(), queue.drain()), device, reps)
-            t_3 = experts_time() if is_moe(c, i) else 0.0
-        layers[kind] = {"F": t_f, "B": max(t_fb - t_f, 0.0), "W": max(t_w - t_fb, 0.0), "F3": t_3}
-        del layer
-    import copy
-    ends = copy.deepcopy(model)
-    ends.model.layers = nn.ModuleDict()
-    _materialise(ends, device, dtype)
-    labels = ids.clone()
-    with torch.enable_grad():
-        h = x.detach().requires_grad_()
-        t_loss = _time(lambda: head_loss(ends, h, labels), device, reps)
-        t_lossb = _time(lambda: head_loss(ends, h, labels).backward(), device, reps) - t_loss
-        t_emb = _time(lambda: ends.prolog(ids), device, reps)
-        t_embb = _time(lambda: ends.prolog(ids).backward(x), device, reps) - t_emb
-    n = 2 ** 25 if device.type == "cuda" else 2 ** 18       # 8 tensors: 512 MB of bf16 parameters on a GPU
-    params = [torch.zeros(n, device=device, dtype=torch.float32 if w.param_bytes == 4 else dtype, requires_grad=True)
-              for _ in range(8)]
-    grads = [torch.randn_like(p) for p in params]
-    for p, gr in zip(params, grads):
-        p.grad = gr
-    opt = torch.optim.AdamW(params, fused=device.type in ("cuda", "cpu"))
-
-    def clip_and_step():   # engine/36's clip_sharded_grads without its all-reduce, then the step
-        norm = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum().sqrt()
-        torch._foreach_mul_(grads, (1 / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-        opt.step()
-
-    t_opt = _time(clip_and_step, device, reps)
-    return Profile(w.tokens, str(device), w.compile, layers, {"F": t_loss, "B": max(t_lossb, 0.0)},
-                   {"F": t_emb, "B": max(t_embb, 0.0)}, t_opt * 1e9 / (8 * n), params[0].element_size())
-
-# %% [markdown]
-# **The link model.** What moves between GPUs takes bytes ÷ bandwidth, with one bandwidth inside a node and another
-# between nodes, stated and overridable: NVLink 200 GB/s per GPU and direction for NCCL's all-to-all and collectives
-# inside an H100/H200 node (nominal 450 GB/s; NCCL reaches well under it), 40 GB/s between nodes (400 Gb/s
-# InfiniBand per GPU). Ranks are laid out with ep innermost, then cp, dp, dp_replicate and pp (engine/30), so a
-# group spans nodes when its ranks' stride times its size exceeds the node.
-#
-# - **Expert parallelism**: per MoE layer and micro-batch, dispatch sends each token's row once to each of the
-#   other ranks holding one of its experts, combine returns as many, and backward does both again; exposed in the
-#   plain loop and in an F or B that runs alone, hidden beside the other task of an F&B.
-# - **FSDP**: the all-gathers run ahead of compute (FSDP2 prefetches) and count as hidden; `reduce_gradients`
-#   reduce-scatters every unit's fp32 gradient after the last backward, exposed; HSDP then all-reduces the shards
-#   across replicas. A wrapped unit also costs copies on its own GPU, at the GPU's copy bandwidth (4.3 TB/s read
-#   plus written on the H200, DESIGN.md): each gather writes the weights in the compute dtype (an experts unit is
-#   gathered in every backward and in the first forward), each backward adds the unit's gradient into its fp32
-#   accumulator. The optimizer's time scales with the bytes of its dtype against the profile's.
-# - **Pipeline transfers** of activations between ranks are small beside these (0.4% of a two-GPU step,
-#   benchmarks/RESULTS.md) and are left out.
-
-# %%
-#| export
-@dataclass(frozen=True)
-class Link:
-    """Bandwidths (bytes/s per GPU and direction) inside a node and between nodes; GPUs per node; and the GPU's own
-    copy bandwidth (bytes read plus written) for FSDP's casts."""
-    node: float = 200e9
-    network: float = 40e9
-    gpus_per_node: int = 8
-    copy: float = 4.3e12
-
-    def bandwidth(self, stride: int, size: int) -> float:
-        "The bandwidth of a group of `size` ranks `stride` apart."
-        return self.node if stride * size <= self.gpus_per_node else self.network
-
-
-@dataclass
-class StepTime:
-    "A predicted step: its time (s), tokens/s for all ranks, and where the time goes (s)."
-    seconds: float
-    tokens_per_s: float
-    parts: dict
-
-
-def step_time(c, w: Workload, profile: Profile, units: list[Unit] | None = None, link: Link = Link(),
-              layer_keys: list[str] | None = None) -> StepTime:
-    """The predicted time of one step of `w` for model config `c`, from `profile` (measured at another micro-batch
-    is fine) and `link`; `units`: pipeline rank 0's FSDP units (`rank_units`), for the optimizer and the
-    reductions."""
-    prof = profile.scaled(w.tokens)
-    L = c.num_hidden_layers
-    keys = layer_keys or [str(i) for i in range(L)]
-    b, T, H = w.compute_bytes, w.tokens, c.hidden_size
-    kind = {key: layer_kind(c, int(key)) for key in keys}
-    def t(key, x):   # seconds; a recomputed stage's forward runs again in its backward
-        ms = prof.layers[kind[key]]
-        if x == "B" and w.recompute != "none":
-            return (ms["B"] + ms["F"] - (ms.get("F3", 0.0) if w.recompute == "attention" else 0.0)) / 1e3
-        return ms[x] / 1e3
-    comm = {}
-    for key in keys:   # seconds of one exchange (dispatch or combine) of one micro-batch
-        if is_moe(c, int(key)) and w.ep > 1:
-            E, k, _ = _moe_shape(c)
-            d = w.ep if w.sync_free else ranks_per_token(E, k, w.ep)
-            comm[key] = T * H * b * d * (w.ep - 1) / w.ep / link.bandwidth(1, w.ep)
-        else:
-            comm[key] = 0.0
-    ends_f = (prof.head["F"] + prof.embed["F"]) / 1e3
-    ends_b = (prof.head["B"] + prof.embed["B"]) / 1e3
-    if not w.pipelined:
-        per_micro = sum(t(k, "F") + t(k, "B") + t(k, "W") + 4 * comm[k] for k in keys) + ends_f + ends_b
-        compute, exposed_ep = w.micro_batches * per_micro, w.micro_batches * 4 * sum(comm.values())
-    else:
-        stages = stage_layers(L, w.pp, list(w.stage_layers) or None)
-        last = 2 * w.pp - 1
-        stage_of = lambda r, p: r if p == 0 else last - r
-
-        sums = {}   # (stage, "F" | "B" | "W" | "comm") -> seconds of one micro-batch
-        for s, layers in enumerate(stages):
-            for what in ("F", "B", "W"):
-                sums[s, what] = sum(t(keys[i], what) for i in layers)
-            sums[s, "comm"] = 2 * sum(comm[keys[i]] for i in layers)
-            for what in ("F", "B"):   # the embedding on the first stage, the head and the loss on the last
-                sums[s, what] += (prof.embed[what] if s == 0 else 0) / 1e3 + (prof.head[what] if s == last else 0) / 1e3
-        work = lambda r, p, what: sums[stage_of(r, p), what]
-        ex = lambda r, p: sums[stage_of(r, p), "comm"]
-        exposed = {"ep": 0.0}
-
-        def duration(action, r):
-            match action:
-                case ("F", p, m):
-                    exposed["ep"] += ex(r, p)
-                    return work(r, p, "F") + ex(r, p)
-                case ("B", p, m, zb):
-                    exposed["ep"] += ex(r, p)
-                    return work(r, p, "B") + (0 if zb else work(r, p, "W")) + ex(r, p)
-                case ("FB", (pf, _), (pb, _)):
-                    compute = work(r, pf, "F") + work(r, pb, "B") + work(r, pb, "W")
-                    hidden = max(ex(r, pf) + ex(r, pb) - compute, 0.0)
-                    exposed["ep"] += hidden
-                    return compute + hidden
-                case ("W", p, m):
-                    return work(r, p, "W")
-
-        events = simulate(w.pp, w.micro_batches, duration)
-        compute = max(e[3] for ev in events for e in ev) - min(e[2] for ev in events for e in ev)
-        exposed_ep = exposed["ep"] / w.pp
-    parts = {"compute and exposed all-to-alls": compute, "of which all-to-alls": exposed_ep}
-    if units is not None:
-        local = sum(u.shard for u in units)
-        parts["optimizer"] = profile.adamw_ms_per_billion * local / 1e9 / 1e3 * w.param_bytes / profile.param_bytes
-        moved = 0.0   # a wrapped unit's casts: each gather reads the shard and writes the compute dtype, each
-        for u in units:   # backward adds its gradient into the fp32 accumulator
-            if u.wrapped:
-                gathers = w.micro_batches + 1 if u.experts else 1
-                moved += u.numel * (gathers * (w.param_bytes / u.shards + w.compute_bytes)
-                                    + w.micro_batches * (w.compute_bytes + 2 * max(4, w.compute_bytes)))
-        parts["FSDP casts"] = moved / link.copy
-        dense = [u for u in units if u.wrapped and u.shards > 1]
-        parts["gradient reduce-scatter"] = sum(
-            u.numel * max(4, b) * (u.shards - 1) / u.shards
-            / link.bandwidth(1 if not u.experts else w.ep, u.shards) for u in dense)
-        if w.dp_replicate > 1:
-            parts["replica all-reduce"] = sum(2 * u.shard * max(4, b) * (w.dp_replicate - 1) / w.dp_replicate
-                                              for u in units) / link.bandwidth(w.dp * w.cp * w.ep, w.dp_replicate)
-    seconds = sum(v for k, v in parts.items() if not k.startswith("of which"))
-    tokens = w.micro_batch * w.seq_len * w.micro_batches * w.dp_replicate * w.dp * w.ep
-    return StepTime(seconds, tokens / seconds, parts)
-
-
-# %% [markdown]
-# ## Cutting the pipeline from measured times
-#
-# At pp > 1 rank 0 holds the first and the last stage, the embedding, the final norm and the head, so layers cut
-# evenly leave the other ranks waiting for it (benchmarks/RESULTS.md: 3-4-3-2 beat 3-3-3-3 on the Qwen3 bench).
-# `choose_stage_layers` starts from the even cut and moves one layer at a time to a neighbouring stage while the
-# busiest rank's work on a micro-batch (its two stages, with the embedding or the head) gets smaller; from the better
-# of that cut and the even one it makes up to three more such moves judged by the simulated step (the profile's times
-# through `simulate`, with at most 4·pp micro-batches: more only repeat the steady state). `parallel.pp_stage_layers = "auto"` runs
-# it at start-up on a profile measured there (train/45).
-
-# %%
-#| export
-def choose_stage_layers(c, w: Workload, profile: Profile) -> list[int]:
-    "The layers of each of the 2·pp stages that the profile's times say make the shortest step."
-    L, P = c.num_hidden_layers, w.pp
-    n, prof = 2 * P, profile.scaled(w.tokens)
-    per = [sum(prof.layers[layer_kind(c, i)][x] for x in ("F", "B", "W")) for i in range(L)]
-    ends = {0: prof.embed["F"] + prof.embed["B"], n - 1: prof.head["F"] + prof.head["B"]}
-
-    def load(sizes):   # the busiest rank's work on one micro-batch (rank r runs stages r and n-1-r)
-        starts = [sum(sizes[:s]) for s in range(n)]
-        stage = [sum(per[a:a + k]) + ends.get(s, 0.0) for s, (a, k) in enumerate(zip(starts, sizes))]
-        return max(stage[r] + stage[n - 1 - r] for r in range(P)), stage
-
-    sizes = [len(s) for s in stage_layers(L, P)]
-    best = load(sizes)
-    while True:   # move one layer to a neighbouring stage while the busiest rank gets less work
-        moves = [(load(cand), cand) for cand in _neighbours(sizes)]
-        if not moves or min(moves)[0] >= best:
-            break
-        best, sizes = min(moves)
-    short = replace(w, pipelined=True, micro_batches=min(w.micro_batches, 4 * P))   # the steady state repeats
-    cost = lambda s: step_time(c, replace(short, stage_layers=tuple(s)), profile).seconds
-    even = [len(s) for s in stage_layers(L, P)]
-    best, sizes = min((cost(even), even), (cost(sizes), sizes))
-    for _ in range(3):   # then a few moves judged by the simulated step itself
-        moves = [(cost(cand), cand) for cand in _neighbours(sizes)]
-        if not moves or min(moves)[0] >= best:
-            break
-        best, sizes = min(moves)
-    return sizes
-
-
-def _neighbours(sizes: list[int]) -> list[list[int]]:
-    "The cuts one layer away from `sizes` (a layer to a neighbouring stage; middle stages keep one)."
-    n, out = len(sizes), []
-    for s in range(n):
-        for t in (s - 1, s + 1):
-            if 0 <= t < n and sizes[s] > (0 if s in (0, n - 1) else 1):
-                cand = list(sizes)
-                cand[s], cand[t] = cand[s] - 1, cand[t] + 1
-                out.append(cand)
-    return out
-
-
-# %% [markdown]
 # ## The estimate of a layout
 #
 # `estimate` puts the parts together for every pipeline rank (the ranks of one pipeline stage hold the same shares
 # of the model, whatever their dp, cp or ep coordinates, since experts divide evenly) and `fits` says whether the
-# largest peak, with the allocator's slack (10%) and the CUDA context (1 GiB), stays under a GPU's memory.
+# largest peak, with the allocator's slack (10%) and the CUDA context (1 GiB), stays under a GPU's memory. It keeps
+# each rank's units, from which engine/38 times the optimizer step and FSDP's collectives.
 
 # %%
 #| export
@@ -1123,10 +781,10 @@ SLACK, CONTEXT = 0.10, 1 * GiB   # the allocator's reserve above allocated (1-13
 
 @dataclass
 class Estimate:
-    "Predicted peaks of every pipeline rank, the largest, and the step time when a profile was given."
+    "Predicted peaks of every pipeline rank and the largest; `units`: every pipeline rank's FSDP units."
     workload: Workload
     peaks: list[Peak]
-    time: StepTime | None = None
+    units: list[list[Unit]]
 
     @property
     def peak(self) -> Peak:
@@ -1145,8 +803,7 @@ class Estimate:
         return f"peak {p.gib():.1f} GiB per GPU ({top}; at the {p.where})"
 
 
-def estimate(c, make_model, w: Workload, states=lambda name, p: 2, profile: Profile | None = None,
-             link: Link = Link(), cache: dict | None = None) -> Estimate:
+def estimate(c, make_model, w: Workload, states=lambda name, p: 2, cache: dict | None = None) -> Estimate:
     """The estimate of `w` for model config `c`; `make_model()` builds the whole model on the meta device (one per
     pipeline rank is consumed). `states(name, param)`: optimizer states per parameter element. `cache`: a dict that
     keeps each rank's units between estimates of layouts that share them."""
@@ -1160,9 +817,7 @@ def estimate(c, make_model, w: Workload, states=lambda name, p: 2, profile: Prof
         if key not in cache:
             cache[key] = rank_units(make_model(), w, r, states)
         units.append(cache[key])
-    peaks = [rank_peak(c, u, w, r) for r, u in enumerate(units)]
-    time_ = step_time(c, w, profile, units[0], link) if profile is not None else None
-    return Estimate(w, peaks, time_)
+    return Estimate(w, [rank_peak(c, u, w, r) for r, u in enumerate(units)], units)
 
 # %% [markdown]
 # ## Examples
@@ -1206,18 +861,3 @@ for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
     print(f"{'FP8 ' if fp8 else 'bf16'}, {m} micro-batch(es): predicted {want:6.2f} GiB, measured {got:6.2f} "
           f"({want / got - 1:+.1%})")
     assert abs(want / got - 1) < 0.01, (fp8, m, want, got)
-
-# %% [markdown]
-# And the pipeline cut: with a head that costs as much as three layers (a made-up profile), `choose_stage_layers`
-# takes layers off rank 0's two stages, and the simulated step gets shorter than with the even cut.
-
-# %%
-c = config_model("bench-qwen3-30b-a3b")
-prof = Profile(4096, "made up", False, {"moe full": {"F": 1.0, "B": 1.4, "W": 0.6}}, {"F": 3.0, "B": 1.0},
-               {"F": 0.1, "B": 0.1}, 10.0)
-w = Workload(pp=2, micro_batch=1, micro_batches=8, pipelined=True)
-cut = choose_stage_layers(c, w, prof)
-even = step_time(c, w, prof).seconds
-best = step_time(c, replace(w, stage_layers=tuple(cut)), prof).seconds
-print(f"stages {cut}: {best * 1e3:.1f} ms against {even * 1e3:.1f} ms for the even cut")
-assert cut[0] + cut[-1] < 6 and best < even

@@ -54,8 +54,9 @@ from pith_lit.engine.dualpipev import DualPipeV, split_model
 from pith_lit.engine.ep import EPDispatcher, SyncFreeEPDispatcher, is_expert_param, shard_experts
 from pith_lit.engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model, whole
 from pith_lit.engine.mesh import Mesh, build_mesh, init_distributed, launch_env
-from pith_lit.engine.planner import GiB, Estimate, choose_stage_layers, estimate, profile_layers
+from pith_lit.engine.planner import GiB, Estimate, estimate
 from pith_lit.engine.stages import recompute_layers
+from pith_lit.engine.steptime import choose_stage_layers, profile_layers
 from pith_lit.models.protocol import LocalDispatcher, head_loss, run_layers
 from pith_lit.ops.attention import doc_positions
 from pith_lit.ops.fp8 import clear_fp8, set_fp8
@@ -185,10 +186,10 @@ class NonFiniteLoss(UserError, RuntimeError):
 # %% [markdown]
 # ## Before anything is allocated: the pipeline cut and the memory
 #
-# Two decisions use the planner of engine/37 before the model is built. With `parallel.pp_stage_layers = "auto"`,
-# the first rank times one layer of each kind, the embedding and the head on its device (eager, one micro-batch;
-# `profile_layers`) and every rank takes the cut whose simulated step is shortest (`choose_stage_layers`); the
-# run's `config.toml` then records the cut. On GPUs, the layout's predicted peak memory per GPU, with the
+# Two decisions use the planner of engine/37 and 38 before the model is built. With `parallel.pp_stage_layers =
+# "auto"`, the first rank times one layer of each kind, the embedding, the head and the optimizer on its device (eager,
+# one micro-batch; engine/38 `profile_layers`) and every rank takes the cut whose simulated step is shortest
+# (`choose_stage_layers`); the run's `config.toml` then records the cut. On GPUs, the layout's predicted peak memory per GPU, with the
 # allocator's slack and the CUDA context, must fit the GPU: a layout predicted not to fit is refused with the
 # first change of recomputation, micro-batch or optimizer dtype that is predicted to fit (`run.memory_check =
 # false` tries it anyway). The opening line of the log shows the prediction, and every step's log line the
@@ -204,13 +205,20 @@ def _meta_model(cfg: Config):
     return make
 
 
+def optimizer_for(cfg: Config):
+    "The run's optimizer over a module's parameters, as a function of the module (train/43 `build_optimizer`)."
+    t = cfg.train
+    return lambda module: build_optimizer(module, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
+                                          eps=t.eps, kind=t.optimizer, momentum=t.muon_momentum)
+
+
 def cut_pipeline(cfg: Config, device: torch.device) -> list[int]:
     "`parallel.pp_stage_layers = \"auto\"`: the cut the first rank's measured times say is fastest, on every rank."
     cut = [None]
     if dist.get_rank() == 0:
         w = cfg.workload()
         profile = profile_layers(_meta_model(cfg)(), dataclasses.replace(w, compile=False), device,
-                                 LocalDispatcher(cfg.model.routed_experts))
+                                 LocalDispatcher(cfg.model.routed_experts), optimizer_for(cfg), cfg.train.fp8_scaling)
         cut = [choose_stage_layers(cfg.model, w, profile)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(cut, src=0)
@@ -388,8 +396,7 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     memory = check_memory(cfg, device)
     model, parts, sizes = _place_model(cfg, mesh, device)
     t = cfg.train
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), eps=t.eps,
-                                kind=t.optimizer, momentum=t.muon_momentum)
+    optimizer = optimizer_for(cfg)(model)
     data, val = build_dataset(cfg.data.corpus, cfg.data.tokenizer, cfg.cache_dir, t.seq_len,
                               cfg.run.seed, mesh.batch.rank(), mesh.batch.size(), cfg.model.vocab_size,
                               cfg.data.val_frac)

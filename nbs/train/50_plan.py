@@ -22,7 +22,7 @@
 # ```
 #
 # Without `--gpus` it estimates the config's own layout, rank by rank. `--measure FILE` times one layer of each
-# kind, the head and the optimizer on this machine's GPU at the config's micro-batch (engine/37 `profile_layers`)
+# kind, the head and the optimizer on this machine's GPU at the config's micro-batch (engine/38 `profile_layers`)
 # and writes them to FILE; `--profile FILE` reads such a file (the sequence length should be the config's). With a
 # profile, pipelined layouts get the cut `choose_stage_layers` picks. The link model's bandwidths are flags.
 # `--check` prints the config's own estimate as one JSON line (benchmarks/plan_measure.sh compares it with a run).
@@ -42,11 +42,12 @@ from dataclasses import asdict
 
 import torch
 
-from pith_lit.engine.planner import GiB, Estimate, Link, Profile, choose_stage_layers, estimate
+from pith_lit.engine.planner import GiB, Estimate, estimate
+from pith_lit.engine.steptime import Link, Profile, StepTime, choose_stage_layers, profile_layers, step_time
 from pith_lit.train.config import (Config, ConfigError, UserError, from_dict, read_toml, run_command, to_dict,
                                    validate)
 from pith_lit.train.optim import optimizer_states
-from pith_lit.train.trainer import PEAK_FLOPS, _meta_model
+from pith_lit.train.trainer import PEAK_FLOPS, _meta_model, optimizer_for
 
 # %% [markdown]
 # ## The layouts of N GPUs
@@ -87,13 +88,14 @@ def layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, micro_batches=(1, 2,
 # %% [markdown]
 # ## One layout's prediction
 #
-# `predict` estimates one config: memory always, time when a profile is given (then a pipelined layout first gets
-# its cut). `cache` keeps what does not depend on the batch (each pipeline rank's FSDP units) between layouts.
+# `predict` estimates one config: memory always (engine/37), time when a profile is given (engine/38; then a
+# pipelined layout first gets its cut). `cache` keeps what does not depend on the batch (each pipeline rank's FSDP units) between layouts.
 
 # %%
 #| export
-def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(), cache: dict | None = None) -> Estimate:
-    "The planner's estimate of `cfg`'s layout (engine/37), with its step time when `profile` is given."
+def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(),
+            cache: dict | None = None) -> tuple[Estimate, StepTime | None]:
+    "The planner's estimate of `cfg`'s layout (engine/37), and its step time when `profile` is given (engine/38)."
     cache = {} if cache is None else cache
     if profile is not None and cfg.parallel.pp > 1 and not cfg.parallel.pp_stage_layers:
         w = cfg.workload()
@@ -101,8 +103,9 @@ def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(), ca
         if key not in cache:
             cache[key] = choose_stage_layers(cfg.model, w, profile)
         cfg = validate(from_dict(to_dict(cfg), [f"parallel.pp_stage_layers={cache[key]}"]))
-    return estimate(cfg.model, _meta_model(cfg), cfg.workload(), optimizer_states(cfg.train.optimizer), profile,
-                    link, cache)
+    w = cfg.workload()
+    e = estimate(cfg.model, _meta_model(cfg), w, optimizer_states(cfg.train.optimizer), cache)
+    return e, (step_time(cfg.model, w, profile, e.units[0], link) if profile is not None else None)
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -110,7 +113,7 @@ def flops_per_token(cfg: Config) -> float:
     return _meta_model(cfg)().flops_per_token(cfg.train.seq_len)
 
 
-def row(cfg: Config, e: Estimate, gpu: float, flops: float, peak_flops: float) -> dict:
+def row(cfg: Config, e: Estimate, time: StepTime | None, gpu: float, flops: float, peak_flops: float) -> dict:
     "One line of the table: the layout, the predicted peak and what it needs, the step time and MFU if known."
     p, t = cfg.parallel, cfg.train
     out = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp": p.dp, "cp": p.cp, "ep": p.ep, "overlap": p.overlap,
@@ -118,10 +121,10 @@ def row(cfg: Config, e: Estimate, gpu: float, flops: float, peak_flops: float) -
            "stages": list(e.workload.stage_layers) or "even",
            "peak_gib": round(e.peak.gib(), 2), "needs_gib": round(e.needs() / GiB, 1), "fits": e.fits(gpu),
            "where": e.peak.where, "parts_gib": {k: round(v / GiB, 2) for k, v in e.peak.parts.items()}}
-    if e.time is not None:
-        out.update(tokens_per_s=round(e.time.tokens_per_s), step_s=round(e.time.seconds, 4),
-                   mfu=round(e.time.tokens_per_s * flops / (peak_flops * cfg.world_size), 4),
-                   time_parts_s={k: round(v, 4) for k, v in e.time.parts.items()})
+    if time is not None:
+        out.update(tokens_per_s=round(time.tokens_per_s), step_s=round(time.seconds, 4),
+                   mfu=round(time.tokens_per_s * flops / (peak_flops * cfg.world_size), 4),
+                   time_parts_s={k: round(v, 4) for k, v in time.parts.items()})
     return out
 
 # %% [markdown]
@@ -137,8 +140,8 @@ tiny = load_config(overrides=["run.device=cpu", "train.global_batch=16"])
 found = list(layouts(tiny, 4))
 print(len(found), "layouts of 4 GPUs; for example", [c.layout for c in found[:3]])
 cache = {}
-estimates = [predict(c, cache=cache) for c in found]
-rows = [row(c, e, 4 * GiB, 1.0, 1.0) for c, e in zip(found, estimates)]
+estimates = [predict(c, cache=cache)[0] for c in found]
+rows = [row(c, e, None, 4 * GiB, 1.0, 1.0) for c, e in zip(found, estimates)]
 assert rows and all(r["fits"] for r in rows) and all(c.world_size == 4 for c in found)
 by = {(r["pp"], r["dp"], r["ep"], r["overlap"], r["micro_batch"], r["recompute"]): e.peak.total
       for r, e in zip(rows, estimates)}
@@ -146,6 +149,40 @@ for (pp, dp, ep, ov, mb, rec), peak in by.items():
     assert rec != "none" or by.get((pp, dp, ep, ov, mb, "layer"), 0) <= peak
 best = min(rows, key=lambda r: r["peak_gib"])
 print({k: best[k] for k in ("pp", "dp", "ep", "micro_batch", "recompute", "peak_gib")})
+
+# %% [markdown]
+# The optimizer in the step time, on the CPU: the tiny default profiled with AdamW and with Muon (train/43, whose
+# Newton–Schulz iterations run on each stacked expert tensor). Muon's step over a layer's experts takes longer than
+# AdamW's, and, with the layers' times of one profile, the step with Muon is longer than the step with AdamW by the
+# difference of the two optimizers' measured times over every part of the model (added by hand here: on one rank
+# every part steps whole).
+
+# %%
+from dataclasses import replace
+
+from pith_lit.engine.steptime import layer_kind
+from pith_lit.models.protocol import LocalDispatcher
+
+runs, profiles = {}, {}
+for kind in ("adamw", "muon"):
+    runs[kind] = load_config(overrides=["run.device=cpu", "train.seq_len=32", "train.micro_batch=2",
+                                        f"train.optimizer={kind}"])
+    profiles[kind] = profile_layers(_meta_model(runs[kind])(), runs[kind].workload(), "cpu",
+                                    LocalDispatcher(runs[kind].model.routed_experts), optimizer_for(runs[kind]),
+                                    runs[kind].train.fp8_scaling, reps=5)
+a, m = profiles["adamw"].optimizer_ms, profiles["muon"].optimizer_ms
+print("optimizer ms, AdamW:", {k: round(v, 3) for k, v in a.items()}, "Muon:", {k: round(v, 3) for k, v in m.items()})
+assert m["moe full experts"] > a["moe full experts"]
+same_layers = replace(profiles["adamw"], optimizer="muon", optimizer_ms=m)
+times = {kind: step_time(runs[kind].model, runs[kind].workload(), prof, predict(runs[kind])[0].units[0])
+         for kind, prof in (("adamw", profiles["adamw"]), ("muon", same_layers))}
+c = runs["adamw"].model
+parts = ["root"] + [layer_kind(c, i) + x for i in range(c.num_hidden_layers) for x in ("", " experts")
+                    if x == "" or c.is_moe_layer(i)]
+by_hand = sum(m[p] - a[p] for p in parts) / 1e3
+print(f"step with Muon {times['muon'].seconds * 1e3:.2f} ms, with AdamW {times['adamw'].seconds * 1e3:.2f} ms, "
+      f"optimizers' difference {by_hand * 1e3:.2f} ms")
+assert by_hand > 0 and abs(times["muon"].seconds - times["adamw"].seconds - by_hand) < 1e-9
 
 # %% [markdown]
 # ## The command line
@@ -167,7 +204,7 @@ def _table(rows: list[dict], timed: bool) -> str:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pith_lit.plan",
-                                 description="Predict per-GPU peak memory and step time of layouts (engine/37).")
+                                 description="Predict per-GPU peak memory and step time of layouts (engine/37, 38).")
     ap.add_argument("config", help="TOML run config")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
     ap.add_argument("--gpus", type=int, help="list the layouts of this many GPUs (default: the config's own layout)")
@@ -193,12 +230,12 @@ def _gpu_memory(args) -> float:
 
 def _profile(args, cfg: Config) -> Profile | None:
     if args.measure:
-        from pith_lit.engine.planner import profile_layers
         from pith_lit.models.protocol import LocalDispatcher
         if not torch.cuda.is_available():
             raise UserError("--measure times the layers on a GPU, and torch sees none here; measure on the GPU "
                             "machine, then pass the file with --profile")
-        prof = profile_layers(_meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts))
+        prof = profile_layers(_meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts),
+                              optimizer_for(cfg), cfg.train.fp8_scaling)
         with open(args.measure, "w") as fh:
             json.dump(asdict(prof), fh, indent=1)
         print(f"wrote {args.measure}")
@@ -206,9 +243,14 @@ def _profile(args, cfg: Config) -> Profile | None:
     if args.profile:
         try:
             with open(args.profile) as fh:
-                return Profile(**json.load(fh))
+                prof = Profile(**json.load(fh))
         except (OSError, ValueError, TypeError) as e:
             raise UserError(f"--profile {args.profile}: not a profile written by --measure ({e})") from None
+        if (prof.optimizer, prof.fp8) != (cfg.train.optimizer, cfg.train.fp8):
+            raise UserError(f"--profile {args.profile} timed train.optimizer = {prof.optimizer} with train.fp8 = "
+                            f"{str(prof.fp8).lower()}; this run has {cfg.train.optimizer} and "
+                            f"{str(cfg.train.fp8).lower()}: measure its profile with --measure")
+        return prof
     return None
 
 
@@ -222,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         flops = flops_per_token(cfg)
         peak = PEAK_FLOPS["H200"]
         if args.check or not args.gpus:
-            e = predict(cfg, prof, link)
-            r = row(cfg, e, gpu, flops, peak)
+            e, t = predict(cfg, prof, link)
+            r = row(cfg, e, t, gpu, flops, peak)
             if args.check:
                 print(json.dumps(r))
                 return
@@ -232,16 +274,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'fits' if e.fits(gpu) else 'does not fit'}")
             for rank, p in enumerate(e.peaks):
                 print(f"  pipeline rank {rank}: {p.gib():.1f} GiB at the {p.where}")
-            if e.time is not None:
-                print(f"  predicted step {e.time.seconds:.3f} s, {e.time.tokens_per_s:,.0f} tokens/s, MFU "
-                      f"{r['mfu']:.1%} ({', '.join(f'{k} {v:.3f} s' for k, v in e.time.parts.items())})")
+            if t is not None:
+                print(f"  predicted step {t.seconds:.3f} s, {t.tokens_per_s:,.0f} tokens/s, MFU "
+                      f"{r['mfu']:.1%} ({', '.join(f'{k} {v:.3f} s' for k, v in t.parts.items())})")
             return
         cache, rows, fitted = {}, [], set()
         for c in layouts(cfg, args.gpus, args.gpus_per_node):
             key = (tuple(c.layout.values()), c.parallel.overlap, c.train.micro_batch)
             if c.train.recompute != "none" and key in fitted:
                 continue   # recomputation costs time: only where the layout does not fit without it
-            rows.append(row(c, predict(c, prof, link, cache), gpu, flops, peak))
+            rows.append(row(c, *predict(c, prof, link, cache), gpu, flops, peak))
             if rows[-1]["fits"]:
                 fitted.add(key)
         fit = [r for r in rows if r["fits"]]
