@@ -274,7 +274,7 @@ print("rank 1 of 2, 4 micro-batches:\n ", "\n  ".join(map(str, acts)))
 
 # %%
 #| export
-def _kind(action) -> tuple[str, object]:
+def action_kind(action) -> tuple[str, object]:
     "The timeline label of a compute action: (kind, micro)."
     match action:
         case ("F", p, m):
@@ -311,10 +311,9 @@ def _inputs_arrive(r: int, P: int, actions: list[tuple]) -> None:
                     have.add(("b", 0, task[1]))
 
 
-def simulate(P: int, M: int, duration: Callable[[tuple, int], float]) -> list[list[tuple]]:
-    """Every rank's timeline `[(kind, micro, start, end)]` under `duration(action, rank)`; raises on a mismatch or
-    deadlock."""
-    batches = []   # per rank: [(transfers, compute action or None)]
+def _rank_batches(P: int, M: int) -> list[list[tuple]]:
+    "Per rank: `[(transfers, compute action or None)]`, each compute action after the transfers that precede it."
+    batches = []
     for r in range(P):
         actions = dualpipev_schedule(r, P, M)
         _inputs_arrive(r, P, actions)
@@ -326,7 +325,11 @@ def simulate(P: int, M: int, duration: Callable[[tuple, int], float]) -> list[li
                 rank_batches.append((pending, a))
                 pending = []
         batches.append(rank_batches + [(pending, None)])
-    # pair sends and receives between each pair of neighbours, in order
+    return batches
+
+
+def _partners(P: int, M: int, batches) -> dict:
+    "`(rank, batch) -> [(peer, batch)]`: each send paired with its receive, in order, between each pair of neighbours."
     sent, received = {}, {}
     for r in range(P):
         for k, (transfers, _) in enumerate(batches[r]):
@@ -344,7 +347,14 @@ def simulate(P: int, M: int, duration: Callable[[tuple, int], float]) -> list[li
         for (_, a), (_, b) in zip(s, rcv):
             partners.setdefault(a, []).append(b)
             partners.setdefault(b, []).append(a)
-    # advance every rank as far as its transfers allow
+    return partners
+
+
+def simulate(P: int, M: int, duration: Callable[[tuple, int], float]) -> list[list[tuple]]:
+    """Every rank's timeline `[(kind, micro, start, end)]` under `duration(action, rank)`; raises on a mismatch or
+    deadlock. Each rank advances as far as its transfers allow."""
+    batches = _rank_batches(P, M)
+    partners = _partners(P, M, batches)
     posted = [[0.0] + [None] * len(b) for b in batches]   # posted[r][k]: when rank r reaches its batch k
     events, at, done = [[] for _ in range(P)], [0] * P, set()
     while any(at[r] < len(batches[r]) for r in range(P)):
@@ -357,7 +367,7 @@ def simulate(P: int, M: int, duration: Callable[[tuple, int], float]) -> list[li
             action = batches[r][k][1]
             end = start if action is None else start + duration(action, r)
             if action is not None:
-                events[r].append((*_kind(action), start, end))
+                events[r].append((*action_kind(action), start, end))
                 if action[0] == "B" and action[3]:
                     done.add((r, action[1], action[2]))
                 if action[0] == "W":
@@ -609,7 +619,7 @@ class DualPipeV:
 
     def _run(self, action: tuple) -> None:
         "One compute action, timed: its forwards and backwards as steps (an F&B's interleaved), then due W."
-        with self.timeline.span(*_kind(action)):
+        with self.timeline.span(*action_kind(action)):
             match action:
                 case ("W", p, m):
                     self.wgrads.pop((p, m)).drain()

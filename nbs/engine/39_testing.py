@@ -611,7 +611,7 @@ print("\n".join(sorted(l for l in torchrun(2, "pipeline", "--micro", "4", "6", "
 # the two timelines.)
 
 # %%
-from pith_lit.engine.dualpipev import COMPUTE_ACTIONS, _kind, bubble_fraction, dualpipev_schedule, simulate
+from pith_lit.engine.dualpipev import COMPUTE_ACTIONS, action_kind, bubble_fraction, dualpipev_schedule, simulate
 
 # %%
 run = json.loads(out.read_text())
@@ -624,7 +624,7 @@ def median_durations(events):
     for r, ev in enumerate(events):
         actions = [a for a in dualpipev_schedule(r, P, M) if a[0] in COMPUTE_ACTIONS]
         spans = [e for e in ev if e[0] != "comm"]
-        assert [_kind(a)[0] for a in actions] == [e[0] for e in spans]
+        assert [action_kind(a)[0] for a in actions] == [e[0] for e in spans]
         for a, e in zip(actions, spans):
             by.setdefault(("B", a[3]) if a[0] == "B" else (a[0],), []).append(e[3] - e[2])
     med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}

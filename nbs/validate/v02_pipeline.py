@@ -42,7 +42,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
-from pith_lit.engine.dualpipev import COMPUTE_ACTIONS, _kind, bubble_fraction, dualpipev_schedule, simulate
+from pith_lit.engine.dualpipev import COMPUTE_ACTIONS, action_kind, bubble_fraction, dualpipev_schedule, simulate
 
 matplotlib.use("Agg")
 out = Path(out_dir)
@@ -110,7 +110,7 @@ if timeline_file.exists():
     for r, ev in enumerate(measured):
         actions = [a for a in dualpipev_schedule(r, P, M) if a[0] in COMPUTE_ACTIONS]
         spans = [e for e in ev if e[0] != "comm"]
-        if [_kind(a) for a in actions] != [(e[0], tuple(e[1]) if isinstance(e[1], list) else e[1]) for e in spans]:
+        if [action_kind(a) for a in actions] != [(e[0], tuple(e[1]) if isinstance(e[1], list) else e[1]) for e in spans]:
             failures.append(f"rank {r}: the recorded actions are not the schedule's")
         for a, e in zip(actions, spans):
             durations.setdefault(("B", a[3]) if a[0] == "B" else a[0], []).append(e[3] - e[2])
