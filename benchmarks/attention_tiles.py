@@ -1,5 +1,5 @@
-"""The tile sweep behind ops/14_attention's CUDA_CONFIGS (benchmarks/RESULTS.md, "Attention kernel" and "Attention
-backward"): for the GPT-OSS shapes (head dim 64, window 128 and full causal, sinks), the Qwen3 shape (head dim 128,
+"""The tile sweep behind ops/14_attention's CUDA_CONFIGS (benchmarks/RESULTS.md, "Attention backward: its tiles,
+TMA, and dq from a stored dS"): for the GPT-OSS shapes (head dim 64, window 128 and full causal, sinks), the Qwen3 shape (head dim 128,
 causal) and DeepSeek's MLA shape (192/128, causal), each
 kernel's candidate tiles in turn, the others at the table's entries; forward times for the forward kernel,
 forward+backward for the backward kernels. Run on a GPU from the repository root:
