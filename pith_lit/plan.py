@@ -14,7 +14,7 @@ from .engine.planner import GiB, Estimate, Link, Profile, choose_stage_layers, e
 from .train.config import (Config, ConfigError, UserError, from_dict, read_toml, run_command, to_dict,
                                    validate)
 from .train.optim import optimizer_states
-from .train.trainer import PEAK_FLOPS, _meta_model
+from .train.trainer import PEAK_FLOPS, meta_model
 
 # %% ../nbs/train/50_plan.ipynb #6f724b56
 def _divisors(n: int) -> list[int]:
@@ -54,13 +54,13 @@ def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(), ca
         if key not in cache:
             cache[key] = choose_stage_layers(cfg.model, w, profile)
         cfg = validate(from_dict(to_dict(cfg), [f"parallel.pp_stage_layers={cache[key]}"]))
-    return estimate(cfg.model, _meta_model(cfg), cfg.workload(), optimizer_states(cfg.train.optimizer), profile,
+    return estimate(cfg.model, meta_model(cfg), cfg.workload(), optimizer_states(cfg.train.optimizer), profile,
                     link, cache)
 
 
 def flops_per_token(cfg: Config) -> float:
     "The model's training FLOPs per token at the config's sequence length (models' `flops_per_token`)."
-    return _meta_model(cfg)().flops_per_token(cfg.train.seq_len)
+    return meta_model(cfg)().flops_per_token(cfg.train.seq_len)
 
 
 def row(cfg: Config, e: Estimate, gpu: float, flops: float, peak_flops: float) -> dict:
@@ -124,7 +124,7 @@ def _profile(args, cfg: Config) -> Profile | None:
         if not torch.cuda.is_available():
             raise UserError("--measure times the layers on a GPU, and torch sees none here; measure on the GPU "
                             "machine, then pass the file with --profile")
-        prof = profile_layers(_meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts))
+        prof = profile_layers(meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts))
         with open(args.measure, "w") as fh:
             json.dump(asdict(prof), fh, indent=1)
         print(f"wrote {args.measure}")
