@@ -29,9 +29,10 @@
 #    (`mlp.experts.gate_up_proj` (E, 2I, H) and `mlp.experts.down_proj` (E, H, I)), as we do, but the published
 #    Qwen3-MoE and DeepSeek-V2 checkpoints store each expert on its own
 #    (`mlp.experts.{e}.gate_proj.weight` (I, H), `up_proj`, `down_proj`), and transformers converts them when
-#    it loads. We read both layouts and write the per-expert one, as the hub has it. GPT-OSS's experts are
-#    stacked everywhere (its hub checkpoint is quantized: see below). Qwen3.5-MoE's published checkpoints stack
-#    them, and transformers' `save_pretrained` writes them one by one: we read both and write them stacked.
+#    it loads. We read both layouts and write the per-expert one, as the hub has it. Each family says which
+#    layout it writes and whether it reads experts one by one (`HF_EXPERTS_ONE_BY_ONE`,
+#    `HF_READ_EXPERTS_ONE_BY_ONE`): GPT-OSS's are stacked everywhere; Qwen3.5-MoE's published checkpoints stack
+#    them, and transformers' `save_pretrained` writes them one by one, so we read both and write them stacked.
 # 3. **Sharding.** Reading follows the index; writing cuts shards at about 5 GB.
 #
 # One more tensor per MoE layer has no parameter behind it: the routers' selection bias of aux-loss-free
