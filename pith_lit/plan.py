@@ -15,7 +15,7 @@ from .engine.steptime import Link, Profile, StepTime, choose_stage_layers, profi
 from .train.config import (Config, ConfigError, UserError, from_dict, read_toml, run_command, to_dict,
                                    validate)
 from .train.optim import optimizer_states
-from .train.trainer import PEAK_FLOPS, _meta_model, optimizer_for
+from .train.trainer import PEAK_FLOPS, meta_model, optimizer_for
 
 # %% ../nbs/train/50_plan.ipynb #6f724b56
 def _divisors(n: int) -> list[int]:
@@ -57,13 +57,13 @@ def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(),
             cache[key] = choose_stage_layers(cfg.model, w, profile)
         cfg = validate(from_dict(to_dict(cfg), [f"parallel.pp_stage_layers={cache[key]}"]))
     w = cfg.workload()
-    e = estimate(cfg.model, _meta_model(cfg), w, optimizer_states(cfg.train.optimizer), cache)
+    e = estimate(cfg.model, meta_model(cfg), w, optimizer_states(cfg.train.optimizer), cache)
     return e, (step_time(cfg.model, w, profile, e.units[0], link) if profile is not None else None)
 
 
 def flops_per_token(cfg: Config) -> float:
     "The model's training FLOPs per token at the config's sequence length (models' `flops_per_token`)."
-    return _meta_model(cfg)().flops_per_token(cfg.train.seq_len)
+    return meta_model(cfg)().flops_per_token(cfg.train.seq_len)
 
 
 def row(cfg: Config, e: Estimate, time: StepTime | None, gpu: float, flops: float, peak_flops: float) -> dict:
@@ -126,7 +126,7 @@ def _profile(args, cfg: Config) -> Profile | None:
         if not torch.cuda.is_available():
             raise UserError("--measure times the layers on a GPU, and torch sees none here; measure on the GPU "
                             "machine, then pass the file with --profile")
-        prof = profile_layers(_meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts),
+        prof = profile_layers(meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts),
                               optimizer_for(cfg), cfg.train.fp8_scaling)
         with open(args.measure, "w") as fh:
             json.dump(asdict(prof), fh, indent=1)

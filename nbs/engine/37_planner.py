@@ -48,6 +48,8 @@ from torch import nn
 from pith_lit.engine.dualpipev import dualpipev_schedule, split_model
 from pith_lit.engine.ep import shard_experts
 from pith_lit.engine.mesh import stage_layers
+from pith_lit.models.family import family
+from pith_lit.models.protocol import norm_bytes
 from pith_lit.ops.attention import ds_bytes
 
 # %% [markdown]
@@ -103,17 +105,12 @@ class Workload:
 # Each family's stage 1 and stage 3 keep, per token, what their operators save for backward. The terms follow the
 # code of models/21–24 on the GPU path (the Triton kernels of ops/10–16, FlashAttention through SDPA or ops/14's
 # kernel, the fused head of ops/13), with `b` the compute dtype's bytes and `f` the bytes of the norms' and router's
-# float32 (wider for a float64 model):
+# float32 (wider for a float64 model). Stage 1 is the family's own: each family's notebook writes out what its
+# layer keeps, by part (`kept_by_part`), from what models/20 counts for an RMSNorm (`norm_bytes`; its output is kept
+# by the projection that reads it; compiled, `train.compile`, the rest is recomputed in backward), a SwiGLU MLP
+# (`mlp_bytes`) and a router (`router_bytes`), and an attention kernel's q, k, v, output and log-sum-exp (one
+# float32 per head and token). Here:
 #
-# - an **RMSNorm** in eager mode keeps a float32 copy of its input (when the input is narrower), its reciprocal
-#   root per row and the normalised rows (in the compute dtype for Qwen3 and DeepSeek, in float32 for GPT-OSS's and
-#   Qwen3.5's gains); its output is kept by the projection that reads it. Compiled (`train.compile`), the stage
-#   keeps only the reciprocal root and, where nothing else keeps it, the norm's input: the rest is recomputed in
-#   backward;
-# - an attention kernel keeps q, k, v, its output and the log-sum-exp (one float32 per head and token);
-# - a SwiGLU MLP keeps the gate and up projections, the SiLU and the product (eager) or three of the four
-#   (compiled);
-# - the router keeps its float32 probabilities, the chosen ids and the top-k weights;
 # - stage 3 keeps the expanded rows (k per token), the gate/up output the SwiGLU kernel reads back, the
 #   activation the down projection reads back, the expert outputs the weighted sum reads back, two index maps, and
 #   the summed rows.
@@ -149,24 +146,9 @@ class LayerBytes:
         return self.deferred * T + self.spare_deferred
 
 
-def _norm(n: int, b: int, f: int, compiled: bool, fp32_gain: bool = False, groups: int = 1,
-          keep_input: int = 0) -> float:
-    """Bytes per token an RMSNorm over `n` channels (`groups` rows per token) keeps: eager, the float32 copy, the
-    reciprocal roots and the normalised rows; compiled, the roots and `keep_input` (its input, where nothing else
-    keeps it)."""
-    if compiled:
-        return f * groups + keep_input
-    return (f * n if b < f else 0) + f * groups + (f if fp32_gain else b) * n
-
-
-def _mlp(inter: int, b: int, compiled: bool) -> float:
-    "A SwiGLU MLP of width `inter`: gate, SiLU, up and product (eager); three of them compiled."
-    return (3 if compiled else 4) * b * inter
-
-
 def _experts(k: int, H: int, inter: int, b: int, what: str, one_hot: int = 0, fp8: bool = False) -> float:
     """Stage 3 per token (k pairs): index maps, expanded rows, gate/up output, activation, expert outputs, summed
-    rows; with stage 3 recomputed only its input, its output and the maps. `one_hot`: GPT-OSS's bias selector.
+    rows; with stage 3 recomputed only its input, its output and the maps. `one_hot`: the family's `router_one_hot`.
     `fp8`: the experts' matmuls keep their inputs for the weight gradients as FP8 (ops/15: the expanded rows and the
     activation, 1 byte a value and a 4-byte scale a row; block scales keep 4 bytes per 128 values instead, within
     100 bytes a row of that) instead of the rows themselves."""
@@ -184,113 +166,28 @@ def deferred_per_row(H: int, inter: int, b: int, fp8: bool = False) -> float:
     per row of the input and of the activation (the gradients' scales, per expert column, are not per row)."""
     return (2 * H + 3 * inter + 8) if fp8 else b * (2 * H + 3 * inter)
 
-
-def _router(E: int, k: int, b: int, f: int, extra: float = 0.0) -> float:
-    "Router probabilities (float32), chosen ids (int64), top-k weights; `extra`: what a family's router adds."
-    return f * E + 8 * k + b * k + extra
-
 # %% [markdown]
-# The four families. Each returns stage 1's parts, and stage 3's for a MoE layer; `layer_bytes` adds the output
-# and applies recomputation. Numbers that look like constants are the code's: e.g. Qwen3.5's gate on the
-# attention output (`o_proj(o · σ(gate))`) keeps σ(gate) and the product; its causal convolution in float32 keeps
-# the input's copy, three shifted copies and the pre-activation (eager), of which the compiled stage keeps its
-# bf16 input and three float32 copies (measured: the partitioner's choice, not derived).
+# `layer_bytes` asks the family for stage 1's parts (`kept_by_part`) and the width and router term of its experts,
+# adds stage 3 and the output, and applies recomputation. `attention_transient` asks the family for the shape of
+# the attention ops/14's kernels run, if they run it.
 
 # %%
 #| export
-def _qwen3(c, i: int, b: int, f: int, comp: bool) -> dict:
-    H, hq, hkv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    q, kv = hq * d, hkv * d
-    s1 = {"input norm": _norm(H, b, f, comp) + b * H,
-          "q": _norm(q, b, f, comp, groups=hq, keep_input=b * q) + b * q,
-          "k, v": _norm(kv, b, f, comp, groups=hkv, keep_input=b * kv) + 2 * b * kv,
-          "attention": b * q + 4 * hq,
-          "post norm": _norm(H, b, f, comp) + b * H}
-    if not c.is_moe_layer(i):
-        return s1 | {"mlp": _mlp(c.intermediate_size, b, comp)}
-    k = c.num_experts_per_tok
-    return s1 | {"residual": b * H, "router": _router(c.num_experts, k, b, f, f * k + f if c.norm_topk_prob else 0)}
-
-
-def _deepseek_v2(c, i: int, b: int, f: int, comp: bool) -> dict:
-    H, n, r, rope = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
-    qk, v = c.qk_nope_head_dim + rope, c.v_head_dim
-    s1 = {"input norm": _norm(H, b, f, comp) + b * H,
-          "q": b * n * qk + (_norm(c.q_lora_rank, b, f, comp, keep_input=b * c.q_lora_rank) + b * c.q_lora_rank
-                             if c.q_lora_rank else 0),
-          "latent": _norm(r, b, f, comp, keep_input=b * (r + rope)) + b * (r + rope),
-          "k, v": b * n * (c.qk_nope_head_dim + v) + b * n * qk,
-          "attention": 2 * b * n * v + 4 * n,   # its output, copied for o_proj (head-major), and the log-sum-exp
-          "post norm": _norm(H, b, f, comp) + b * H}
-    if not c.is_moe_layer(i):
-        return s1 | {"mlp": _mlp(c.intermediate_size, b, comp)}
-    shared = c.n_shared_experts * c.moe_intermediate_size
-    return s1 | {"shared experts": _mlp(shared, b, comp) if shared else 0, "residual": b * H,
-                 "router": _router(c.n_routed_experts, c.num_experts_per_tok, b, f, f * H if b < f else 0)}
-
-
-def _gpt_oss(c, i: int, b: int, f: int, comp: bool) -> dict:
-    H, hq, hkv, d, E, k = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                           c.num_local_experts, c.num_experts_per_tok)
-    return {"input norm": _norm(H, b, f, comp, fp32_gain=True) + b * H,
-            "q, k, v": b * (hq + 2 * hkv) * d,
-            "attention": b * hq * d + 4 * hq,
-            "post norm": _norm(H, b, f, comp, fp32_gain=True) + b * H,
-            "residual": b * H,
-            "router": _router(E, k, b, f, f * E + f * k)}   # the logits too (gather keeps them)
-
-
-def _qwen3_5(c, i: int, b: int, f: int, comp: bool) -> dict:
-    H = c.hidden_size
-    s1 = {"input norm": _norm(H, b, f, comp, fp32_gain=True) + b * H}
-    if c.layer_types[i] == "full_attention":
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q, kv = hq * d, hkv * d
-        s1 |= {"q": _norm(q, b, f, comp, fp32_gain=True, groups=hq, keep_input=2 * b * q) + b * q,
-               "gate": 2 * b * q,                       # σ(gate) and the gated output o_proj reads
-               "k, v": _norm(kv, b, f, comp, fp32_gain=True, groups=hkv, keep_input=b * kv) + 2 * b * kv,
-               "attention": b * q + 4 * hq}
-    else:
-        nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        kd, vd = nk * dk, nv * dv
-        D, W = 2 * kd + vd, c.linear_conv_kernel_dim
-        conv = b * D + 3 * f * D if comp else (W + 1) * f * D
-        l2 = 2 * f * nk if comp else 2 * (f * kd + f * nk)
-        out_norm = 2 * b * vd + f * nv if comp else 3 * f * vd + b * vd + f * nv
-        s1 |= {"convolution": conv + b * D,              # and its output (q, k, v are views of it)
-               "gates": 3 * f * nv + b * nv,
-               "q, k": l2 + 2 * b * kd,                  # l2-normalised q and k, kept by the rule's kernel
-               "output norm": out_norm + b * vd}         # and the gated output out_proj reads
-    shared = c.shared_expert_intermediate_size
-    return s1 | {"post norm": _norm(H, b, f, comp, fp32_gain=True) + b * H,
-                 "shared expert": _mlp(shared, b, comp) + b + b * H,   # and its gate σ and output
-                 "residual": b * H,
-                 "router": _router(c.num_experts, c.num_experts_per_tok, b, f, f * c.num_experts_per_tok + f)}
-
-
-FAMILIES = {"qwen3_moe": _qwen3, "deepseek_v2": _deepseek_v2, "gpt_oss": _gpt_oss, "qwen3_5_moe": _qwen3_5}
-
-
 def attention_transient(c, w: Workload) -> float:
     """Bytes that ops/14's backward holds for one attention layer's stored dSᵀ (`ds_bytes`; 0 where it recomputes
-    dq or where SDPA attends: Qwen3 and DeepSeek-V2 use the kernels for documents and ring steps, GPT-OSS always,
-    Qwen3.5 never). A ring step attends a rank's tokens to one chunk of keys of the same length."""
-    if c.model_type == "deepseek_v2":
-        hq, dqk, dv = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-    elif c.model_type in ("qwen3_moe", "gpt_oss"):
-        hq, dqk, dv = c.num_attention_heads, c.head_dim, c.head_dim
-    else:
+    dq or where SDPA attends: the family's `kernel_attention_shape` says where its kernels attend). A ring step
+    attends a rank's tokens to one chunk of keys of the same length."""
+    shape = family(c.model_type).kernel_attention_shape(c, w.document_mask, w.cp)
+    if shape is None:
         return 0.0
-    if c.model_type != "gpt_oss" and not (w.document_mask or w.cp > 1):
-        return 0.0
+    hq, dqk, dv = shape
     s = w.seq_len // w.cp
     return float(ds_bytes(w.micro_batch, hq, s, s, dqk, dv, w.compute_bytes))
 
 
 def _moe_shape(c) -> tuple[int, int, int]:
     "(routed experts, top-k, expert width) of a model config."
-    inter = c.intermediate_size if c.model_type == "gpt_oss" else c.moe_intermediate_size
-    return c.routed_experts, c.num_experts_per_tok, inter
+    return c.routed_experts, c.num_experts_per_tok, family(c.model_type).expert_width(c)
 
 
 def is_moe(c, i: int) -> bool:
@@ -320,7 +217,7 @@ def layer_bytes(c, i: int, w: Workload) -> LayerBytes:
     f = max(4, b)
     H = c.hidden_size
     moe = is_moe(c, i)
-    parts = FAMILIES[c.model_type](c, i, b, f, comp)
+    parts = family(c.model_type).kept_by_part(c, i, b, f, comp)
     if w.recompute in ("attention", "layer"):   # stage 1 keeps its outputs only
         k = c.num_experts_per_tok
         parts = ({"stage 1 outputs": 2 * b * H + f * _moe_shape(c)[0] + 8 * k + b * k} if moe else {})
@@ -329,7 +226,7 @@ def layer_bytes(c, i: int, w: Workload) -> LayerBytes:
     if moe:
         E, k, inter = _moe_shape(c)
         scale = w.ep if w.sync_free else 1
-        one_hot = E if c.model_type == "gpt_oss" else 0
+        one_hot = family(c.model_type).router_one_hot(c)
         parts["experts"] = scale * _experts(k, H, inter, b, w.recompute, one_hot, w.fp8)
         if w.ep > 1:   # received rows and their router weights, the summed rows sent back, the rows received back
             d = w.ep if w.sync_free else ranks_per_token(E, k, w.ep)
@@ -359,18 +256,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pith_lit
-from pith_lit.models import deepseek_v2, gpt_oss, qwen3_5_moe, qwen3_moe
+from pith_lit.models import qwen3_moe
 
 ROOT = Path(pith_lit.__file__).resolve().parents[1]   # the repository the package is imported from
-MODEL_CONFIGS = {"qwen3_moe": qwen3_moe.Config, "deepseek_v2": deepseek_v2.Config, "gpt_oss": gpt_oss.Config,
-                 "qwen3_5_moe": qwen3_5_moe.Config}
 
 
 def config_model(name: str, **extra):
     "The [model] table of configs/NAME.toml as its family's Config."
     with open(ROOT / "configs" / f"{name}.toml", "rb") as fh:
         table = tomllib.load(fh)["model"] | extra
-    return MODEL_CONFIGS[table["model_type"]](**table)
+    return family(table["model_type"]).Config(**table)
 
 # %%
 rows = []
@@ -428,8 +323,7 @@ def head_bytes(c, w: Workload) -> dict:
     """The head's bytes: `kept` after its forward (per micro-batch), `transient` above that while it runs, `weight`
     (the head's size in the compute dtype); the embedding's `embedding` per micro-batch."""
     b, f, H, V, T = w.compute_bytes, max(4, w.compute_bytes), c.hidden_size, c.vocab_size, w.tokens
-    fp32_gain = c.model_type in ("gpt_oss", "qwen3_5_moe")
-    norm = _norm(H, b, f, False, fp32_gain)   # its output is read by the head's forward only
+    norm = norm_bytes(H, b, f, False, family(c.model_type).FP32_NORM_GAIN)   # its output: read by the head only
     weight = V * H * b
     chunk = min(CE_CHUNK, T) * V * b
     return dict(kept=T * (norm + b * H) + weight, transient=(f * V * H if b < f else 0) + 1.5 * chunk,
@@ -830,9 +724,7 @@ def estimate(c, make_model, w: Workload, states=lambda name, p: 2, cache: dict |
 def meta_of(c):
     def make():
         with torch.device("meta"):
-            return {"qwen3_moe": qwen3_moe.Qwen3MoeForCausalLM, "deepseek_v2": deepseek_v2.DeepseekV2ForCausalLM,
-                    "gpt_oss": gpt_oss.GptOssForCausalLM, "qwen3_5_moe": qwen3_5_moe.Qwen3_5MoeForCausalLM}[
-                c.model_type](c)
+            return family(c.model_type).Model(c)
     return make
 
 bench = Workload(micro_batch=4, seq_len=4096, micro_batches=1, compile=True)

@@ -38,6 +38,7 @@ from pith_lit.engine.dualpipev import DualPipeV, split_model
 from pith_lit.engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_grads, is_expert_param, shard_experts
 from pith_lit.engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model, whole
 from pith_lit.engine.mesh import build_mesh, init_distributed, run_ranked
+from pith_lit.models.family import family as model_family
 from pith_lit.models.protocol import LocalDispatcher, Routing, head_loss, run_layers
 from pith_lit.ops.ring_attention import set_context_parallel, zigzag_shard
 
@@ -62,9 +63,10 @@ def repo_path(*parts: str) -> Path:
 # %% [markdown]
 # ## The tiny models and the reference step
 #
-# `tiny_model` is the model of the checks, 4 routed experts top-2 (8 for the EP checks): a Qwen3-MoE with one
-# dense layer, a DeepSeek-V2 with its first layer dense, a shared expert and latent attention, or a Qwen3.5-MoE
-# whose every fourth layer is full attention and the others linear attention (no dense layer). `aux_fn` is a
+# `tiny_model` is the model of the checks, 4 routed experts top-2 (8 for the EP checks), the family's
+# `tiny_config` (models/21–24): a Qwen3-MoE with one dense layer, a DeepSeek-V2 with its first layer dense, a shared
+# expert and latent attention, a GPT-OSS with a short sliding window, or a Qwen3.5-MoE whose every fourth layer is
+# full attention and the others linear attention (no dense layer). `aux_fn` is a
 # micro-batch load-balance term, E · Σ_i f_i · P_i (train/42_load_balance's formula without its bookkeeping).
 # `reference_step` runs micro-batches one after the other through `run_layers` with one `backward()` each, and
 # `compare` checks every gradient (max |difference| / max |reference|) and the loss.
@@ -73,35 +75,13 @@ def repo_path(*parts: str) -> Path:
 #| export
 def tiny_model(family: str = "qwen3_moe", layers: int = 5, seed: int = 0, dtype=torch.float32, experts: int = 4,
                top_k: int = 2, dense: int = 2):
-    """The tiny model of the checks: `layers` layers, `experts` routed experts top-`top_k`, layer `dense` dense
-    (Qwen3-MoE; DeepSeek-V2's first layer is dense, Qwen3.5-MoE has none)."""
-    match family:
-        case "qwen3_moe":
-            from pith_lit.models.qwen3_moe import Config, Qwen3MoeForCausalLM as Model
-            cfg = Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermediate_size=48,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         num_experts=experts, num_experts_per_tok=top_k, mlp_only_layers=[dense])
-        case "deepseek_v2":
-            from pith_lit.models.deepseek_v2 import Config, DeepseekV2ForCausalLM as Model
-            cfg = Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                         n_routed_experts=experts, num_experts_per_tok=top_k, first_k_dense_replace=1,
-                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-        case "gpt_oss":   # a window of 3: shorter than the context-parallel checks' chunks
-            from pith_lit.models.gpt_oss import Config, GptOssForCausalLM as Model
-            cfg = Config(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=experts,
-                         num_experts_per_tok=top_k, sliding_window=3)
-        case "qwen3_5_moe":
-            from pith_lit.models.qwen3_5_moe import Config, Qwen3_5MoeForCausalLM as Model
-            cfg = Config(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                         linear_key_head_dim=8, linear_value_head_dim=8, num_experts=experts, num_experts_per_tok=top_k,
-                         moe_intermediate_size=16, shared_expert_intermediate_size=24)
-        case other:
-            raise ValueError(f"family {other!r}: use 'qwen3_moe', 'deepseek_v2', 'gpt_oss' or 'qwen3_5_moe'")
+    """The tiny model of the checks in `family` (a model_type): `layers` layers, `experts` routed experts
+    top-`top_k`, layer `dense` dense (Qwen3-MoE; DeepSeek-V2's first layer is dense, GPT-OSS and Qwen3.5-MoE have
+    none)."""
+    module = model_family(family)
+    cfg = module.tiny_config(layers, experts, top_k, dense)
     torch.manual_seed(seed)
-    return Model(cfg).to(dtype)
+    return module.Model(cfg).to(dtype)
 
 
 def aux_fn(num_experts: int, coef: float = 0.1):

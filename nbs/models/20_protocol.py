@@ -25,7 +25,7 @@
 #
 # The router weights are applied where the experts ran (`reduce`, in stage 3), so that combine returns one row
 # per token and rank instead of one per (token, expert) pair: at ep 2 with top-8 that is a quarter of the bytes,
-# and it measured 3.7–5.7% faster than returning the pairs (benchmarks/RESULTS.md, third session).
+# and it measures faster than returning the pairs (benchmarks/RESULTS.md, "Combine summed on the experts' rank").
 #
 # Stage 3's optional `wgrad_queue` (ops/12_grouped_linear) defers the experts' weight gradients: backward then
 # computes only the input gradient, and a pipeline schedule computes the weight gradient later, in a slot that
@@ -33,7 +33,8 @@
 # notebook defines the pieces they share: the `Routing` record that travels from stage 1 to stage 5, the
 # single-rank dispatcher, `run_layers`, the plain loop that calls the five stages, and `head_loss`, the loss of a
 # micro-batch. The expert-parallel dispatchers and the overlapped schedules (in `engine/`) replace the dispatcher
-# and the loop without touching any model.
+# and the loop without touching any model. At its end come the small helpers each family's notebook uses to say
+# what it keeps for backward (for the planner, engine/37) and how it reads a Hugging Face config.json (train/46).
 
 # %%
 #| default_exp models.protocol
@@ -392,3 +393,71 @@ other = ToyStack(4)
 other.init_weights(8)
 assert not torch.equal(other.experts.w, whole.experts.w) and abs(whole.experts.w.std().item() / 0.02 - 1) < 0.5
 print("experts 2..3 built on meta and initialised alone == the same experts of the whole model")
+
+# %% [markdown]
+# ## What the families share with the planner and the Hugging Face conversion
+#
+# Each family's notebook also says, in plain functions under the same names in every family (models/29_family
+# finds a family's module by its `model_type`), what its layers keep from forward to backward, for the planner of
+# engine/37, and how its `Config` reads from and writes to a Hugging Face config.json, for train/46. The byte counts
+# of the operators every family uses are written once, here, per token, with `b` the compute dtype's bytes and `f`
+# the bytes of the float32 that norms and routers compute in (wider for a float64 model):
+#
+# - an **RMSNorm** in eager mode keeps a float32 copy of its input (when the input is narrower), its reciprocal
+#   root per row and the normalised rows (in the compute dtype, or in float32 where the gain is float32, as GPT-OSS's
+#   and Qwen3.5's are); compiled, only the reciprocal roots and, where nothing else keeps it, the norm's input: the
+#   rest is recomputed in backward;
+# - a **SwiGLU MLP** keeps the gate and up projections, the SiLU and the product (eager) or three of the four
+#   (compiled);
+# - a **router** keeps its float32 probabilities, the chosen ids and the top-k weights, and what the family's
+#   router adds.
+
+# %%
+#| export
+def norm_bytes(n: int, b: int, f: int, compiled: bool, fp32_gain: bool = False, groups: int = 1,
+               keep_input: int = 0) -> float:
+    """Bytes per token an RMSNorm over `n` channels (`groups` rows per token) keeps: eager, the float32 copy, the
+    reciprocal roots and the normalised rows; compiled, the roots and `keep_input` (its input, where nothing else
+    keeps it)."""
+    if compiled:
+        return f * groups + keep_input
+    return (f * n if b < f else 0) + f * groups + (f if fp32_gain else b) * n
+
+
+def mlp_bytes(inter: int, b: int, compiled: bool) -> float:
+    "Bytes per token a SwiGLU MLP of width `inter` keeps: gate, SiLU, up and product (eager); three of them compiled."
+    return (3 if compiled else 4) * b * inter
+
+
+def router_bytes(E: int, k: int, b: int, f: int, extra: float = 0.0) -> float:
+    "Router probabilities (float32), chosen ids (int64), top-k weights; `extra`: what a family's router adds."
+    return f * E + 8 * k + b * k + extra
+
+# %% [markdown]
+# A config.json spells RoPE one of two ways: `rope_theta` + `rope_scaling` (the published checkpoints,
+# transformers 4.x) or one `rope_parameters` dict (transformers 5.x), and some keys are null where our `Config` holds
+# a number (`q_lora_rank: null` is no low-rank query path, our 0). `hf_rope` and `hf_or` read both, for the
+# families' `from_hf`.
+
+# %%
+#| export
+def hf_or(hf: dict, key: str, if_null):
+    "config.json's value for `key`, `if_null` where it is null; None (reported as missing) where it is absent."
+    return hf[key] if hf.get(key) is not None else (if_null if key in hf else None)
+
+
+def hf_rope(hf: dict) -> tuple[float | None, str, dict]:
+    "RoPE in either spelling -> (rope_theta, the RoPE type, its other parameters)."
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta"))
+    kind = rope.pop("rope_type", None)
+    kind = rope.pop("type", None) or kind or "default"  # 4.x spelled it `type`; 5.x writes both
+    return None if theta is None else float(theta), kind, rope
+
+# %%
+assert norm_bytes(8, 2, 4, False) == 4 * 8 + 4 + 2 * 8 and norm_bytes(8, 2, 4, True, keep_input=16) == 4 + 16
+assert norm_bytes(8, 4, 4, False, fp32_gain=True, groups=2) == 4 * 2 + 4 * 8   # float32 input: no copy
+assert mlp_bytes(10, 2, False) == 80 and router_bytes(4, 2, 2, 4, 1.0) == 16 + 16 + 4 + 1
+assert hf_rope({"rope_theta": 10, "rope_scaling": {"type": "yarn", "factor": 4}}) == (10.0, "yarn", {"factor": 4})
+assert hf_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 5}}) == (5.0, "default", {})
+assert (hf_or({"a": None}, "a", 0), hf_or({"a": 3}, "a", 0), hf_or({}, "a", 0)) == (0, 3, None)

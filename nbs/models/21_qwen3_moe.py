@@ -24,14 +24,15 @@
 
 # %%
 #| export
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
+from pith_lit.models.protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
 from pith_lit.ops.fp8 import expert_mlp
@@ -179,7 +180,7 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # %%
 #| export
 def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention q/k/v/o, dense MLP): the one place a lower-precision linear would be chosen."
+    "A dense projection (attention q/k/v/o, dense MLP): the one constructor of the dense projections."
     return nn.Linear(in_features, out_features, bias=bias)
 
 
@@ -609,3 +610,109 @@ five, plain = errs["five-stage"], errs["plain"]
 print(f"bf16 vs fp32 relative error, five-stage (plain bf16): logits {five[0]:.1e} ({plain[0]:.1e}), "
       f"worst gradient {max(five[1:]):.1e} ({max(plain[1:]):.1e})")
 assert all(f <= 1.25 * p + 1e-3 for f, p in zip(five, plain)), list(zip(five, plain))
+
+# %% [markdown]
+# ## What the rest of pith_lit asks of the family
+#
+# The trainer, the planner (engine/37), the Hugging Face conversion (train/46) and the checks across processes
+# (engine/39) find this module by its `model_type` (models/29_family `family`) and read the same names in every
+# family: `Model`, the model class; `tiny_config`, the tiny model of the checks; the config.json translation both
+# ways (`from_hf`, `to_hf`) and how the hub's checkpoints store the tensors (`HF_*`); and, for the planner, what a
+# layer keeps from forward to backward by part (`kept_by_part`) and the few facts the planner's general formulas
+# ask of a family (`kernel_attention_shape`, `expert_width`, `router_one_hot`, `FP32_NORM_GAIN`).
+
+# %%
+#| export
+Model = Qwen3MoeForCausalLM   # the model class, under the name every family gives it
+
+
+def tiny_config(layers: int = 5, experts: int = 4, top_k: int = 2, dense: int = 2) -> Config:
+    "The tiny model of the checks (engine/39 `tiny_model`): `experts` routed experts top-`top_k`, layer `dense` dense."
+    return Config(vocab_size=64, hidden_size=32, moe_intermediate_size=16, intermediate_size=48,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  num_experts=experts, num_experts_per_tok=top_k, mlp_only_layers=[dense])
+
+# %% [markdown]
+# **config.json.** Plain RoPE only, and a sliding window only when `use_sliding_window` is set (then `sliding_window`
+# and `max_window_layers` matter, and we refuse it); transformers 5.x renamed `num_experts` to `num_local_experts`.
+# The published checkpoints store each routed expert on its own.
+
+# %%
+#| export
+HF_MODEL_TYPES = ("qwen3_moe",)       # the config.json model_types this family reads
+HF_EXPERTS_ONE_BY_ONE = True          # save_hf writes each routed expert on its own, as the hub's checkpoints do
+HF_READ_EXPERTS_ONE_BY_ONE = True     # load_hf reads them one by one too (and stacked, as transformers 5.x saves)
+HF_RENAME = {}                        # stored name prefix -> ours
+HF_READ_PAST = {}                     # stored name prefix -> what load_hf reads past
+
+
+def from_hf(hf: dict) -> tuple[dict, dict, dict, set]:
+    """config.json `hf` -> (the keys to read, the fields computed from them, the keys that must hold one value, the
+    keys read past), by train/46's rules; a ValueError for what this family does not model."""
+    theta, kind, rest = hf_rope(hf)
+    if kind != "default" or rest:
+        raise ValueError(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's qwen3_moe has plain RoPE only")
+    computed = {"rope_theta": theta, "num_experts": hf.get("num_experts", hf.get("num_local_experts")),
+                "mlp_only_layers": hf_or(hf, "mlp_only_layers", [])}
+    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False}
+    read = {"rope_theta", "rope_scaling", "rope_parameters", "num_local_experts", "sliding_window", "max_window_layers"}
+    return hf, computed, fixed, read
+
+
+def to_hf(c: Config) -> dict:
+    "The config.json keys of `c` in the hub's spelling (without `architectures` and `torch_dtype`)."
+    return asdict(c) | {"rope_scaling": None, "hidden_act": "silu", "attention_dropout": 0.0,
+                        "use_sliding_window": False}
+
+# %% [markdown]
+# **The planner.** Stage 1 keeps, per token: the input norm and its output, q and k through their per-head norms,
+# v, the attention's output and log-sum-exp, the post-attention norm; then a dense layer's MLP, or the residual and
+# the router (with `norm_topk_prob`, the renormalised top-k and their sum in float32).
+
+# %%
+#| export
+def kept_by_part(c: Config, i: int, b: int, f: int, compiled: bool) -> dict:
+    "Bytes per token layer `i` keeps for backward in stage 1, by part (the planner adds stage 3 and the output)."
+    H, hq, hkv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    q, kv = hq * d, hkv * d
+    s1 = {"input norm": norm_bytes(H, b, f, compiled) + b * H,
+          "q": norm_bytes(q, b, f, compiled, groups=hq, keep_input=b * q) + b * q,
+          "k, v": norm_bytes(kv, b, f, compiled, groups=hkv, keep_input=b * kv) + 2 * b * kv,
+          "attention": b * q + 4 * hq,
+          "post norm": norm_bytes(H, b, f, compiled) + b * H}
+    if not c.is_moe_layer(i):
+        return s1 | {"mlp": mlp_bytes(c.intermediate_size, b, compiled)}
+    k = c.num_experts_per_tok
+    return s1 | {"residual": b * H,
+                 "router": router_bytes(c.num_experts, k, b, f, f * k + f if c.norm_topk_prob else 0)}
+
+
+def kernel_attention_shape(c: Config, document_mask: bool, cp: int) -> tuple[int, int, int] | None:
+    "(heads, q/k width, v width) where ops/14's kernels attend (documents, ring steps); None where SDPA does."
+    return (c.num_attention_heads, c.head_dim, c.head_dim) if document_mask or cp > 1 else None
+
+
+def expert_width(c: Config) -> int:
+    "The FFN width of one routed expert."
+    return c.moe_intermediate_size
+
+
+def router_one_hot(c: Config) -> int:
+    "Values per routed pair that stage 3 keeps for the router besides the rows: none."
+    return 0
+
+
+FP32_NORM_GAIN = False   # the RMSNorms multiply their gain in the compute dtype
+
+# %%
+c5 = tiny_config(layers=4, dense=1)
+assert [c5.is_moe_layer(i) for i in range(4)] == [True, False, True, True] and Model is Qwen3MoeForCausalLM
+hf = to_hf(c5)
+assert hf["rope_scaling"] is None and hf["num_experts"] == 4 and from_hf(hf)[1]["num_experts"] == 4
+try:
+    from_hf(hf | {"rope_scaling": {"type": "linear", "factor": 2.0}})
+    raise AssertionError("linear RoPE accepted")
+except ValueError as e:
+    assert "RoPE of type 'linear'" in str(e)
+parts = kept_by_part(c5, 1, 2, 4, False)
+assert "mlp" in parts and "router" not in parts and "router" in kept_by_part(c5, 0, 2, 4, False)

@@ -28,13 +28,14 @@
 # %%
 #| export
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
+from pith_lit.models.protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import ring_attention
 from pith_lit.ops.fp8 import expert_mlp
@@ -280,7 +281,7 @@ print(f"YaRN keeps {low + 1} of 32 frequencies, interpolates {32 - high}, blends
 # %%
 #| export
 def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention, dense and shared MLPs): the one place a lower-precision linear would be chosen."
+    "A dense projection (attention, dense and shared MLPs): the one constructor of the dense projections."
     return nn.Linear(in_features, out_features, bias=bias)
 
 
@@ -812,3 +813,115 @@ five, plain = errs["five-stage"], errs["plain"]
 print(f"bf16 vs fp32 relative error, five-stage (plain bf16): logits {five[0]:.1e} ({plain[0]:.1e}), "
       f"worst gradient {max(five[1:]):.1e} ({max(plain[1:]):.1e})")
 assert all(f <= 1.25 * p + 1e-3 for f, p in zip(five, plain)), list(zip(five, plain))
+
+# %% [markdown]
+# ## What the rest of pith_lit asks of the family
+#
+# The trainer, the planner (engine/37), the Hugging Face conversion (train/46) and the checks across processes
+# (engine/39) find this module by its `model_type` (models/29_family `family`) and read the same names in every
+# family: `Model`, the model class; `tiny_config`, the tiny model of the checks; the config.json translation both
+# ways (`from_hf`, `to_hf`) and how the hub's checkpoints store the tensors (`HF_*`); and, for the planner, what a
+# layer keeps from forward to backward by part (`kept_by_part`) and the few facts the planner's general formulas
+# ask of a family (`kernel_attention_shape`, `expert_width`, `router_one_hot`, `FP32_NORM_GAIN`).
+
+# %%
+#| export
+Model = DeepseekV2ForCausalLM   # the model class, under the name every family gives it
+
+
+def tiny_config(layers: int = 5, experts: int = 4, top_k: int = 2, dense: int = 2) -> Config:
+    """The tiny model of the checks (engine/39 `tiny_model`): `experts` routed experts top-`top_k` and a shared
+    expert, latent attention; the first layer is dense (DeepSeek's place for it: `dense` is not used)."""
+    return Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                  n_routed_experts=experts, num_experts_per_tok=top_k, first_k_dense_replace=1,
+                  kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+
+# %% [markdown]
+# **config.json.** Nulls for `q_lora_rank`, `n_group` and `topk_group`, plain RoPE or YaRN, and `head_dim` and
+# `qk_head_dim`, which transformers derives from the query/key widths. The hub spells no low-rank query path `q_lora_rank: null`
+# and plain RoPE `rope_scaling: null`. The published checkpoints store each routed expert on its own.
+
+# %%
+#| export
+HF_MODEL_TYPES = ("deepseek_v2",)     # the config.json model_types this family reads
+HF_EXPERTS_ONE_BY_ONE = True          # save_hf writes each routed expert on its own, as the hub's checkpoints do
+HF_READ_EXPERTS_ONE_BY_ONE = True     # load_hf reads them one by one too (and stacked, as transformers 5.x saves)
+HF_RENAME = {}                        # stored name prefix -> ours
+HF_READ_PAST = {}                     # stored name prefix -> what load_hf reads past
+
+
+def from_hf(hf: dict) -> tuple[dict, dict, dict, set]:
+    """config.json `hf` -> (the keys to read, the fields computed from them, the keys that must hold one value, the
+    keys read past), by train/46's rules; a ValueError for what this family does not model."""
+    theta, kind, rest = hf_rope(hf)
+    if kind not in ("default", "yarn") or (kind == "default" and rest):
+        raise ValueError(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's deepseek_v2 has plain RoPE "
+                         "and YaRN")
+    computed = {"rope_theta": theta, "rope_scaling": {"type": "yarn", **rest} if kind == "yarn" else {},
+                "q_lora_rank": hf_or(hf, "q_lora_rank", 0), "n_group": hf_or(hf, "n_group", 1),
+                "topk_group": hf_or(hf, "topk_group", 1),
+                "num_key_value_heads": hf_or(hf, "num_key_value_heads", hf.get("num_attention_heads"))}
+    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False, "scoring_func": "softmax",
+             "moe_layer_freq": 1}
+    read = {"rope_theta", "rope_scaling", "rope_parameters", "head_dim", "qk_head_dim", "pretraining_tp",
+            "aux_loss_alpha", "seq_aux", "ep_size"}
+    return hf, computed, fixed, read
+
+
+def to_hf(c: Config) -> dict:
+    "The config.json keys of `c` in the hub's spelling (without `architectures` and `torch_dtype`)."
+    return asdict(c) | {"q_lora_rank": c.q_lora_rank or None, "rope_scaling": c.rope_scaling or None,
+                        "hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False}
+
+# %% [markdown]
+# **The planner.** Stage 1 keeps, per token: the input norm and its output, the queries (through the low-rank path and
+# its norm where `q_lora_rank` > 0), the compressed latent through its norm, the decompressed keys and values, the
+# attention's output (and its head-major copy for `o_proj`) and log-sum-exp, the post-attention norm; then a dense
+# layer's MLP, or the shared experts, the residual and the router (with its float32 copy of the input).
+
+# %%
+#| export
+def kept_by_part(c: Config, i: int, b: int, f: int, compiled: bool) -> dict:
+    "Bytes per token layer `i` keeps for backward in stage 1, by part (the planner adds stage 3 and the output)."
+    H, n, r, rope = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    qk, v = c.qk_nope_head_dim + rope, c.v_head_dim
+    s1 = {"input norm": norm_bytes(H, b, f, compiled) + b * H,
+          "q": b * n * qk + (norm_bytes(c.q_lora_rank, b, f, compiled, keep_input=b * c.q_lora_rank)
+                             + b * c.q_lora_rank if c.q_lora_rank else 0),
+          "latent": norm_bytes(r, b, f, compiled, keep_input=b * (r + rope)) + b * (r + rope),
+          "k, v": b * n * (c.qk_nope_head_dim + v) + b * n * qk,
+          "attention": 2 * b * n * v + 4 * n,   # its output, copied for o_proj (head-major), and the log-sum-exp
+          "post norm": norm_bytes(H, b, f, compiled) + b * H}
+    if not c.is_moe_layer(i):
+        return s1 | {"mlp": mlp_bytes(c.intermediate_size, b, compiled)}
+    shared = c.n_shared_experts * c.moe_intermediate_size
+    return s1 | {"shared experts": mlp_bytes(shared, b, compiled) if shared else 0, "residual": b * H,
+                 "router": router_bytes(c.n_routed_experts, c.num_experts_per_tok, b, f, f * H if b < f else 0)}
+
+
+def kernel_attention_shape(c: Config, document_mask: bool, cp: int) -> tuple[int, int, int] | None:
+    "(heads, q/k width, v width) where ops/14's kernels attend (documents, ring steps); None where SDPA does."
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    return (c.num_attention_heads, qk, c.v_head_dim) if document_mask or cp > 1 else None
+
+
+def expert_width(c: Config) -> int:
+    "The FFN width of one routed expert."
+    return c.moe_intermediate_size
+
+
+def router_one_hot(c: Config) -> int:
+    "Values per routed pair that stage 3 keeps for the router besides the rows: none."
+    return 0
+
+
+FP32_NORM_GAIN = False   # the RMSNorms multiply their gain in the compute dtype
+
+# %%
+c5 = tiny_config(layers=3)
+assert [c5.is_moe_layer(i) for i in range(3)] == [False, True, True] and Model is DeepseekV2ForCausalLM
+hf = to_hf(c5)
+assert hf["q_lora_rank"] is None and hf["rope_scaling"] is None and from_hf(hf)[1]["q_lora_rank"] == 0
+assert kernel_attention_shape(c5, True, 1) == (4, 12, 8) and kernel_attention_shape(c5, False, 1) is None
+assert "shared experts" in kept_by_part(c5, 1, 2, 4, False) and "mlp" in kept_by_part(c5, 0, 2, 4, False)

@@ -33,14 +33,15 @@
 # %%
 #| export
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
+from pith_lit.models.protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
 from pith_lit.ops.fp8 import expert_linear
@@ -405,7 +406,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 # %%
 #| export
 def projection(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    "A dense projection (attention q/k/v/o): the one place a lower-precision linear would be chosen."
+    "A dense projection (attention q/k/v/o): the one constructor of the dense projections."
     return nn.Linear(in_features, out_features, bias=bias)
 
 
@@ -827,3 +828,103 @@ five, plain = errs["five-stage"], errs["plain"]
 print(f"bf16 vs fp32 relative error, five-stage (plain bf16): logits {five[0]:.1e} ({plain[0]:.1e}), "
       f"worst gradient {max(five[1:]):.1e} ({max(plain[1:]):.1e})")
 assert all(f <= 1.25 * p + 1e-3 for f, p in zip(five, plain)), list(zip(five, plain))
+
+# %% [markdown]
+# ## What the rest of pith_lit asks of the family
+#
+# The trainer, the planner (engine/37), the Hugging Face conversion (train/46) and the checks across processes
+# (engine/39) find this module by its `model_type` (models/29_family `family`) and read the same names in every
+# family: `Model`, the model class; `tiny_config`, the tiny model of the checks; the config.json translation both
+# ways (`from_hf`, `to_hf`) and how the hub's checkpoints store the tensors (`HF_*`); and, for the planner, what a
+# layer keeps from forward to backward by part (`kept_by_part`) and the few facts the planner's general formulas
+# ask of a family (`kernel_attention_shape`, `expert_width`, `router_one_hot`, `FP32_NORM_GAIN`).
+
+# %%
+#| export
+Model = GptOssForCausalLM   # the model class, under the name every family gives it
+
+
+def tiny_config(layers: int = 5, experts: int = 4, top_k: int = 2, dense: int = 2) -> Config:
+    """The tiny model of the checks (engine/39 `tiny_model`): `experts` routed experts top-`top_k`, every layer MoE
+    (`dense` is not used), a window of 3: shorter than the context-parallel checks' chunks."""
+    return Config(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=experts,
+                  num_experts_per_tok=top_k, sliding_window=3)
+
+# %% [markdown]
+# **config.json.** YaRN in `rope_parameters` as our config holds it (the hub writes `rope_theta` and `rope_scaling`),
+# `swiglu_alpha`, which the published config.json lacks (it was a constant before transformers made it a field),
+# and two older keys transformers ignores. Its published checkpoint stores the experts in MXFP4
+# (`quantization_config`), which train/46 refuses: dequantize it first, e.g. with transformers'
+# `Mxfp4Config(dequantize=True)` and `save_pretrained`. The experts are stacked everywhere.
+
+# %%
+#| export
+HF_MODEL_TYPES = ("gpt_oss",)         # the config.json model_types this family reads
+HF_EXPERTS_ONE_BY_ONE = False         # save_hf writes the routed experts stacked, as GPT-OSS checkpoints hold them
+HF_READ_EXPERTS_ONE_BY_ONE = False    # and load_hf reads them stacked only
+HF_RENAME = {}                        # stored name prefix -> ours
+HF_READ_PAST = {}                     # stored name prefix -> what load_hf reads past
+
+
+def from_hf(hf: dict) -> tuple[dict, dict, dict, set]:
+    """config.json `hf` -> (the keys to read, the fields computed from them, the keys that must hold one value, the
+    keys read past), by train/46's rules; a ValueError for what this family does not model."""
+    theta, kind, rest = hf_rope(hf)
+    computed = {"rope_parameters": {"rope_type": kind, "rope_theta": theta, **rest},
+                "swiglu_alpha": hf.get("swiglu_alpha", 1.702), "layer_types": hf_or(hf, "layer_types", [])}
+    fixed = {"attention_dropout": 0.0}
+    read = {"rope_theta", "rope_scaling", "rope_parameters", "hidden_act", "experts_per_token",
+            "initial_context_length"}
+    return hf, computed, fixed, read
+
+
+def to_hf(c: Config) -> dict:
+    "The config.json keys of `c` in the hub's spelling (without `architectures` and `torch_dtype`)."
+    hf = asdict(c)
+    rope = dict(hf.pop("rope_parameters"))
+    return hf | {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "attention_dropout": 0.0}
+
+# %% [markdown]
+# **The planner.** Stage 1 keeps, per token: the input norm (its gain in float32) and its output, q, k and v, the
+# attention's output and log-sum-exp, the post-attention norm, the residual and the router, whose logits the
+# top-k's gather keeps too. Stage 3 also keeps, per routed pair, the one-hot selector of the experts' biases.
+
+# %%
+#| export
+def kept_by_part(c: Config, i: int, b: int, f: int, compiled: bool) -> dict:
+    "Bytes per token layer `i` keeps for backward in stage 1, by part (the planner adds stage 3 and the output)."
+    H, hq, hkv, d, E, k = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                           c.num_local_experts, c.num_experts_per_tok)
+    return {"input norm": norm_bytes(H, b, f, compiled, fp32_gain=True) + b * H,
+            "q, k, v": b * (hq + 2 * hkv) * d,
+            "attention": b * hq * d + 4 * hq,
+            "post norm": norm_bytes(H, b, f, compiled, fp32_gain=True) + b * H,
+            "residual": b * H,
+            "router": router_bytes(E, k, b, f, f * E + f * k)}   # the logits too (gather keeps them)
+
+
+def kernel_attention_shape(c: Config, document_mask: bool, cp: int) -> tuple[int, int, int] | None:
+    "(heads, q/k width, v width) of the attention, which ops/14's kernels always run (the sinks)."
+    return c.num_attention_heads, c.head_dim, c.head_dim
+
+
+def expert_width(c: Config) -> int:
+    "The FFN width of one routed expert."
+    return c.intermediate_size
+
+
+def router_one_hot(c: Config) -> int:
+    "Values per routed pair that stage 3 keeps for the router besides the rows: the experts' bias selector, one of E."
+    return c.num_local_experts
+
+
+FP32_NORM_GAIN = True    # the RMSNorms multiply their gain in float32
+
+# %%
+c5 = tiny_config(layers=2)
+assert c5.layer_types == ["sliding_attention", "full_attention"] and Model is GptOssForCausalLM
+hf = to_hf(c5)
+assert "rope_parameters" not in hf and hf["rope_scaling"]["rope_type"] == "yarn"
+assert from_hf(hf)[1]["rope_parameters"] == c5.rope_parameters
+assert kernel_attention_shape(c5, False, 1) == (4, 8, 8) and router_one_hot(c5) == 4 and expert_width(c5) == 16

@@ -37,13 +37,14 @@
 # %%
 #| export
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
+from pith_lit.models.protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
 from pith_lit.ops.attention import attention_mask, documents
 from pith_lit.ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
@@ -242,7 +243,7 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # %%
 #| export
 def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention, linear attention, shared expert): the one place a lower-precision linear is chosen."
+    "A dense projection (attention, linear attention, shared expert): the one constructor of the dense projections."
     return nn.Linear(in_features, out_features, bias=bias)
 
 
@@ -840,3 +841,155 @@ print(f"bf16 vs fp32 relative error, five-stage (plain bf16): logits {five[0]:.1
 decay = {i + 1 for i, (n, _) in enumerate(bf_model.named_parameters()) if n.endswith(("A_log", "dt_bias"))}
 for i, (f, p) in enumerate(zip(five, plain)):
     assert f <= (2 * p + 0.05 if i in decay else 1.25 * p + 1e-3), (i, f, p)
+
+# %% [markdown]
+# ## What the rest of pith_lit asks of the family
+#
+# The trainer, the planner (engine/37), the Hugging Face conversion (train/46) and the checks across processes
+# (engine/39) find this module by its `model_type` (models/29_family `family`) and read the same names in every
+# family: `Model`, the model class; `tiny_config`, the tiny model of the checks; the config.json translation both
+# ways (`from_hf`, `to_hf`) and how the hub's checkpoints store the tensors (`HF_*`); and, for the planner, what a
+# layer keeps from forward to backward by part (`kept_by_part`) and the few facts the planner's general formulas
+# ask of a family (`kernel_attention_shape`, `expert_width`, `router_one_hot`, `FP32_NORM_GAIN`).
+
+# %%
+#| export
+Model = Qwen3_5MoeForCausalLM   # the model class, under the name every family gives it
+
+
+def tiny_config(layers: int = 5, experts: int = 4, top_k: int = 2, dense: int = 2) -> Config:
+    """The tiny model of the checks (engine/39 `tiny_model`): `experts` routed experts top-`top_k` and a shared
+    expert, every fourth layer full attention and the others linear attention, no dense layer (`dense` is not used)."""
+    return Config(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=8, num_experts=experts, num_experts_per_tok=top_k,
+                  moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+# %% [markdown]
+# **config.json.** Qwen3.5-MoE comes two ways. transformers' text model writes `model_type: qwen3_5_moe_text` with the
+# keys at the top. The published checkpoints are the multimodal model, `model_type: qwen3_5_moe`, whose language
+# model's keys sit in `text_config` beside a `vision_config` we do not read (the head's tying sits at the top).
+# RoPE is `rope_parameters` with `partial_rotary_factor`, and multimodal RoPE's `mrope_section` and
+# `mrope_interleaved`, which text-only positions make plain RoPE (the three sections see the same position).
+# Without `layer_types`, `full_attention_interval` (default 4) places the full-attention layers, as transformers
+# does. The multi-token-prediction head's keys (`mtp_*`) describe weights we read past. We write the text model.
+#
+# **Tensors.** A multimodal checkpoint stores the language model's tensors as `model.language_model.X` for our
+# `model.X` (the head is `lm_head.weight` in both), next to the vision tower (`model.visual.*`); both kinds may hold
+# the multi-token-prediction head (`mtp.*`), which transformers' text model reads past too. The published
+# checkpoints stack the experts, and transformers' `save_pretrained` writes them one by one: we read both and
+# write them stacked.
+
+# %%
+#| export
+HF_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")   # the text model, and the multimodal one (its language model)
+HF_EXPERTS_ONE_BY_ONE = False         # save_hf writes the routed experts stacked, as the published checkpoints do
+HF_READ_EXPERTS_ONE_BY_ONE = True     # load_hf reads them one by one too, as transformers' save_pretrained writes them
+HF_RENAME = {"model.language_model.": "model."}   # stored name prefix -> ours
+HF_READ_PAST = {"model.visual.": "the vision tower (model.visual.*)",
+                "mtp.": "the multi-token-prediction head (mtp.*)"}   # stored name prefix -> what load_hf reads past
+
+
+def _text_config(hf: dict) -> dict:
+    "The text config of a multimodal Qwen3.5-MoE config.json, with the head's tying, which sits at its top."
+    text = dict(hf.get("text_config") or {})
+    if text.get("model_type", "qwen3_5_moe_text") != "qwen3_5_moe_text":
+        raise ValueError(f"config.json: text_config.model_type = {text['model_type']!r}; pith_lit reads the "
+                         "language model of qwen3_5_moe checkpoints, whose text_config is qwen3_5_moe_text")
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    if text.get("tie_word_embeddings", tie) != tie:
+        raise ValueError(f"config.json: tie_word_embeddings = {tie} but text_config.tie_word_embeddings = "
+                         f"{text['tie_word_embeddings']}; make them agree")
+    return text | {"tie_word_embeddings": tie}
+
+
+def from_hf(hf: dict) -> tuple[dict, dict, dict, set]:
+    """config.json `hf` -> (the keys to read, the fields computed from them, the keys that must hold one value, the
+    keys read past), by train/46's rules; a ValueError for what this family does not model."""
+    if hf.get("model_type") == "qwen3_5_moe":    # multimodal: its language model
+        hf = _text_config(hf)
+    theta, kind, rest = hf_rope(hf)
+    rest = {k: v for k, v in rest.items() if k not in ("mrope_section", "mrope_interleaved")}
+    partial = rest.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if kind != "default" or rest or partial is None:
+        raise ValueError(f"config.json: RoPE of type {kind!r} with {rest}, partial_rotary_factor {partial}: pith_lit's "
+                         "qwen3_5_moe has plain RoPE on a partial_rotary_factor of each head")
+    interval = hf.get("full_attention_interval", 4)
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                      for i in range(hf.get("num_hidden_layers", 0))]
+    computed = {"rope_parameters": {"rope_type": kind, "rope_theta": theta, "partial_rotary_factor": partial},
+                "layer_types": types}
+    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "attn_output_gate": True}
+    read = {"rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "full_attention_interval",
+            "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype"}
+    return hf, computed, fixed, read
+
+
+def to_hf(c: Config) -> dict:
+    "The config.json keys of `c` in the hub's spelling: the text model, transformers' Qwen3_5MoeForCausalLM."
+    return asdict(c) | {"model_type": "qwen3_5_moe_text", "hidden_act": "silu", "attention_dropout": 0.0}
+
+# %% [markdown]
+# **The planner.** Stage 1 keeps, per token: the input norm (its gain in float32) and its output; in a full-attention
+# layer q and k through their per-head norms, the output gate (`o_proj(o · σ(gate))` keeps σ(gate) and the product),
+# v, the attention's output and log-sum-exp; in a linear-attention layer the causal convolution in float32 (the
+# input's copy, three shifted copies and the pre-activation, eager; compiled, its bf16 input and three float32
+# copies: measured, the partitioner's choice, not derived) and its output, the gates, the l2-normalised q and k,
+# the gated output norm; then the post-attention norm, the shared expert with its gate, the residual and the router.
+
+# %%
+#| export
+def kept_by_part(c: Config, i: int, b: int, f: int, compiled: bool) -> dict:
+    "Bytes per token layer `i` keeps for backward in stage 1, by part (the planner adds stage 3 and the output)."
+    H, comp = c.hidden_size, compiled
+    s1 = {"input norm": norm_bytes(H, b, f, comp, fp32_gain=True) + b * H}
+    if c.layer_types[i] == "full_attention":
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q, kv = hq * d, hkv * d
+        s1 |= {"q": norm_bytes(q, b, f, comp, fp32_gain=True, groups=hq, keep_input=2 * b * q) + b * q,
+               "gate": 2 * b * q,                       # σ(gate) and the gated output o_proj reads
+               "k, v": norm_bytes(kv, b, f, comp, fp32_gain=True, groups=hkv, keep_input=b * kv) + 2 * b * kv,
+               "attention": b * q + 4 * hq}
+    else:
+        nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        kd, vd = nk * dk, nv * dv
+        D, W = 2 * kd + vd, c.linear_conv_kernel_dim
+        conv = b * D + 3 * f * D if comp else (W + 1) * f * D
+        l2 = 2 * f * nk if comp else 2 * (f * kd + f * nk)
+        out_norm = 2 * b * vd + f * nv if comp else 3 * f * vd + b * vd + f * nv
+        s1 |= {"convolution": conv + b * D,              # and its output (q, k, v are views of it)
+               "gates": 3 * f * nv + b * nv,
+               "q, k": l2 + 2 * b * kd,                  # l2-normalised q and k, kept by the rule's kernel
+               "output norm": out_norm + b * vd}         # and the gated output out_proj reads
+    shared = c.shared_expert_intermediate_size
+    return s1 | {"post norm": norm_bytes(H, b, f, comp, fp32_gain=True) + b * H,
+                 "shared expert": mlp_bytes(shared, b, comp) + b + b * H,   # and its gate σ and output
+                 "residual": b * H,
+                 "router": router_bytes(c.num_experts, c.num_experts_per_tok, b, f, f * c.num_experts_per_tok + f)}
+
+
+def kernel_attention_shape(c: Config, document_mask: bool, cp: int) -> tuple[int, int, int] | None:
+    "(heads, q/k width, v width) where ops/14's kernels attend: never (SDPA attends the full-attention layers)."
+    return None
+
+
+def expert_width(c: Config) -> int:
+    "The FFN width of one routed expert."
+    return c.moe_intermediate_size
+
+
+def router_one_hot(c: Config) -> int:
+    "Values per routed pair that stage 3 keeps for the router besides the rows: none."
+    return 0
+
+
+FP32_NORM_GAIN = True    # the RMSNorms multiply their gain in float32
+
+# %%
+c5 = tiny_config(layers=4)
+assert c5.layer_types == ["linear_attention"] * 3 + ["full_attention"] and Model is Qwen3_5MoeForCausalLM
+hf = to_hf(c5)
+assert hf["model_type"] == "qwen3_5_moe_text" and from_hf(hf)[1]["layer_types"] == c5.layer_types
+text, computed, _, _ = from_hf({"model_type": "qwen3_5_moe", "text_config": hf, "tie_word_embeddings": False})
+assert text["tie_word_embeddings"] is False and computed["layer_types"] == c5.layer_types
+assert "gate" in kept_by_part(c5, 3, 2, 4, False) and "convolution" in kept_by_part(c5, 0, 2, 4, False)

@@ -41,7 +41,8 @@ import torch
 
 from pith_lit.engine.mesh import stage_layers
 from pith_lit.engine.planner import Workload
-from pith_lit.models import deepseek_v2, gpt_oss, qwen3_5_moe, qwen3_moe
+from pith_lit.models import qwen3_moe
+from pith_lit.models.family import MODEL_TYPES, family
 from pith_lit.models.protocol import cfg
 
 # %%
@@ -88,8 +89,8 @@ class ParallelConfig:
     pp_stage_layers: list | Literal["auto"] = cfg(
         [], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 3, 2] (stage 0 and the last, on rank 0 "
             "with the embedding and the head, may have 0); [] = even; \"auto\" = the cut that the layers' and the "
-            "head's times, measured at start-up, simulate as fastest (engine/37). Rank 0's head can cost several "
-            "layers (the Qwen3 bench at pp 2: benchmarks/RESULTS.md)")
+            "head's times, measured at start-up, simulate as fastest (engine/37), for a rank 0 whose embedding, "
+            "head and loss cost time besides its layers")
     ep_sync_free: bool = cfg(False, "at ep > 1, size the all-to-alls by bounds instead of exchanging counts: no "
                                     "host synchronisation per layer (faster where the host limits the step), but "
                                     "the expert buffers hold ep·T·top_k rows (more memory)")
@@ -145,15 +146,14 @@ class TrainConfig:
     fp8: bool = cfg(False, "the routed experts' matmuls in FP8: E4M3 values with power-of-two scales "
                            "(train.fp8_scaling), each weight quantized once per step; Triton kernels on CUDA (sm89 or "
                            "newer), their torch reference on a CPU. Attention, the dense projections, router, norms "
-                           "and head stay in train.dtype (ops/15_fp8). On the H200 the FP8 products run faster than "
-                           "bf16's, but the quantization passes take most of that back and every expert weight is "
-                           "quantized each step: the bench steps (one micro-batch each) measure slower than bf16 and "
-                           "use more memory (benchmarks/RESULTS.md)")
+                           "and head stay in train.dtype (ops/15_fp8). The FP8 products are faster than bf16's; "
+                           "the quantization passes and the weights' FP8 copies cost time and memory, so it pays "
+                           "where the expert matmuls are large against them (benchmarks/RESULTS.md)")
     fp8_scaling: Literal["block", "rows"] = cfg(
         "rows", "with train.fp8, how the experts' FP8 values are scaled: rows = one scale per row of each operand "
         "over the whole reduction, so the GEMMs chain their FP8 products and scale once at the end (ops/15_fp8, "
-        "\"One scale per row\"; the faster recipe on the H200); block = 1×128 activation tiles and 128×128 weight "
-        "blocks (DeepSeek-V3's recipe), which confine an outlier to its block")
+        "\"One scale per row\"), the fewer passes; block = 1×128 activation tiles and 128×128 weight blocks "
+        "(DeepSeek-V3's recipe), which confine an outlier to its block")
 
 
 @dataclass
@@ -200,8 +200,9 @@ class LogConfig:
 # ## The model section
 #
 # `[model]` holds the `Config` dataclass of one model family, whose field names are those of the Hugging Face
-# config. Which dataclass is decided by its `model_type` field, with a plain `match`: adding a family is one
-# more `case` (and its name in `MODEL_TYPES`, which the error message lists).
+# config. Which dataclass is decided by its `model_type` field: `model_class` is the `Config` of the family's module
+# (models/29 `family`, whose `MODEL_TYPES` lists the valid names), and a name that is not a family is a config
+# error.
 
 # %%
 #| export
@@ -227,23 +228,12 @@ class ExistingFile(UserError, FileExistsError):
     "A file that would be overwritten; the message says where to write instead."
 
 
-MODEL_TYPES = ("qwen3_moe", "deepseek_v2", "gpt_oss", "qwen3_5_moe")  # the cases of `model_class`, for its error message
-
-
 def model_class(model_type: str) -> type:
     "The `Config` dataclass of the model family named `model_type`."
-    match model_type:
-        case "qwen3_moe":
-            return qwen3_moe.Config
-        case "deepseek_v2":
-            return deepseek_v2.Config
-        case "gpt_oss":
-            return gpt_oss.Config
-        case "qwen3_5_moe":
-            return qwen3_5_moe.Config
-        case _:
-            raise ConfigError(f"model.model_type = {model_type!r}: unknown model family; "
-                              f"valid: {', '.join(map(repr, MODEL_TYPES))}")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"model.model_type = {model_type!r}: unknown model family; "
+                          f"valid: {', '.join(map(repr, MODEL_TYPES))}")
+    return family(model_type).Config
 
 # %% [markdown]
 # The checks in this notebook use one helper: the message of the `ConfigError` a call must raise.
@@ -275,9 +265,8 @@ print(raises(model_class, "llama"))
 class Config:
     "A whole run: defaults ← TOML file ← `--set` overrides. Build it with `load_config` or `parse_args`."
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": RunConfig.__doc__})
-    model: qwen3_moe.Config | deepseek_v2.Config | gpt_oss.Config | qwen3_5_moe.Config = field(
-                                    default_factory=qwen3_moe.Config,
-                                    metadata={"help": "the model family's own config, chosen by model_type"})
+    model: object = field(default_factory=qwen3_moe.Config,   # a family's Config: model_class(model_type)
+                          metadata={"help": "the model family's own config, chosen by model_type"})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": ParallelConfig.__doc__})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": TrainConfig.__doc__})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": DataConfig.__doc__})

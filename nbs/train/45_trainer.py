@@ -30,7 +30,7 @@
 # the last good checkpoint stays the latest; SIGINT or SIGTERM finishes the current step, saves, and exits
 # cleanly; a run directory holding a checkpoint of another model is refused by the checkpoint loader.
 #
-# The command line (`python -m pith_lit.train`) is the next notebook, `49_main`.
+# The command line (`python -m pith_lit.train`) is the notebook `49_main`.
 
 # %%
 #| default_exp train.trainer
@@ -57,6 +57,7 @@ from pith_lit.engine.mesh import Mesh, build_mesh, init_distributed, launch_env
 from pith_lit.engine.planner import GiB, Estimate, estimate
 from pith_lit.engine.stages import recompute_layers
 from pith_lit.engine.steptime import choose_stage_layers, profile_layers
+from pith_lit.models.family import family
 from pith_lit.models.protocol import LocalDispatcher, head_loss, run_layers
 from pith_lit.ops.attention import doc_positions
 from pith_lit.ops.fp8 import clear_fp8, set_fp8
@@ -71,28 +72,14 @@ from pith_lit.train.optim import build_optimizer, count_tokens, lr_at, optimizer
 # %% [markdown]
 # ## Building the model
 #
-# The model family is chosen by `model.model_type` with a plain `match`: adding a family means adding a case
-# here and in `config.model_class`.
+# The model family is chosen by `model.model_type`: its module (models/29 `family`) holds the model class,
+# `Model`.
 
 # %%
 #| export
 def build_model(model_cfg) -> torch.nn.Module:
     "The model of the family `model_cfg.model_type` in float32 on the default device, initialised (not on meta)."
-    match model_cfg.model_type:
-        case "qwen3_moe":
-            from pith_lit.models.qwen3_moe import Qwen3MoeForCausalLM
-            return Qwen3MoeForCausalLM(model_cfg)
-        case "deepseek_v2":
-            from pith_lit.models.deepseek_v2 import DeepseekV2ForCausalLM
-            return DeepseekV2ForCausalLM(model_cfg)
-        case "gpt_oss":
-            from pith_lit.models.gpt_oss import GptOssForCausalLM
-            return GptOssForCausalLM(model_cfg)
-        case "qwen3_5_moe":
-            from pith_lit.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
-            return Qwen3_5MoeForCausalLM(model_cfg)
-        case other:
-            raise ConfigError(f"model.model_type = {other!r}: no model class for it")
+    return family(model_cfg.model_type).Model(model_cfg)
 
 # %% [markdown]
 # ## Model FLOPs and MFU
@@ -197,7 +184,7 @@ class NonFiniteLoss(UserError, RuntimeError):
 
 # %%
 #| export
-def _meta_model(cfg: Config):
+def meta_model(cfg: Config):
     "A builder of the whole model on the meta device (shapes only)."
     def make():
         with torch.device("meta"):
@@ -217,7 +204,7 @@ def cut_pipeline(cfg: Config, device: torch.device) -> list[int]:
     cut = [None]
     if dist.get_rank() == 0:
         w = cfg.workload()
-        profile = profile_layers(_meta_model(cfg)(), dataclasses.replace(w, compile=False), device,
+        profile = profile_layers(meta_model(cfg)(), dataclasses.replace(w, compile=False), device,
                                  LocalDispatcher(cfg.model.routed_experts), optimizer_for(cfg), cfg.train.fp8_scaling)
         cut = [choose_stage_layers(cfg.model, w, profile)]
     if dist.get_world_size() > 1:
@@ -236,7 +223,7 @@ def _memory_fix(cfg: Config, gpu: float) -> str:
             other = validate(from_dict(to_dict(cfg), [change]))
         except ConfigError:
             continue
-        e = estimate(other.model, _meta_model(other), other.workload(), optimizer_states(other.train.optimizer))
+        e = estimate(other.model, meta_model(other), other.workload(), optimizer_states(other.train.optimizer))
         if e.fits(gpu):
             return f"--set {change} is predicted to fit ({e.needs() / GiB:.1f} GiB)"
     return "no single change of recompute, micro_batch or optim_dtype is predicted to fit: use more GPUs"
@@ -244,7 +231,7 @@ def _memory_fix(cfg: Config, gpu: float) -> str:
 
 def memory_verdict(cfg: Config, gpu: float) -> Estimate:
     "The planner's estimate of this layout; a ConfigError naming a fix when it does not fit `gpu` bytes per GPU."
-    e = estimate(cfg.model, _meta_model(cfg), cfg.workload(), optimizer_states(cfg.train.optimizer))
+    e = estimate(cfg.model, meta_model(cfg), cfg.workload(), optimizer_states(cfg.train.optimizer))
     if cfg.run.memory_check and not e.fits(gpu):
         raise ConfigError(f"{cfg.layout_text} with train.micro_batch = {cfg.train.micro_batch} needs about "
                           f"{e.needs() / GiB:.1f} GiB per GPU ({e.summary()}), more than this GPU's {gpu / GiB:.1f} "

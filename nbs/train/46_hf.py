@@ -16,7 +16,9 @@
 # `AutoModelForCausalLM.from_pretrained`.
 #
 # The mapping is short because our models were written for it: every `Config` field is named as in the
-# Hugging Face config, and every parameter is named and shaped as in transformers 5.x. Three things are left:
+# Hugging Face config, and every parameter is named and shaped as in transformers 5.x. Three things are left, and
+# what is particular to a family is written in its own notebook (models/21–24: `from_hf`, `to_hf` and the `HF_*`
+# names, found by models/29 `family`); this notebook holds the rules they share:
 #
 # 1. **The config.** config.json has keys we do not model (token ids, cache settings) and keys whose null
 #    means something (`q_lora_rank: null` is no low-rank query path, our 0), and RoPE comes in two spellings:
@@ -27,9 +29,10 @@
 #    (`mlp.experts.gate_up_proj` (E, 2I, H) and `mlp.experts.down_proj` (E, H, I)), as we do, but the published
 #    Qwen3-MoE and DeepSeek-V2 checkpoints store each expert on its own
 #    (`mlp.experts.{e}.gate_proj.weight` (I, H), `up_proj`, `down_proj`), and transformers converts them when
-#    it loads. We read both layouts and write the per-expert one, as the hub has it. GPT-OSS's experts are
-#    stacked everywhere (its hub checkpoint is quantized: see below). Qwen3.5-MoE's published checkpoints stack
-#    them, and transformers' `save_pretrained` writes them one by one: we read both and write them stacked.
+#    it loads. We read both layouts and write the per-expert one, as the hub has it. Each family says which
+#    layout it writes and whether it reads experts one by one (`HF_EXPERTS_ONE_BY_ONE`,
+#    `HF_READ_EXPERTS_ONE_BY_ONE`): GPT-OSS's are stacked everywhere; Qwen3.5-MoE's published checkpoints stack
+#    them, and transformers' `save_pretrained` writes them one by one, so we read both and write them stacked.
 # 3. **Sharding.** Reading follows the index; writing cuts shards at about 5 GB.
 #
 # One more tensor per MoE layer has no parameter behind it: the routers' selection bias of aux-loss-free
@@ -59,6 +62,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from pith_lit.models.family import MODEL_TYPES, family
 from pith_lit.train.config import ExistingFile, InvalidInput, MissingFile, from_dict, model_class
 from pith_lit.train.trainer import build_model
 
@@ -72,35 +76,20 @@ from pith_lit.train.config import load_config
 # %% [markdown]
 # ## config.json → Config
 #
-# Each family has its function. It computes the fields that need more than copying (RoPE, the nulls, a renamed
+# Each family has its `from_hf`. It computes the fields that need more than copying (RoPE, the nulls, a renamed
 # key) and names the keys it must see with one value (`fixed`) and the keys it reads past (`read`); every
-# other key must be one of the family's `Config` fields and is copied. `_to_config` applies those rules:
+# other key must be one of the family's `Config` fields and is copied. The family whose `HF_MODEL_TYPES` holds
+# config.json's `model_type` reads it. `_to_config` applies those rules:
 # a key that is none of these is refused, because we cannot know that it does not change the model, and a
 # field that config.json does not give is an error rather than a default, because transformers' default and
 # ours differ (ours are tiny). `from_dict` (train/config) then checks the types and the family's own rules.
 
 # %%
 #| export
-SUPPORTED = ("qwen3_moe", "deepseek_v2", "gpt_oss", "qwen3_5_moe")  # the families `config_from_hf` reads
-
 # Keys that do not change what the model computes: bookkeeping, token ids, generation and loss settings.
 HARMLESS = {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
             "auto_map", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits",
             "router_aux_loss_coef"}
-
-
-def _or(hf: dict, key: str, if_null):
-    "config.json's value for `key`, `if_null` where it is null; None (reported as missing) where it is absent."
-    return hf[key] if hf.get(key) is not None else (if_null if key in hf else None)
-
-
-def _rope(hf: dict) -> tuple[float | None, str, dict]:
-    "RoPE in either spelling -> (rope_theta, the RoPE type, its other parameters)."
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta"))
-    kind = rope.pop("rope_type", None)
-    kind = rope.pop("type", None) or kind or "default"  # 4.x spelled it `type`; 5.x writes both
-    return None if theta is None else float(theta), kind, rope
 
 
 def _to_config(hf: dict, model_type: str, computed: dict, fixed: dict, read: set):
@@ -123,93 +112,6 @@ def _to_config(hf: dict, model_type: str, computed: dict, fixed: dict, read: set
                          "are not pith_lit's)")
     return from_dict({"model": {"model_type": model_type, **values}}).model
 
-# %% [markdown]
-# The three families. Qwen3-MoE: plain RoPE only, and a sliding window only when `use_sliding_window` is set
-# (then `sliding_window` and `max_window_layers` matter, and we refuse it); transformers 5.x renamed
-# `num_experts` to `num_local_experts`. DeepSeek-V2: nulls for `q_lora_rank`, `n_group` and `topk_group`, plain
-# RoPE or YaRN, and `head_dim`/`qk_head_dim`, which transformers derives from the query/key widths. GPT-OSS:
-# YaRN in `rope_parameters` as our config holds it, `swiglu_alpha`, which the published config.json lacks (it
-# was a constant before transformers made it a field), and two older keys transformers ignores. Its published
-# checkpoint stores the experts in MXFP4 (`quantization_config`), which we refuse: dequantize it first, e.g.
-# with transformers' `Mxfp4Config(dequantize=True)` and `save_pretrained`.
-#
-# Qwen3.5-MoE comes two ways. transformers' text model writes `model_type: qwen3_5_moe_text` with the keys at the
-# top. The published checkpoints are the multimodal model, `model_type: qwen3_5_moe`, whose language model's keys
-# sit in `text_config` beside a `vision_config` we do not read. RoPE is `rope_parameters` with
-# `partial_rotary_factor`, and multimodal RoPE's `mrope_section` and `mrope_interleaved`, which text-only positions
-# make plain RoPE (the three sections see the same position). Without `layer_types`, `full_attention_interval`
-# (default 4) places the full-attention layers, as transformers does. The multi-token-prediction head's keys
-# (`mtp_*`) describe weights we read past (below).
-
-# %%
-#| export
-def _qwen3_moe(hf: dict):
-    theta, kind, rest = _rope(hf)
-    if kind != "default" or rest:
-        raise InvalidInput(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's qwen3_moe has plain RoPE only")
-    computed = {"rope_theta": theta, "num_experts": hf.get("num_experts", hf.get("num_local_experts")),
-                "mlp_only_layers": _or(hf, "mlp_only_layers", [])}
-    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False}
-    read = {"rope_theta", "rope_scaling", "rope_parameters", "num_local_experts", "sliding_window", "max_window_layers"}
-    return _to_config(hf, "qwen3_moe", computed, fixed, read)
-
-
-def _deepseek_v2(hf: dict):
-    theta, kind, rest = _rope(hf)
-    if kind not in ("default", "yarn") or (kind == "default" and rest):
-        raise InvalidInput(f"config.json: RoPE of type {kind!r} with {rest}: pith_lit's deepseek_v2 has plain RoPE "
-                         "and YaRN")
-    computed = {"rope_theta": theta, "rope_scaling": {"type": "yarn", **rest} if kind == "yarn" else {},
-                "q_lora_rank": _or(hf, "q_lora_rank", 0), "n_group": _or(hf, "n_group", 1),
-                "topk_group": _or(hf, "topk_group", 1),
-                "num_key_value_heads": _or(hf, "num_key_value_heads", hf.get("num_attention_heads"))}
-    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False, "scoring_func": "softmax",
-             "moe_layer_freq": 1}
-    read = {"rope_theta", "rope_scaling", "rope_parameters", "head_dim", "qk_head_dim", "pretraining_tp",
-            "aux_loss_alpha", "seq_aux", "ep_size"}
-    return _to_config(hf, "deepseek_v2", computed, fixed, read)
-
-
-def _gpt_oss(hf: dict):
-    theta, kind, rest = _rope(hf)
-    computed = {"rope_parameters": {"rope_type": kind, "rope_theta": theta, **rest},
-                "swiglu_alpha": hf.get("swiglu_alpha", 1.702), "layer_types": _or(hf, "layer_types", [])}
-    fixed = {"attention_dropout": 0.0}
-    read = {"rope_theta", "rope_scaling", "rope_parameters", "hidden_act", "experts_per_token",
-            "initial_context_length"}
-    return _to_config(hf, "gpt_oss", computed, fixed, read)
-
-
-def _qwen3_5_moe(hf: dict):
-    theta, kind, rest = _rope(hf)
-    rest = {k: v for k, v in rest.items() if k not in ("mrope_section", "mrope_interleaved")}
-    partial = rest.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if kind != "default" or rest or partial is None:
-        raise InvalidInput(f"config.json: RoPE of type {kind!r} with {rest}, partial_rotary_factor {partial}: pith_lit's "
-                           "qwen3_5_moe has plain RoPE on a partial_rotary_factor of each head")
-    interval = hf.get("full_attention_interval", 4)
-    types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                      for i in range(hf.get("num_hidden_layers", 0))]
-    computed = {"rope_parameters": {"rope_type": kind, "rope_theta": theta, "partial_rotary_factor": partial},
-                "layer_types": types}
-    fixed = {"hidden_act": "silu", "attention_dropout": 0.0, "attn_output_gate": True}
-    read = {"rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "full_attention_interval",
-            "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "mamba_ssm_dtype"}
-    return _to_config(hf, "qwen3_5_moe", computed, fixed, read)
-
-
-def _text_config(hf: dict) -> dict:
-    "The text config of a multimodal Qwen3.5-MoE config.json, with the head's tying, which sits at its top."
-    text = dict(hf.get("text_config") or {})
-    if text.get("model_type", "qwen3_5_moe_text") != "qwen3_5_moe_text":
-        raise InvalidInput(f"config.json: text_config.model_type = {text['model_type']!r}; pith_lit reads the "
-                           "language model of qwen3_5_moe checkpoints, whose text_config is qwen3_5_moe_text")
-    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    if text.get("tie_word_embeddings", tie) != tie:
-        raise InvalidInput(f"config.json: tie_word_embeddings = {tie} but text_config.tie_word_embeddings = "
-                           f"{text['tie_word_embeddings']}; make them agree")
-    return text | {"tie_word_embeddings": tie}
-
 
 def config_from_hf(hf: dict):
     "Our model `Config` for the Hugging Face config.json `hf` (a dict); a clear error for what we do not model."
@@ -217,46 +119,26 @@ def config_from_hf(hf: dict):
         raise InvalidInput(f"config.json has quantization_config {hf['quantization_config']}: pith_lit reads "
                          "unquantized weights only; dequantize the checkpoint first (transformers: load it with "
                          "quantization_config=Mxfp4Config(dequantize=True) and save_pretrained)")
-    match hf.get("model_type"):
-        case "qwen3_moe":
-            return _qwen3_moe(hf)
-        case "deepseek_v2":
-            return _deepseek_v2(hf)
-        case "gpt_oss":
-            return _gpt_oss(hf)
-        case "qwen3_5_moe_text":
-            return _qwen3_5_moe(hf)
-        case "qwen3_5_moe":                      # multimodal: its language model
-            return _qwen3_5_moe(_text_config(hf))
-        case other:
-            raise InvalidInput(f"config.json: model_type {other!r} is not supported; pith_lit reads "
-                             f"{', '.join(SUPPORTED)}")
+    names = [t for t in MODEL_TYPES if hf.get("model_type") in family(t).HF_MODEL_TYPES]
+    if not names:
+        raise InvalidInput(f"config.json: model_type {hf.get('model_type')!r} is not supported; pith_lit reads "
+                           f"{', '.join(t for name in MODEL_TYPES for t in family(name).HF_MODEL_TYPES)}")
+    try:
+        keys, computed, fixed, read = family(names[0]).from_hf(hf)
+    except ValueError as e:   # the family's refusal, as the user's error it is
+        raise InvalidInput(str(e)) from e
+    return _to_config(keys, names[0], computed, fixed, read)
 
 # %% [markdown]
-# The other direction writes the hub's spelling: `rope_theta` and `rope_scaling` (null for plain RoPE),
-# `q_lora_rank: null` for no low-rank query path, and the keys that fix the math written out, so that
-# transformers (4.x or 5.x) does not fall back on a default of its own.
+# The other direction writes the hub's spelling, each family's `to_hf`: e.g. `rope_theta` and `rope_scaling` (null
+# for plain RoPE), `q_lora_rank: null` for no low-rank query path, and the keys that fix the math written out, so
+# that transformers (4.x or 5.x) does not fall back on a default of its own.
 
 # %%
 #| export
 def config_to_hf(cfg) -> dict:
     "The config.json keys of our model config `cfg` (without `architectures` and `torch_dtype`)."
-    hf = asdict(cfg)
-    match cfg.model_type:
-        case "qwen3_moe":
-            return hf | {"rope_scaling": None, "hidden_act": "silu", "attention_dropout": 0.0,
-                         "use_sliding_window": False}
-        case "deepseek_v2":
-            return hf | {"q_lora_rank": cfg.q_lora_rank or None, "rope_scaling": cfg.rope_scaling or None,
-                         "hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False}
-        case "gpt_oss":
-            rope = dict(hf.pop("rope_parameters"))
-            return hf | {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "attention_dropout": 0.0}
-        case "qwen3_5_moe":                      # the text model: transformers' Qwen3_5MoeForCausalLM
-            return hf | {"model_type": "qwen3_5_moe_text", "hidden_act": "silu", "attention_dropout": 0.0}
-        case other:
-            raise InvalidInput(f"model_type {other!r}: pith_lit writes Hugging Face checkpoints of "
-                             f"{', '.join(SUPPORTED)}")
+    return family(cfg.model_type).to_hf(cfg)
 
 # %% [markdown]
 # Check with DeepSeek-V2-Lite's published config.json (deepseek-ai/DeepSeek-V2-Lite): its nulls and YaRN
@@ -389,7 +271,7 @@ refusal({"model_type": "llama"})
 # ## Tensor names
 #
 # Our parameter names are transformers 5.x's, so a tensor is mapped by name, except the stacked experts of the
-# families whose hub checkpoints store experts one by one. `_pieces` lists, for one of our stacked expert
+# families whose hub checkpoints store experts one by one (the family's `HF_EXPERTS_ONE_BY_ONE`). `_pieces` lists, for one of our stacked expert
 # tensors, the hub's per-expert tensors and where each sits in ours: expert e's `gate_proj` is rows 0..I of
 # `gate_up_proj[e]`, its `up_proj` rows I..2I, its `down_proj` all of `down_proj[e]`. `hub_tensors` is the
 # whole checkpoint in the hub's layout: name → (our parameter, index into it). A tied output head is the
@@ -397,17 +279,6 @@ refusal({"model_type": "llama"})
 
 # %%
 #| export
-def _experts_one_by_one(model_type: str) -> bool:
-    "Whether the family's hub checkpoints store each routed expert on its own (else stacked, as transformers 5.x)."
-    match model_type:
-        case "qwen3_moe" | "deepseek_v2":
-            return True
-        case "gpt_oss" | "qwen3_5_moe":
-            return False
-        case other:
-            raise InvalidInput(f"model_type {other!r}: pith_lit converts {', '.join(SUPPORTED)}")
-
-
 def _pieces(name: str, param: torch.Tensor) -> dict[str, tuple]:
     "The hub's per-expert tensors of our stacked expert tensor `name`: hub name -> index into `param`; {} for others."
     prefix, _, leaf = name.rpartition(".")
@@ -424,7 +295,7 @@ def _pieces(name: str, param: torch.Tensor) -> dict[str, tuple]:
 
 def hub_tensors(model: nn.Module) -> dict[str, tuple[nn.Parameter, tuple]]:
     "Every tensor of the model's Hugging Face checkpoint, in the hub's layout: name -> (our parameter, index)."
-    split = _experts_one_by_one(model.config.model_type)
+    split = family(model.config.model_type).HF_EXPERTS_ONE_BY_ONE
     out = {}
     for name, p in model.named_parameters():  # a tied head is the embedding's parameter, listed once
         pieces = _pieces(name, p) if split else {}
@@ -456,10 +327,10 @@ len(hub)
 # per-expert pieces. Then every tensor of the files must have been used (a tied head may also be stored, as a
 # copy of the embedding, and is read past). Each problem names the tensor.
 #
-# A Qwen3.5-MoE checkpoint may be the multimodal model: its language model's tensors are stored as
-# `model.language_model.X` for our `model.X` (the head is `lm_head.weight` in both), next to the vision tower
-# (`model.visual.*`). Both kinds may hold the multi-token-prediction head (`mtp.*`), which transformers' text model
-# reads past too. `_language_model` renames the first and leaves the other two out, in one printed line.
+# A family may store tensors under other names, or beside tensors we do not read (Qwen3.5-MoE's multimodal
+# checkpoints: its language model under `model.language_model.`, the vision tower, the multi-token-prediction head).
+# `_our_names` renames what the family's `HF_RENAME` says and leaves out what its `HF_READ_PAST` says, in one printed
+# line.
 
 # %%
 #| export
@@ -500,34 +371,28 @@ def _routing_biases(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b for name, b in model.named_buffers() if name.endswith(".e_score_correction_bias")}
 
 
-def _language_model(where: dict[str, Path], path: Path) -> tuple[dict[str, Path], dict[str, str]]:
-    """Qwen3.5-MoE's tensors under the text model's names, and the name each is stored under: a multimodal
-    checkpoint's `model.language_model.X` is our `model.X`. The vision tower (`model.visual.*`) and the
-    multi-token-prediction head (`mtp.*`) are read past, with one line that says so."""
+def _our_names(where: dict[str, Path], path: Path, fam) -> tuple[dict[str, Path], dict[str, str]]:
+    """The tensors of `where` under our names, and the name each is stored under, by the family `fam`'s `HF_RENAME`
+    (stored prefix -> ours); what its `HF_READ_PAST` names is left out, with one line that says so."""
     kept, stored, past = {}, {}, {}
     for name, f in where.items():
-        if name.startswith(("model.visual.", "mtp.")):
-            part = "the vision tower (model.visual.*)" if name.startswith("model.") else \
-                   "the multi-token-prediction head (mtp.*)"
+        part = next((what for prefix, what in fam.HF_READ_PAST.items() if name.startswith(prefix)), None)
+        if part is not None:
             past[part] = past.get(part, 0) + 1
             continue
-        ours = "model." + name.removeprefix("model.language_model.") if name.startswith("model.language_model.") \
-            else name
+        ours = next((new + name.removeprefix(old) for old, new in fam.HF_RENAME.items() if name.startswith(old)), name)
         kept[ours], stored[ours] = f, name
     if past:
-        print(f"load_hf: {path}: reading the language model only; read past "
-              + " and ".join(f"{part}, {n} tensors" for part, n in past.items()))
+        print(f"load_hf: {path}: read past " + " and ".join(f"{part}, {n} tensors" for part, n in past.items()))
     return kept, stored
 
 
 @torch.no_grad()
 def _fill(model: nn.Module, path: Path):
     "Copy every parameter of `model` from the checkpoint files in `path`."
-    where, used, missing, stored = _tensor_files(path), set(), [], {}
-    if model.config.model_type == "qwen3_5_moe":
-        where, stored = _language_model(where, path)
-    # transformers' save_pretrained writes Qwen3.5-MoE's experts one by one, its published checkpoints stack them
-    split = _experts_one_by_one(model.config.model_type) or model.config.model_type == "qwen3_5_moe"
+    fam = family(model.config.model_type)
+    (where, stored), used, missing = _our_names(_tensor_files(path), path, fam), set(), []
+    split = fam.HF_READ_EXPERTS_ONE_BY_ONE
     with ExitStack() as stack:
         handles = {}
         def read(name):

@@ -47,7 +47,7 @@ from pith_lit.engine.steptime import Link, Profile, StepTime, choose_stage_layer
 from pith_lit.train.config import (Config, ConfigError, UserError, from_dict, read_toml, run_command, to_dict,
                                    validate)
 from pith_lit.train.optim import optimizer_states
-from pith_lit.train.trainer import PEAK_FLOPS, _meta_model, optimizer_for
+from pith_lit.train.trainer import PEAK_FLOPS, meta_model, optimizer_for
 
 # %% [markdown]
 # ## The layouts of N GPUs
@@ -104,13 +104,13 @@ def predict(cfg: Config, profile: Profile | None = None, link: Link = Link(),
             cache[key] = choose_stage_layers(cfg.model, w, profile)
         cfg = validate(from_dict(to_dict(cfg), [f"parallel.pp_stage_layers={cache[key]}"]))
     w = cfg.workload()
-    e = estimate(cfg.model, _meta_model(cfg), w, optimizer_states(cfg.train.optimizer), cache)
+    e = estimate(cfg.model, meta_model(cfg), w, optimizer_states(cfg.train.optimizer), cache)
     return e, (step_time(cfg.model, w, profile, e.units[0], link) if profile is not None else None)
 
 
 def flops_per_token(cfg: Config) -> float:
     "The model's training FLOPs per token at the config's sequence length (models' `flops_per_token`)."
-    return _meta_model(cfg)().flops_per_token(cfg.train.seq_len)
+    return meta_model(cfg)().flops_per_token(cfg.train.seq_len)
 
 
 def row(cfg: Config, e: Estimate, time: StepTime | None, gpu: float, flops: float, peak_flops: float) -> dict:
@@ -167,7 +167,7 @@ runs, profiles = {}, {}
 for kind in ("adamw", "muon"):
     runs[kind] = load_config(overrides=["run.device=cpu", "train.seq_len=32", "train.micro_batch=2",
                                         f"train.optimizer={kind}"])
-    profiles[kind] = profile_layers(_meta_model(runs[kind])(), runs[kind].workload(), "cpu",
+    profiles[kind] = profile_layers(meta_model(runs[kind])(), runs[kind].workload(), "cpu",
                                     LocalDispatcher(runs[kind].model.routed_experts), optimizer_for(runs[kind]),
                                     runs[kind].train.fp8_scaling, reps=5)
 a, m = profiles["adamw"].optimizer_ms, profiles["muon"].optimizer_ms
@@ -234,7 +234,7 @@ def _profile(args, cfg: Config) -> Profile | None:
         if not torch.cuda.is_available():
             raise UserError("--measure times the layers on a GPU, and torch sees none here; measure on the GPU "
                             "machine, then pass the file with --profile")
-        prof = profile_layers(_meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts),
+        prof = profile_layers(meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts),
                               optimizer_for(cfg), cfg.train.fp8_scaling)
         with open(args.measure, "w") as fh:
             json.dump(asdict(prof), fh, indent=1)

@@ -13,21 +13,25 @@ type=$1
 need "torch, pith_lit, pytest, transformers, nbdev"
 "$py" scripts/sync_check.py >/dev/null ||
   fail "notebooks and package disagree: python scripts/sync_check.py says what to run"
-"$py" - "$type" <<'PY' || fail "$type is not wired into the package (see the message above and SKILL.md steps 3-5)"
+"$py" - "$type" <<'PY' || fail "$type is not wired into the package (see the message above and SKILL.md steps 1 and 3)"
 import sys
-from pith_lit.train.config import MODEL_TYPES, model_class
-from pith_lit.train.hf import SUPPORTED
+from pith_lit.models.family import MODEL_TYPES, family
 from pith_lit.train.trainer import build_model
 t = sys.argv[1]
-for where, names in (("pith_lit.train.config.MODEL_TYPES", MODEL_TYPES), ("pith_lit.train.hf.SUPPORTED", SUPPORTED)):
-    if t not in names:
-        sys.exit(f"{t!r} is not in {where} {names}")
-model = build_model(model_class(t)())
+if t not in MODEL_TYPES:
+    sys.exit(f"{t!r} is not in pith_lit.models.family.MODEL_TYPES {MODEL_TYPES}")
+names = ("Config", "Model", "tiny_config", "from_hf", "to_hf", "HF_MODEL_TYPES", "HF_EXPERTS_ONE_BY_ONE",
+         "HF_READ_EXPERTS_ONE_BY_ONE", "HF_RENAME", "HF_READ_PAST", "kept_by_part", "kernel_attention_shape",
+         "expert_width", "router_one_hot", "FP32_NORM_GAIN")
+missing = [n for n in names if not hasattr(family(t), n)]
+if missing:
+    sys.exit(f"pith_lit.models.{t} lacks {', '.join(missing)} (SKILL.md step 1, the family interface)")
+model = build_model(family(t).Config())
 assert model.config.routed_experts >= 0 and model.flops_per_token(16) > 0
 PY
 nbs=(nbs/models/2?_"$type".ipynb)
 [ -f "${nbs[0]}" ] || fail "no notebook nbs/models/2?_$type.ipynb (SKILL.md step 1)"
-[ -f "tests/test_$type.py" ] || fail "no tests/test_$type.py (SKILL.md step 6)"
+[ -f "tests/test_$type.py" ] || fail "no tests/test_$type.py (SKILL.md step 4)"
 runs=$PWD/out/skills/add-new-model   # the tokenized corpus is cached in $runs/cache, shared by the model types
 out=$runs/$type
 rm -rf "$out" && mkdir -p "$out"

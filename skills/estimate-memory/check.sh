@@ -34,7 +34,7 @@ import tempfile, torch
 from pith_lit.engine.planner import rank_units
 from pith_lit.train.config import load_config
 from pith_lit.train.optim import optimizer_states
-from pith_lit.train.trainer import _meta_model, build_run, train_step
+from pith_lit.train.trainer import build_run, meta_model, train_step
 cfg = load_config(overrides=[f"run.dir={tempfile.mkdtemp()}", "run.device=cpu", "log.tensorboard=false",
                              "train.steps=1", "train.warmup=0"])
 run = build_run(cfg)
@@ -43,7 +43,7 @@ local = lambda t: t.to_local() if hasattr(t, "to_local") else t
 params = sum(local(p).numel() * p.element_size() for p in run.model.parameters())
 states = sum(local(v).numel() * v.element_size() for s in run.optimizer.state.values() for v in s.values()
              if torch.is_tensor(v) and v.dim() > 0)
-units = rank_units(_meta_model(cfg)(), cfg.workload(), 0, optimizer_states(cfg.train.optimizer))
+units = rank_units(meta_model(cfg)(), cfg.workload(), 0, optimizer_states(cfg.train.optimizer))
 width = cfg.param_dtype.itemsize
 want = sum(u.shard for u in units) * width, sum(u.states for u in units) * width
 print(f"parameters: {params:,} bytes held, {want[0]:,} predicted; optimizer states: {states:,} held, {want[1]:,} "
