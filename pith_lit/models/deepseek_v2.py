@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
+from .protocol import LocalDispatcher, Options, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import ring_attention
-from ..ops.fp8 import expert_mlp
+from ..ops.experts import Fp8Weights, expert_mlp
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #2e1664ca
 YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -163,19 +163,19 @@ def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Li
 
 class Experts(nn.Module):
     "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #0502191e
 class Attention(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, cp_group=None):
         super().__init__()
         n, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
         self.n_heads, self.q_lora_rank, self.kv_lora_rank = n, c.q_lora_rank, c.kv_lora_rank
@@ -194,7 +194,7 @@ class Attention(nn.Module):
         mscale_all_dim = c.rope_scaling.get("mscale_all_dim") if c.rope_scaling else None
         self.softmax_scale = qk ** -0.5 * (yarn_mscale(c.rope_scaling["factor"], mscale_all_dim) ** 2
                                            if mscale_all_dim else 1.0)
-        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+        self.ring = cp_group   # context parallelism: the ring's process group, or None (ops/17)
 
     def expand(self, payload: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (B, n, S, nope + rope) and values (B, n, S, v) from the payload (B, S, kv_lora_rank + rope): the
@@ -218,8 +218,8 @@ class Attention(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)   # one rotated key for all heads
         payload = torch.cat((self.kv_a_layernorm(latent), k_rope), -1)   # what the ring passes
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if self.cp_group is not None:  # the latent travels the ring, each rank expands it (ops/17)
-            o = ring_attention(q, payload, self.cp_group, positions, self.expand, (self.kv_b_proj.weight,),
+        if self.ring is not None:  # the latent travels the ring, each rank expands it (ops/17)
+            o = ring_attention(q, payload, self.ring, positions, self.expand, (self.kv_b_proj.weight,),
                                scale=self.softmax_scale)
             return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
         k, v = self.expand(payload, self.kv_b_proj.weight)
@@ -234,19 +234,19 @@ class Attention(nn.Module):
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #5aafcb58
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k, self.method, self.scale = c.num_experts_per_tok, c.topk_method, c.routed_scaling_factor
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         ct = _compute_dtype(x.dtype)
         probs = F.linear(x.to(ct), self.weight.to(ct)).softmax(-1)
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = probs.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -273,18 +273,18 @@ class MLP(nn.Module):
 
 class SparseMoE(nn.Module):
     "Holds the routed experts, the router (`gate`) and the shared experts under transformers' names."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
-        self.gate = Router(c)
+        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
+        self.gate = Router(c, options.route)
         self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #cbf5d655
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = SparseMoE(c) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+        self.self_attn = Attention(c, options.cp_group)
+        self.mlp = SparseMoE(c, options) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -309,18 +309,18 @@ class DecoderLayer(nn.Module):
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #16c7d60f
 class DeepseekV2Model(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class DeepseekV2ForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config)
+        self.model = DeepseekV2Model(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
+from .protocol import LocalDispatcher, Options, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
-from ..ops.fp8 import expert_linear
+from ..ops.experts import Fp8Weights, expert_linear
 from ..ops.swiglu import clamped_swiglu
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #01788d83
@@ -174,7 +174,7 @@ def projection(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 
 class Experts(nn.Module):
     "E clamped-SwiGLU experts with biases, stacked (E, in, out) as in transformers; rows grouped by expert."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, fp8: str | None = None):
         super().__init__()
         E, H, I = c.num_local_experts, c.hidden_size, c.intermediate_size
         self.limit, self.alpha = c.swiglu_limit, c.swiglu_alpha
@@ -182,22 +182,22 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I))
         self.down_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj_bias = nn.Parameter(torch.empty(E, H))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         """x (N, H) grouped by expert, counts (E,) -> (N, H). `wgrad_queue` defers the expert weight gradients
         (not the biases') to the pipeline schedule's W slots; it reaches the parameters through the `.mT` views."""
         experts = torch.arange(counts.numel(), device=x.device)
         one_hot = (torch.repeat_interleave(experts, counts, output_size=x.shape[0])[:, None] == experts).to(x.dtype)
-        gate_up = (expert_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue, self.fp8, "gate_up")
+        gate_up = (expert_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue, self.fp8_copies, "gate_up")
                    + one_hot @ local(self.gate_up_proj_bias))
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return (expert_linear(act, local(self.down_proj).mT, counts, wgrad_queue, self.fp8, "down")
+        return (expert_linear(act, local(self.down_proj).mT, counts, wgrad_queue, self.fp8_copies, "down")
                 + one_hot @ local(self.down_proj_bias))
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #47093d77
 class Attention(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, cp_group=None):
         super().__init__()
         self.head_dim, self.rope_parameters = c.head_dim, c.rope_parameters
         self.sliding_window = c.sliding_window if c.layer_types[layer_idx] == "sliding_attention" else None
@@ -206,7 +206,7 @@ class Attention(nn.Module):
         self.v_proj = projection(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
         self.o_proj = projection(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
         self.sinks = nn.Parameter(torch.empty(c.num_attention_heads))
-        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+        self.ring = cp_group   # context parallelism: the ring's process group, or None (ops/17)
 
     def qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         "x (B, S, H) -> rotated q (B, n_q, S, d), rotated k and v (B, n_kv, S, d)."
@@ -221,8 +221,8 @@ class Attention(nn.Module):
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
         q, k, v = self.qkv(x, positions)
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if self.cp_group is not None:  # the ring skips the chunks outside the window; the sinks enter once (ops/17)
-            o = ring_attention(q, kv_payload(k, v), self.cp_group, positions, partial(split_kv, dk=self.head_dim),
+        if self.ring is not None:  # the ring skips the chunks outside the window; the sinks enter once (ops/17)
+            o = ring_attention(q, kv_payload(k, v), self.ring, positions, partial(split_kv, dk=self.head_dim),
                                sinks=self.sinks, window=self.sliding_window)
         elif q.is_cuda:   # ops/14's kernel: sinks in the softmax, whole blocks outside the window skipped
             o = causal_attention(q, k, v, self.sinks, self.sliding_window, docs=docs)
@@ -232,18 +232,18 @@ class Attention(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k = c.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(c.num_local_experts, c.hidden_size))
         self.bias = nn.Parameter(torch.empty(c.num_local_experts))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.num_local_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
         logits = F.linear(x, self.weight, self.bias).to(_compute_dtype(x.dtype))
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = logits.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -253,17 +253,17 @@ class Router(nn.Module):
 
 class MLP(nn.Module):
     "Holds the router and the routed experts under transformers' names (`mlp.router`, `mlp.experts`)."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.router = Router(c)
-        self.experts = Experts(c)
+        self.router = Router(c, options.route)
+        self.experts = Experts(c, options.fp8)
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #3160d39a
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
-        self.self_attn = Attention(c, layer_idx)
-        self.mlp = MLP(c)
+        self.self_attn = Attention(c, layer_idx, options.cp_group)
+        self.mlp = MLP(c, options)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -283,18 +283,18 @@ class DecoderLayer(nn.Module):
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #0c4901bd
 class GptOssModel(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class GptOssForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
         self.config = config
-        self.model = GptOssModel(config)
+        self.model = GptOssModel(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

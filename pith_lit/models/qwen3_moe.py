@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import LocalDispatcher, Routing, cfg, init_shared, local, run_layers
+from .protocol import LocalDispatcher, Options, Routing, cfg, init_shared, local, run_layers
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
-from ..ops.fp8 import expert_mlp
+from ..ops.experts import Fp8Weights, expert_mlp
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #8eb992f3
 @dataclass
@@ -104,19 +104,19 @@ def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Li
 
 class Experts(nn.Module):
     "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #0e8794b9
 class Attention(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, cp_group=None):
         super().__init__()
         self.head_dim, self.rope_theta = c.head_dim, c.rope_theta
         self.q_proj = projection(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias)
@@ -125,7 +125,7 @@ class Attention(nn.Module):
         self.o_proj = projection(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+        self.ring = cp_group   # context parallelism: the ring's process group, or None (ops/17)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
@@ -136,8 +136,8 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if self.cp_group is not None:  # this rank's zigzag chunks over the whole sequence's keys (ops/17)
-            o = ring_attention(q, kv_payload(k, v), self.cp_group, positions, partial(split_kv, dk=self.head_dim))
+        if self.ring is not None:  # this rank's zigzag chunks over the whole sequence's keys (ops/17)
+            o = ring_attention(q, kv_payload(k, v), self.ring, positions, partial(split_kv, dk=self.head_dim))
         elif docs is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif q.is_cuda:             # within documents, skipping the key blocks of other documents
@@ -149,17 +149,17 @@ class Attention(nn.Module):
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #461f9f03
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = probs.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -172,10 +172,10 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     "Holds the router (`gate`) and the routed experts under transformers' names; the stages call them."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.gate = Router(c)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.gate = Router(c, options.route)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
 
 
 class MLP(nn.Module):
@@ -190,10 +190,10 @@ class MLP(nn.Module):
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #e5d0d861
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = SparseMoE(c) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+        self.self_attn = Attention(c, options.cp_group)
+        self.mlp = SparseMoE(c, options) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -216,18 +216,18 @@ class DecoderLayer(nn.Module):
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #55bd6111
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
         self.config = config
-        self.model = Qwen3MoeModel(config)
+        self.model = Qwen3MoeModel(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
