@@ -86,7 +86,9 @@ def cfg(default, help: str, **bounds):
 #   train/42).
 #
 # The default is a plain model: the compute dtype, local attention, learned routing. The object is frozen: a model
-# runs with the options it was built with.
+# runs with the options it was built with. Recomputation is not among them: it changes what the engine keeps for a
+# stage's backward, not what the layer computes, so the engine wraps the stages it recomputes (engine/32
+# `recompute_layers`).
 
 # %%
 #| export
