@@ -39,6 +39,7 @@ import triton
 from triton.testing import do_bench
 
 from pith_lit.ops import fp8
+from pith_lit.ops.experts import Fp8Weights
 from pith_lit.ops.fp8 import GemmConfig
 from tests.fp8_linear import fp8_linear, scaled_mm_blockwise
 
@@ -206,7 +207,7 @@ def bench_mlp(name, shape, tokens):
     counts, x, w1, w2, dy = mlp_inputs(shape, tokens)
     n, H, I = x.shape[0], shape["hidden"], shape["ffn"]
     group = f"{name} SwiGLU MLP {H}->{2 * I}->{H}"
-    copies = fp8.Fp8Weights()
+    copies = Fp8Weights("block")
     c1, c2 = copies.weight("gate_up", w1), copies.weight("down", w2)
     cases = {"bf16": lambda: grouped_linear(swiglu(grouped_linear(x, w1, counts)), w2, counts),
              "fp8 apart": lambda: fp8.fp8_grouped_linear(swiglu(fp8.fp8_grouped_linear(x, w1, counts, weight=c1)),

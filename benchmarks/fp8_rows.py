@@ -35,6 +35,7 @@ from triton.testing import do_bench
 
 from benchmarks.fp8_bench import DEV, MODELS, ROWS, mlp_inputs, reference, rel, report, routed_counts, run
 from pith_lit.ops import fp8
+from pith_lit.ops.experts import Fp8Weights
 from pith_lit.ops.fp8 import GemmConfig
 
 TILES = [GemmConfig(128, 128, 128, 8, 4), GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 256, 128, 8, 3),
@@ -116,9 +117,9 @@ def bench_mlp(name, shape, tokens):
     flops = 6 * n * H * 2 * I + 6 * n * I * H
 
     def fp8_mlp(scaling, fresh):
-        kept = fp8.Fp8Weights(scaling)
+        kept = Fp8Weights(scaling)
         def mlp():
-            c = fp8.Fp8Weights(scaling) if fresh else kept
+            c = Fp8Weights(scaling) if fresh else kept
             return fp8.fp8_swiglu_experts(x, w1, w2, counts, weight_gate_up=c.weight("gate_up", w1),
                                           weight_down=c.weight("down", w2), scaling=scaling)
         return mlp

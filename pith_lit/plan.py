@@ -127,7 +127,7 @@ def _profile(args, cfg: Config) -> Profile | None:
             raise UserError("--measure times the layers on a GPU, and torch sees none here; measure on the GPU "
                             "machine, then pass the file with --profile")
         prof = profile_layers(meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts),
-                              optimizer_for(cfg), cfg.train.fp8_scaling)
+                              optimizer_for(cfg))
         with open(args.measure, "w") as fh:
             json.dump(asdict(prof), fh, indent=1)
         print(f"wrote {args.measure}")

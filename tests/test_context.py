@@ -32,12 +32,15 @@ def test_context_parallel_against_one_process(n, layout, cp, extra, families):
 def test_trainer_cp2_matches_one_process(tmp_path):
     """`parallel.cp = 2` under torchrun: both processes read the same micro-batches and keep their zigzag chunks of
     each; with packed documents and the load-balance loss on, the loss curve, gradient norm and balance equal one
-    process's (float64, so only the order of additions differs)."""
+    process's (float64, so only the order of additions differs), and so does the greedy sample the two ranks decode
+    together over the ring."""
     over = ["train.steps=5", "train.warmup=1", "ckpt.every=-1", "train.dtype=float64", "train.seq_len=32",
-            "data.document_mask=true", *QUIET]
-    single = train(load_config(overrides=over + [f"run.dir={tmp_path}/one"]), quiet=True)["history"]
+            "data.document_mask=true", *QUIET, "log.sample_tokens=7"]
+    out = train(load_config(overrides=over + [f"run.dir={tmp_path}/one"]), quiet=True)
+    single = out["history"]
     proc = torchrun_train(2, over + [f"run.dir={tmp_path}/cp2", "parallel.cp=2"])
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert out["sample"] and f"sample: {out['sample']!r}" in proc.stdout, (out["sample"], proc.stdout[-2000:])
     cp2 = metrics(tmp_path / "cp2")
     assert [r["step"] for r in cp2] == [r["step"] for r in single] == list(range(1, 6))
     for a, b in zip(cp2, single):

@@ -34,7 +34,6 @@ from pith_lit.engine.mesh import stage_layers
 from pith_lit.engine.planner import Unit, Workload, is_moe, ranks_per_token
 from pith_lit.engine.stages import LayerRun
 from pith_lit.models.protocol import head_loss
-from pith_lit.ops.fp8 import set_fp8
 from pith_lit.ops.grouped_linear import WeightGradQueue
 
 # %% [markdown]
@@ -206,17 +205,18 @@ def _time_ends(ends: nn.Module, ids, x, device, reps: int) -> tuple[dict, dict]:
     return {"F": t_loss, "B": max(t_lossb, 0.0)}, {"F": t_emb, "B": max(t_embb, 0.0)}
 
 # %% [markdown]
-# `profile_layers` puts them together. FP8 is turned on in one place, on each timed layer, as the trainer turns it
-# on for the model (`set_fp8`, ops/15).
+# `profile_layers` puts them together. The layers run as the model was built: FP8 experts when its `Options` say so
+# (models/20; the trainer's `meta_model` builds it with the run's), which must agree with the workload's `fp8`.
 
 # %%
 #| export
-def profile_layers(model: nn.Module, w: Workload, device, dispatcher, optimizer, fp8_scaling: str,
-                   reps: int = 3) -> Profile:
+def profile_layers(model: nn.Module, w: Workload, device, dispatcher, optimizer, reps: int = 3) -> Profile:
     """Measure `model` (a whole model on the meta device, left as it is) on `device`: one layer of each kind, the head,
     the embedding and the optimizer step, for one micro-batch of `w.micro_batch` × `w.seq_len` tokens in `w`'s
     compute dtype. `dispatcher`: the local one (models/20 `LocalDispatcher`); `optimizer(module)`: the run's optimizer
-    over a module's parameters that require gradients; `fp8_scaling`: `train.fp8_scaling`, used under `w.fp8`."""
+    over a module's parameters that require gradients."""
+    if any(getattr(m, "fp8_copies", None) is not None for m in model.modules()) != w.fp8:
+        raise ValueError(f"workload fp8={w.fp8}, but the model's experts disagree: build it with Options(fp8=...)")
     device = torch.device(device)
     dtype, param_dtype = DTYPES[w.compute_bytes], DTYPES[w.param_bytes]
     c, g = model.config, torch.Generator(device=device).manual_seed(0)
@@ -229,7 +229,6 @@ def profile_layers(model: nn.Module, w: Workload, device, dispatcher, optimizer,
         if kind in layers:
             continue
         layer = _materialise(copy.deepcopy(meta_layer), device, dtype)
-        set_fp8(layer, w.fp8, fp8_scaling)   # the time model's one switch of FP8 (ops/15)
         if w.compile:
             layer.stage1, layer.stage5 = torch.compile(layer.stage1), torch.compile(layer.stage5, fullgraph=True)
         layers[kind] = _time_layer(layer, key, x, positions, dispatcher, device, reps, is_moe(c, i))
@@ -252,15 +251,15 @@ def profile_layers(model: nn.Module, w: Workload, device, dispatcher, optimizer,
 import pith_lit.ops.fp8 as fp8
 from pith_lit.engine.planner import rank_units
 from pith_lit.models import qwen3_moe
-from pith_lit.models.protocol import LocalDispatcher
+from pith_lit.models.protocol import LocalDispatcher, Options
 
 tiny = qwen3_moe.Config(vocab_size=96, hidden_size=32, moe_intermediate_size=24, intermediate_size=40,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
                         num_experts_per_tok=2, mlp_only_layers=[1])
 
-def meta_tiny():
+def meta_tiny(fp8=None):
     with torch.device("meta"):
-        return qwen3_moe.Qwen3MoeForCausalLM(tiny)
+        return qwen3_moe.Qwen3MoeForCausalLM(tiny, Options(fp8=fp8))
 
 adamw = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], fused=True)
 w = Workload(micro_batch=2, seq_len=16, compute_bytes=4, param_bytes=4)
@@ -268,9 +267,9 @@ forwards = []
 torch_forward = fp8._torch_forward
 fp8._torch_forward = lambda *a: (forwards.append(1), torch_forward(*a))[1]
 try:
-    prof = profile_layers(meta_tiny(), w, "cpu", LocalDispatcher(4), adamw, "rows", reps=1)
+    prof = profile_layers(meta_tiny(), w, "cpu", LocalDispatcher(4), adamw, reps=1)
     plain = len(forwards)
-    prof8 = profile_layers(meta_tiny(), replace(w, fp8=True), "cpu", LocalDispatcher(4), adamw, "rows", reps=1)
+    prof8 = profile_layers(meta_tiny("rows"), replace(w, fp8=True), "cpu", LocalDispatcher(4), adamw, reps=1)
 finally:
     fp8._torch_forward = torch_forward
 print({k: {x: round(v, 3) for x, v in d.items()} for k, d in prof.layers.items()})
@@ -279,6 +278,12 @@ assert set(prof.layers) == {"moe full", "dense full"}
 assert set(prof.optimizer_ms) == {"moe full", "moe full experts", "dense full", "root"}
 assert all(v > 0 for v in prof.optimizer_ms.values()) and prof.layers["moe full"]["F3"] > 0
 assert plain == 0 and len(forwards) > 0 and prof8.fp8 and not prof.fp8
+try:
+    profile_layers(meta_tiny(), replace(w, fp8=True), "cpu", LocalDispatcher(4), adamw, reps=1)
+except ValueError as e:
+    assert "Options(fp8=...)" in str(e), e
+else:
+    raise AssertionError("a bf16 model profiled as FP8")
 
 # %% [markdown]
 # ## The link model

@@ -39,8 +39,8 @@ from pith_lit.engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_gr
 from pith_lit.engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model, whole
 from pith_lit.engine.mesh import build_mesh, init_distributed, run_ranked
 from pith_lit.models.family import family as model_family
-from pith_lit.models.protocol import LocalDispatcher, Routing, head_loss, run_layers
-from pith_lit.ops.ring_attention import set_context_parallel, zigzag_shard
+from pith_lit.models.protocol import LocalDispatcher, Options, Routing, head_loss, run_layers
+from pith_lit.ops.ring_attention import ring_group, zigzag_shard
 
 # %%
 import os
@@ -74,14 +74,14 @@ def repo_path(*parts: str) -> Path:
 # %%
 #| export
 def tiny_model(family: str = "qwen3_moe", layers: int = 5, seed: int = 0, dtype=torch.float32, experts: int = 4,
-               top_k: int = 2, dense: int = 2):
+               top_k: int = 2, dense: int = 2, options: Options = Options()):
     """The tiny model of the checks in `family` (a model_type): `layers` layers, `experts` routed experts
     top-`top_k`, layer `dense` dense (Qwen3-MoE; DeepSeek-V2's first layer is dense, GPT-OSS and Qwen3.5-MoE have
-    none)."""
+    none), built with `options` (models/20)."""
     module = model_family(family)
     cfg = module.tiny_config(layers, experts, top_k, dense)
     torch.manual_seed(seed)
-    return module.Model(cfg).to(dtype)
+    return module.Model(cfg, options).to(dtype)
 
 
 def aux_fn(num_experts: int, coef: float = 0.1):
@@ -375,10 +375,10 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
     documents (`packed_positions`) in every row."""
     mesh = build_mesh(pp, dp, cp, ep, device.type, 120, dp_replicate=dp_replicate)
     layers, shards, pipelined = max(5, 2 * pp + 1), mesh.batch.size(), pp > 1 or overlap
-    ref, model = (tiny_model(family, layers, dtype=torch.float64).to(device) for _ in range(2))
+    ref = tiny_model(family, layers, dtype=torch.float64).to(device)
+    model = tiny_model(family, layers, dtype=torch.float64, options=Options(cp_group=ring_group(mesh.cp))).to(device)
     parts = split_model(model, mesh.pp.rank(), pp) if pipelined else None
     dispatcher = _dispatcher(model, mesh, 4)
-    set_context_parallel(model, mesh.cp)
     shard_model(model, mesh)
     aux = aux_fn(4) if cp == 1 else None   # E·Σ f·P of a micro-batch is not a sum over its pieces
     S = 8 * max(2, cp)

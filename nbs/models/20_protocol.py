@@ -74,6 +74,49 @@ def cfg(default, help: str, **bounds):
     return field(default=default, metadata=meta)
 
 # %% [markdown]
+# ## Options: how a model runs, beside its weights
+#
+# Three choices change how a layer computes without changing its parameters, and all three come from the run's
+# config. `Options` holds them, and a model's constructor takes it and hands each field to the modules that read it:
+#
+# - `fp8`: the routed experts' matmuls in the compute dtype (`None`) or in FP8 with `"rows"` or `"block"` scales
+#   (`train.fp8`, `train.fp8_scaling`); the experts module keeps the step's FP8 weight copies (ops/experts);
+# - `cp_group`: the context-parallel process group the attention's ring runs over (`parallel.cp > 1`, ops/17
+#   `ring_group`), or `None` to attend within the rank's own sequence;
+# - `route`: `"learned"`, the router's top-k, or `"round_robin"`, a fixed assignment for benchmarks (`train.route`,
+#   train/42).
+#
+# The default is a plain model: the compute dtype, local attention, learned routing. The object is frozen: a model
+# runs with the options it was built with. Recomputation is not among them: it changes what the engine keeps for a
+# stage's backward, not what the layer computes, so the engine wraps the stages it recomputes (engine/32
+# `recompute_layers`).
+
+# %%
+#| export
+@dataclass(frozen=True)
+class Options:
+    "How a model runs, given to its constructor: `fp8` None, 'rows' or 'block'; `cp_group` a group or None; `route`."
+    fp8: str | None = None
+    cp_group: object = None
+    route: str = "learned"
+
+    def __post_init__(self):
+        if self.fp8 not in (None, "rows", "block"):
+            raise ValueError(f"Options(fp8={self.fp8!r}): expected None, 'rows' or 'block' (train.fp8_scaling)")
+        if self.route not in ("learned", "round_robin"):
+            raise ValueError(f"Options(route={self.route!r}): expected 'learned' or 'round_robin' (train.route)")
+
+# %%
+for bad, msg in [(dict(fp8="tensor"), "Options(fp8='tensor')"), (dict(route="random"), "Options(route='random')")]:
+    try:
+        Options(**bad)
+    except ValueError as e:
+        assert str(e).startswith(msg), e
+    else:
+        raise AssertionError(f"no error for {bad}")
+assert Options() == Options(None, None, "learned")
+
+# %% [markdown]
 # ## Routing: what stage 1 tells stages 2–5
 #
 # Stage 1 decides, for each of the T = B·S tokens of a micro-batch, which k experts it goes to and with what

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+from pith_lit.models.protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
                                      mlp_bytes, norm_bytes, router_bytes, run_layers)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
-from pith_lit.ops.fp8 import expert_mlp
+from pith_lit.ops.experts import Fp8Weights, expert_mlp
 
 # %%
 #| export
@@ -174,8 +174,9 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # row range: `grouped_linear` (ops/grouped_linear) runs them as one `F.grouped_mm` kernel on CUDA and as a loop
 # over experts (one host synchronisation to read `counts`) elsewhere; `swiglu` (ops/swiglu) is
 # `silu(gate) · up`, a Triton kernel on CUDA. Both are checked against plain PyTorch in their own notebooks. The
-# experts call them through `expert_mlp` (ops/fp8), which runs the FP8 layers instead under `train.fp8`, with
-# SwiGLU computed inside their quantization passes.
+# experts call them through `expert_mlp` (ops/experts). Built with `fp8` (`Options.fp8`, `train.fp8`), the module
+# holds an `Fp8Weights`, and `expert_mlp` runs the FP8 layers of ops/15 on the step's copies instead, with SwiGLU
+# computed inside their quantization passes.
 
 # %%
 #| export
@@ -186,15 +187,15 @@ def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Li
 
 class Experts(nn.Module):
     "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 # %% [markdown]
 # ## Attention
@@ -203,13 +204,13 @@ class Experts(nn.Module):
 # `num_attention_heads / num_key_value_heads` query heads. Qwen3 normalises every query and key head with its
 # own RMSNorm over `head_dim` (`q_norm`, `k_norm`) before RoPE. The attention itself is
 # `F.scaled_dot_product_attention` with a causal mask; the mask is by place in the given sequence, which is what
-# a whole sequence per micro-batch needs. With context parallelism (`cp_group` set, ops/17) the module holds a
-# rank's zigzag chunks instead, and attends through the ring over the whole sequence's keys and values.
+# a whole sequence per micro-batch needs. Built with a context-parallel group (`Options.cp_group`, ops/17), the
+# module holds a rank's zigzag chunks instead, and attends through the ring over the whole sequence's keys and values.
 
 # %%
 #| export
 class Attention(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, cp_group=None):
         super().__init__()
         self.head_dim, self.rope_theta = c.head_dim, c.rope_theta
         self.q_proj = projection(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias)
@@ -218,7 +219,7 @@ class Attention(nn.Module):
         self.o_proj = projection(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+        self.ring = cp_group   # context parallelism: the ring's process group, or None (ops/17)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
@@ -229,8 +230,8 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if self.cp_group is not None:  # this rank's zigzag chunks over the whole sequence's keys (ops/17)
-            o = ring_attention(q, kv_payload(k, v), self.cp_group, positions, partial(split_kv, dk=self.head_dim))
+        if self.ring is not None:  # this rank's zigzag chunks over the whole sequence's keys (ops/17)
+            o = ring_attention(q, kv_payload(k, v), self.ring, positions, partial(split_kv, dk=self.head_dim))
         elif docs is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif q.is_cuda:             # within documents, skipping the key blocks of other documents
@@ -272,24 +273,24 @@ with torch.no_grad():
 # `e_score_correction_bias` (E,), DeepSeek-V3's name for it, is added to the probabilities for the top-k only;
 # the chosen experts are weighted by their unbiased probabilities. It is a buffer, not a parameter: model state
 # that checkpoints keep, moved by the trainer after each step (`train.lb_bias_rate`), never by a gradient; zero
-# leaves the router as transformers has it. `round_robin` (`train.route`) replaces the top-k by a fixed
-# assignment, token t to experts t·k … t·k+k−1 mod E, so that every expert receives the same number of tokens
-# while the router's matmul and softmax still run.
+# leaves the router as transformers has it. `route = "round_robin"` (`Options.route`, `train.route`) replaces the
+# top-k by a fixed assignment, token t to experts t·k … t·k+k−1 mod E, so that every expert receives the same number
+# of tokens while the router's matmul and softmax still run.
 
 # %%
 #| export
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = probs.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -302,10 +303,10 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     "Holds the router (`gate`) and the routed experts under transformers' names; the stages call them."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.gate = Router(c)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.gate = Router(c, options.route)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
 
 
 class MLP(nn.Module):
@@ -344,8 +345,9 @@ for t in range(10):
     assert rb.ids[t].tolist() == chosen
     assert torch.allclose(rb.weights[t], rb.probs[t, chosen] / rb.probs[t, chosen].sum())
 assert torch.equal(rb.probs, plain(xb).probs) and (rb.ids != plain(xb).ids).any()
-router.round_robin = True
-rr = router(xb)
+rrouter = Router(cr, route="round_robin")
+rrouter.load_state_dict(router.state_dict())
+rr = rrouter(xb)
 assert rr.ids.flatten().tolist() == [i % 6 for i in range(30)] and torch.equal(rr.probs, rb.probs)
 assert torch.bincount(rr.ids.flatten(), minlength=6).tolist() == [5] * 6
 assert torch.allclose(rr.weights, rr.probs.gather(1, rr.ids) / rr.probs.gather(1, rr.ids).sum(-1, keepdim=True))
@@ -363,10 +365,10 @@ assert torch.allclose(rr.weights, rr.probs.gather(1, rr.ids) / rr.probs.gather(1
 # %%
 #| export
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = SparseMoE(c) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+        self.self_attn = Attention(c, options.cp_group)
+        self.mlp = SparseMoE(c, options) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -401,22 +403,25 @@ class DecoderLayer(nn.Module):
 #
 # `reference_forward` is the check for everything the engine does: the same layers run sequentially with no
 # protocol piece, every expert applied to every token and masked by whether the token chose it.
+#
+# The constructor takes the run's `Options` (models/20) beside the config and hands each field to the module that
+# reads it: `cp_group` to every attention, `route` to every router, `fp8` to every experts module.
 
 # %%
 #| export
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
         self.config = config
-        self.model = Qwen3MoeModel(config)
+        self.model = Qwen3MoeModel(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

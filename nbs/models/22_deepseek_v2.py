@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+from pith_lit.models.protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
                                      mlp_bytes, norm_bytes, router_bytes, run_layers)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import ring_attention
-from pith_lit.ops.fp8 import expert_mlp
+from pith_lit.ops.experts import Fp8Weights, expert_mlp
 
 # %% [markdown]
 # ## Configuration
@@ -275,8 +275,8 @@ print(f"YaRN keeps {low + 1} of 32 frequencies, interpolates {32 - high}, blends
 # rows already grouped by expert, `counts[e]` rows for expert e, so each expert is one matmul over a contiguous
 # row range: `grouped_linear` (ops/grouped_linear) runs them as one `F.grouped_mm` kernel on CUDA and as a loop
 # over experts elsewhere; `swiglu` (ops/swiglu) is `silu(gate) · up`, a Triton kernel on CUDA. Both are checked
-# against plain PyTorch in their own notebooks. The experts call them through `expert_mlp` (ops/fp8), which runs
-# the FP8 layers instead under `train.fp8`.
+# against plain PyTorch in their own notebooks. The experts call them through `expert_mlp` (ops/experts): built with
+# `fp8` (`Options.fp8`, `train.fp8`), the module holds an `Fp8Weights` and runs the FP8 layers of ops/15 instead.
 
 # %%
 #| export
@@ -287,15 +287,15 @@ def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Li
 
 class Experts(nn.Module):
     "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 # %% [markdown]
 # ## Multi-head latent attention
@@ -312,13 +312,13 @@ class Experts(nn.Module):
 # For inference only the latent and the shared rope key need caching, which is MLA's point; for training the
 # expanded form below is the straightforward one. The normalised latent and the rotated shared key together are
 # the *payload* (`kv_lora_rank + d_rope` channels per token) that `expand` turns into every head's keys and
-# values: the local path expands it at once, and with context parallelism (`cp_group` set, ops/17) the payload is
-# what travels the ring, each rank expanding what it receives.
+# values: the local path expands it at once, and in a model built with a context-parallel group (`Options.cp_group`,
+# ops/17) the payload is what travels the ring, each rank expanding what it receives.
 
 # %%
 #| export
 class Attention(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, cp_group=None):
         super().__init__()
         n, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
         self.n_heads, self.q_lora_rank, self.kv_lora_rank = n, c.q_lora_rank, c.kv_lora_rank
@@ -337,7 +337,7 @@ class Attention(nn.Module):
         mscale_all_dim = c.rope_scaling.get("mscale_all_dim") if c.rope_scaling else None
         self.softmax_scale = qk ** -0.5 * (yarn_mscale(c.rope_scaling["factor"], mscale_all_dim) ** 2
                                            if mscale_all_dim else 1.0)
-        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+        self.ring = cp_group   # context parallelism: the ring's process group, or None (ops/17)
 
     def expand(self, payload: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (B, n, S, nope + rope) and values (B, n, S, v) from the payload (B, S, kv_lora_rank + rope): the
@@ -361,8 +361,8 @@ class Attention(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)   # one rotated key for all heads
         payload = torch.cat((self.kv_a_layernorm(latent), k_rope), -1)   # what the ring passes
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if self.cp_group is not None:  # the latent travels the ring, each rank expands it (ops/17)
-            o = ring_attention(q, payload, self.cp_group, positions, self.expand, (self.kv_b_proj.weight,),
+        if self.ring is not None:  # the latent travels the ring, each rank expands it (ops/17)
+            o = ring_attention(q, payload, self.ring, positions, self.expand, (self.kv_b_proj.weight,),
                                scale=self.softmax_scale)
             return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
         k, v = self.expand(payload, self.kv_b_proj.weight)
@@ -425,8 +425,8 @@ with torch.no_grad():
 # probability and the top-k taken among the biased probabilities of the kept groups, while the weights are the
 # unbiased probabilities times `routed_scaling_factor`. (DeepSeek-V3, where the name comes from, scores a group by
 # the sum of its two best biased sigmoid scores; V2's max rule stays here.) Experts outside the kept groups are
-# masked with −∞, since a biased score may be negative. `round_robin` (`train.route`) assigns token t the experts
-# t·k … t·k+k−1 mod E instead, group limit ignored, while the router still runs.
+# masked with −∞, since a biased score may be negative. `route = "round_robin"` (`Options.route`, `train.route`)
+# assigns token t the experts t·k … t·k+k−1 mod E instead, group limit ignored, while the router still runs.
 #
 # The shared experts are one dense SwiGLU MLP of width `n_shared_experts · moe_intermediate_size`
 # (`mlp.shared_experts`), and the dense layers' MLP is the same SwiGLU of width `intermediate_size`.
@@ -434,19 +434,19 @@ with torch.no_grad():
 # %%
 #| export
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k, self.method, self.scale = c.num_experts_per_tok, c.topk_method, c.routed_scaling_factor
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         ct = _compute_dtype(x.dtype)
         probs = F.linear(x.to(ct), self.weight.to(ct)).softmax(-1)
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = probs.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -473,10 +473,10 @@ class MLP(nn.Module):
 
 class SparseMoE(nn.Module):
     "Holds the routed experts, the router (`gate`) and the shared experts under transformers' names."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
-        self.gate = Router(c)
+        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
+        self.gate = Router(c, options.route)
         self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
 
 # %% [markdown]
@@ -523,8 +523,9 @@ for t in range(40):
     assert sorted(rb.ids[t].tolist()) == sorted(chosen)
     assert torch.allclose(rb.weights[t], 2.5 * rb.probs[t, rb.ids[t]])
 assert changed > 0 and torch.equal(rb.probs, r.probs)
-router.round_robin = True
-rr = router(xg)
+rrouter = Router(cr, route="round_robin")
+rrouter.load_state_dict(router.state_dict())
+rr = rrouter(xg)
 assert rr.ids.flatten().tolist() == [i % 12 for i in range(120)]
 assert torch.allclose(rr.weights, 2.5 * rr.probs.gather(1, rr.ids))
 print(f"the bias changed the choice of {changed} of 40 tokens")
@@ -543,10 +544,10 @@ print(f"the bias changed the choice of {changed} of 40 tokens")
 # %%
 #| export
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = SparseMoE(c) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+        self.self_attn = Attention(c, options.cp_group)
+        self.mlp = SparseMoE(c, options) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -585,22 +586,25 @@ class DecoderLayer(nn.Module):
 # `reference_forward` is the check for everything the engine does: the same attention and norms run
 # sequentially with no protocol piece, the routing written out again (group limit by a threshold on the group
 # scores), and every expert applied to every token, masked by whether the token chose it.
+#
+# The constructor takes the run's `Options` (models/20) beside the config and hands each field to the module that
+# reads it: `cp_group` to every attention, `route` to every router, `fp8` to every routed experts module.
 
 # %%
 #| export
 class DeepseekV2Model(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class DeepseekV2ForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config)
+        self.model = DeepseekV2Model(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

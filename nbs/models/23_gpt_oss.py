@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+from pith_lit.models.protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
                                      mlp_bytes, norm_bytes, router_bytes, run_layers)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
-from pith_lit.ops.fp8 import expert_linear
+from pith_lit.ops.experts import Fp8Weights, expert_linear
 from pith_lit.ops.swiglu import clamped_swiglu
 
 # %%
@@ -264,9 +264,9 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # logit in the denominator that brings no value, so the weights over the real keys sum to less than 1. The keys
 # allowed are the causal ones, and on a sliding layer only those with `i - j < sliding_window`.
 #
-# With context parallelism (`cp_group` set, ops/17) each rank holds zigzag chunks of the sequence and attends
-# through the ring: a sliding layer skips every chunk that lies wholly outside the window, and the sink rescales
-# each row once, after the ring has merged all keys (`o · σ(lse − sink)`).
+# Built with a context-parallel group (`Options.cp_group`, ops/17), each rank holds zigzag chunks of the sequence
+# and attends through the ring: a sliding layer skips every chunk that lies wholly outside the window, and the sink
+# rescales each row once, after the ring has merged all keys (`o · σ(lse − sink)`).
 #
 # `F.scaled_dot_product_attention` (SDPA) has no sink input, and computing the scores explicitly costs S² memory
 # per head. But a sink is exactly an extra key whose score is `sink_h` for every query of head h and whose value
@@ -392,8 +392,9 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 # the gate in the even columns and the up projection in the odd ones (interleaved), `down_proj` (E, I, H), and biases
 # `gate_up_proj_bias` (E, 2I) and `down_proj_bias` (E, H). They are kept in that layout, so checkpoints load
 # unchanged, and `grouped_linear`, which wants `(E, out, in)`, gets the transposed *view* `.mT`, not a copy (its
-# forward hands `F.grouped_mm` the transpose back, which is the stored tensor; under `train.fp8`, `expert_linear`
-# (ops/fp8) quantizes the stored tensor as it is). The rows arrive grouped by expert,
+# forward hands `F.grouped_mm` the transpose back, which is the stored tensor; built with `fp8` (`Options.fp8`,
+# `train.fp8`), the module holds an `Fp8Weights` and `expert_linear` (ops/experts) quantizes the stored tensor as it
+# is). The rows arrive grouped by expert,
 # `counts[e]` rows for expert e. Each row's bias is added as `one_hot @ bias`, with `one_hot` (N, E) marking the
 # row's expert (built by `repeat_interleave` with the known output size, so no host synchronisation): the forward
 # picks each bias exactly, and autograd's backward, `one_hotᵀ @ dy`, sums each expert's rows in a matmul, which
@@ -412,7 +413,7 @@ def projection(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 
 class Experts(nn.Module):
     "E clamped-SwiGLU experts with biases, stacked (E, in, out) as in transformers; rows grouped by expert."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, fp8: str | None = None):
         super().__init__()
         E, H, I = c.num_local_experts, c.hidden_size, c.intermediate_size
         self.limit, self.alpha = c.swiglu_limit, c.swiglu_alpha
@@ -420,17 +421,17 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I))
         self.down_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj_bias = nn.Parameter(torch.empty(E, H))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         """x (N, H) grouped by expert, counts (E,) -> (N, H). `wgrad_queue` defers the expert weight gradients
         (not the biases') to the pipeline schedule's W slots; it reaches the parameters through the `.mT` views."""
         experts = torch.arange(counts.numel(), device=x.device)
         one_hot = (torch.repeat_interleave(experts, counts, output_size=x.shape[0])[:, None] == experts).to(x.dtype)
-        gate_up = (expert_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue, self.fp8, "gate_up")
+        gate_up = (expert_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue, self.fp8_copies, "gate_up")
                    + one_hot @ local(self.gate_up_proj_bias))
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return (expert_linear(act, local(self.down_proj).mT, counts, wgrad_queue, self.fp8, "down")
+        return (expert_linear(act, local(self.down_proj).mT, counts, wgrad_queue, self.fp8_copies, "down")
                 + one_hot @ local(self.down_proj_bias))
 
 # %% [markdown]
@@ -465,7 +466,7 @@ with torch.no_grad():
 # %%
 #| export
 class Attention(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, cp_group=None):
         super().__init__()
         self.head_dim, self.rope_parameters = c.head_dim, c.rope_parameters
         self.sliding_window = c.sliding_window if c.layer_types[layer_idx] == "sliding_attention" else None
@@ -474,7 +475,7 @@ class Attention(nn.Module):
         self.v_proj = projection(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
         self.o_proj = projection(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
         self.sinks = nn.Parameter(torch.empty(c.num_attention_heads))
-        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+        self.ring = cp_group   # context parallelism: the ring's process group, or None (ops/17)
 
     def qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         "x (B, S, H) -> rotated q (B, n_q, S, d), rotated k and v (B, n_kv, S, d)."
@@ -489,8 +490,8 @@ class Attention(nn.Module):
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
         q, k, v = self.qkv(x, positions)
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if self.cp_group is not None:  # the ring skips the chunks outside the window; the sinks enter once (ops/17)
-            o = ring_attention(q, kv_payload(k, v), self.cp_group, positions, partial(split_kv, dk=self.head_dim),
+        if self.ring is not None:  # the ring skips the chunks outside the window; the sinks enter once (ops/17)
+            o = ring_attention(q, kv_payload(k, v), self.ring, positions, partial(split_kv, dk=self.head_dim),
                                sinks=self.sinks, window=self.sliding_window)
         elif q.is_cuda:   # ops/14's kernel: sinks in the softmax, whole blocks outside the window skipped
             o = causal_attention(q, k, v, self.sinks, self.sliding_window, docs=docs)
@@ -500,18 +501,18 @@ class Attention(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k = c.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(c.num_local_experts, c.hidden_size))
         self.bias = nn.Parameter(torch.empty(c.num_local_experts))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.num_local_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
         logits = F.linear(x, self.weight, self.bias).to(_compute_dtype(x.dtype))
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = logits.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -521,10 +522,10 @@ class Router(nn.Module):
 
 class MLP(nn.Module):
     "Holds the router and the routed experts under transformers' names (`mlp.router`, `mlp.experts`)."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.router = Router(c)
-        self.experts = Experts(c)
+        self.router = Router(c, options.route)
+        self.experts = Experts(c, options.fp8)
 
 # %%
 cr = Config(hidden_size=16, num_local_experts=6, num_experts_per_tok=3)
@@ -540,8 +541,8 @@ assert torch.allclose(r.weights, logits.gather(1, r.ids).softmax(-1)) and torch.
 # %% [markdown]
 # With a selection bias (`e_score_correction_bias`, train/42), the experts are the top-k of logits plus bias, and
 # the weights the softmax of their unbiased logits. This bias is not the router's own `bias`, a trained
-# parameter inside the logits that shifts the weights too: it only moves the choice. Round-robin (`train.route`)
-# assigns token t the experts t·k … t·k+k−1 mod E.
+# parameter inside the logits that shifts the weights too: it only moves the choice. Round-robin (`Options.route`,
+# `train.route`) assigns token t the experts t·k … t·k+k−1 mod E.
 
 # %%
 with torch.no_grad():
@@ -550,8 +551,9 @@ rb = router(xr)
 biased = logits + router.e_score_correction_bias
 assert torch.equal(rb.ids, biased.sort(-1, descending=True).indices[:, :3]) and not torch.equal(rb.ids, r.ids)
 assert torch.allclose(rb.weights, logits.gather(1, rb.ids).softmax(-1)) and torch.allclose(rb.probs, r.probs)
-router.round_robin = True
-rr = router(xr)
+rrouter = Router(cr, route="round_robin")
+rrouter.load_state_dict(router.state_dict())
+rr = rrouter(xr)
 assert rr.ids.flatten().tolist() == [i % 6 for i in range(30)]
 assert torch.allclose(rr.weights, logits.gather(1, rr.ids).softmax(-1))
 
@@ -567,10 +569,10 @@ assert torch.allclose(rr.weights, logits.gather(1, rr.ids).softmax(-1))
 # %%
 #| export
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
-        self.self_attn = Attention(c, layer_idx)
-        self.mlp = MLP(c)
+        self.self_attn = Attention(c, layer_idx, options.cp_group)
+        self.mlp = MLP(c, options)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -605,22 +607,25 @@ class DecoderLayer(nn.Module):
 # `reference_forward` is the check for everything the engine does: the same parameters run sequentially with no
 # protocol piece, explicit-score attention, and every expert applied to every token, masked by whether the token
 # chose it, with the activation written out.
+#
+# The constructor takes the run's `Options` (models/20) beside the config and hands each field to the module that
+# reads it: `cp_group` to every attention, `route` to every router, `fp8` to every experts module.
 
 # %%
 #| export
 class GptOssModel(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class GptOssForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
         self.config = config
-        self.model = GptOssModel(config)
+        self.model = GptOssModel(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

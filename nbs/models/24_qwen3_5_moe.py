@@ -43,12 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+from pith_lit.models.protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
                                      mlp_bytes, norm_bytes, router_bytes, run_layers)
 from pith_lit.ops.attention import attention_mask, documents
 from pith_lit.ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
-from pith_lit.ops.fp8 import expert_mlp
+from pith_lit.ops.experts import Fp8Weights, expert_mlp
 
 # %% [markdown]
 # ## Config
@@ -235,8 +235,8 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 #
 # Every dense projection is made by `projection` and the routed experts are `Experts`, as in Qwen3-MoE: stacked
 # weights with transformers' names and layouts, `gate_up_proj` (E, 2I, H) (gate rows first) and `down_proj`
-# (E, H, I), run on rows grouped by expert through `expert_mlp` (`grouped_linear` and `swiglu`, or FP8 under
-# `train.fp8`; ops/12, ops/10, ops/15). The shared
+# (E, H, I), run on rows grouped by expert through `expert_mlp` (ops/experts: `grouped_linear` and `swiglu`, or FP8
+# when built with `Options.fp8`, `train.fp8`; ops/12, ops/10, ops/15). The shared
 # expert is a plain SwiGLU `MLP` of three projections. The router, the shared expert's gate and the output head
 # stay in the model's dtype.
 
@@ -249,15 +249,15 @@ def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Li
 
 class Experts(nn.Module):
     "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 
 class MLP(nn.Module):
@@ -444,7 +444,7 @@ print("linear attention: chunked == per-token loop, packed == documents one by o
 #
 # The router is Qwen3-MoE's: a bias-free linear map to E logits, a softmax in float32, the top-k renormalised to
 # sum to 1 (always, in Qwen3.5), the full probabilities in `Routing.probs` for the load-balance loss; the same
-# `e_score_correction_bias` buffer and `round_robin` switch steer the choice (train/42). The block holds it as
+# `e_score_correction_bias` buffer and `route` (`Options.route`) steer the choice (train/42). The block holds it as
 # `mlp.gate`, the routed experts as `mlp.experts`, the shared expert as `mlp.shared_expert` and its gate as
 # `mlp.shared_expert_gate` (H → 1), as transformers names them. `shared` is the shared expert's contribution,
 # which stage 1 folds into the residual.
@@ -452,17 +452,17 @@ print("linear attention: chunked == per-token loop, packed == documents one by o
 # %%
 #| export
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k = c.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = probs.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -473,10 +473,10 @@ class Router(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     "The router, the routed experts, the shared expert and its gate, under transformers' names."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.gate = Router(c)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.gate = Router(c, options.route)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
         self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
@@ -506,14 +506,14 @@ assert torch.equal(r.probs.gather(1, r.ids), r.probs.sort(-1, descending=True).v
 # %%
 #| export
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
         self.layer_type = c.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(c)
         else:
             self.self_attn = Attention(c)
-        self.mlp = SparseMoeBlock(c)
+        self.mlp = SparseMoeBlock(c, options)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -554,6 +554,10 @@ class DecoderLayer(nn.Module):
 # piece, the per-token recurrence and explicit-score attention, and every expert applied to every token, masked by
 # whether the token chose it. It takes positions too, so packed documents can be checked.
 #
+# The constructor takes the run's `Options` (models/20) and hands `route` to every router and `fp8` to every experts
+# module. It refuses a `cp_group`: the linear attention's recurrent state runs along the whole sequence, so this
+# family has no ring (train/config refuses `parallel.cp > 1` for it too).
+#
 # **FLOPs per token** (for MFU): 6 × active matmul parameters (projections, router, shared expert and its gate,
 # k experts, head; the depthwise convolution's `2 · channels · width` is not a matmul and is left out), plus the
 # token mixers' products that have no parameters, forward counted × 3 for training:
@@ -570,18 +574,21 @@ GDR_CHUNK = 64   # the chunk of the gated delta rule's chunked form (ops/16's de
 
 
 class Qwen3_5MoeTextModel(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class Qwen3_5MoeForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
+        if options.cp_group is not None:
+            raise ValueError("Qwen3.5-MoE has no context-parallel form: its linear attention carries a recurrent "
+                             "state along the sequence; build it with Options(cp_group=None) (parallel.cp = 1)")
         self.config = config
-        self.model = Qwen3_5MoeTextModel(config)
+        self.model = Qwen3_5MoeTextModel(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -722,6 +729,12 @@ c = Config(vocab_size=64, hidden_size=32, num_hidden_layers=3, layer_types=["lin
            "linear_attention"], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+try:
+    Qwen3_5MoeForCausalLM(c, Options(cp_group=object()))   # any group: the family has no ring
+except ValueError as e:
+    assert "no context-parallel form" in str(e), e
+else:
+    raise AssertionError("a Qwen3.5-MoE with a cp_group was built")
 model = Qwen3_5MoeForCausalLM(c)
 with torch.no_grad():
     for m in model.modules():

@@ -43,9 +43,8 @@
 # taking either recipe's scales; `fp8_grouped_linear`, the
 # autograd function for the experts, whose weight gradient can wait in ops/grouped_linear's `WeightGradQueue`;
 # `fp8_swiglu_experts`, both projections of a SwiGLU expert with the activation and its gradient computed inside
-# the quantization passes; and `Fp8Weights`, `expert_mlp` and `expert_linear`, through which the models' experts
-# run in FP8 under `train.fp8` with one copy of each weight per step. On a CPU the kernels run under the Triton
-# interpreter, which is how the checks run in CI.
+# the quantization passes, which the models' experts run under `train.fp8` with one copy of each weight per step
+# (ops/18_experts). On a CPU the kernels run under the Triton interpreter, which is how the checks run in CI.
 
 # %%
 #| default_exp ops.fp8
@@ -60,7 +59,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pith_lit.ops.grouped_linear import WeightGradQueue, grouped_linear
+from pith_lit.ops.grouped_linear import WeightGradQueue
 from pith_lit.ops.swiglu import swiglu, swiglu_grad_tiles, swiglu_tile
 
 # %% [markdown]
@@ -429,7 +428,7 @@ assert got[0, 1:8].tolist() == [32.0, -128.0, -384.0, 2.0 ** -9, 2.0 ** -8, 16.0
 # writes the block as it is (`FWD`), transposed (`TRANS`), or both from the one read: the transposed result is the
 # quantization of `Wᵀ`, `(E, K, N)` with scales `(E, ceil(K/128), ceil(N/128))`, ready as the K-contiguous B operand
 # of the input gradient. A training step needs both layouts of every expert weight, so the step's copies
-# (`Fp8Weights` below) ask for both at once (`transposed="both"`) and W is read once instead of twice. A 2-D
+# (`Fp8Weights`, ops/18) ask for both at once (`transposed="both"`) and W is read once instead of twice. A 2-D
 # weight is one expert.
 
 # %%
@@ -1102,7 +1101,7 @@ print(f"row-scaled GEMMs (forward, input and weight gradients) vs reference: max
 # row scales the forward's one pass writes X's rows and their transpose, the layer keeps the transpose and X's row
 # scales, and backward quantizes dY by rows and by columns (above).
 # W is a parameter that the backward holds anyway (FSDP2 gathers it again for the backward), so the layer keeps no
-# FP8 copy alive between forward and backward (under `train.fp8` the step keeps one, below). The weight gradient
+# FP8 copy alive between forward and backward (under `train.fp8` the step keeps one, ops/18). The weight gradient
 # either runs at once or waits in a `WeightGradQueue`, exactly as in `grouped_linear`: the deferred closure holds
 # the two FP8 column quantizations and hands its result to `torch.autograd.backward(w, dW)`, which accumulates it
 # into the parameter and fires its hooks.
@@ -1279,7 +1278,7 @@ def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: Weight
     blocks) or "rows" (one scale per row; see "One scale per row"). With `wgrad_queue` the weight gradient waits for
     `wgrad_queue.drain()`. `impl`: "triton", "torch", or None (triton on CUDA, torch elsewhere).
     `weight(transposed, quantize)`: w's quantization, `quantize(w, transposed)` when None, or a copy kept for the
-    step (`Fp8Weights`)."""
+    step (ops/18 `Fp8Weights`)."""
     impl = _check_args("fp8_grouped_linear", x, w, counts, impl, scaling)
     return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl, weight, scaling == "rows")
 
@@ -1611,129 +1610,6 @@ for bad, msg in [(lambda: quantize_act(torch.zeros(4, 9), act="swiglu"), "even w
 print(f"fused SwiGLU passes equal the unfused ones, bitwise; the experts too ({time.time() - t:.1f} s)")
 
 # %% [markdown]
-# ## One FP8 copy of each expert weight per step
-#
-# A step runs every expert layer once per micro-batch, forward and backward, and the weights change only at the
-# optimizer step. So `train.fp8` quantizes each expert weight once per step: `Fp8Weights` holds the copies of one
-# experts module (forward layout and transposed, both made by one pass over the weight on first use when the weight
-# will get a gradient, only the forward's under `no_grad`) and `clear()` drops them; the trainer clears every module
-# after each optimizer step (`clear_fp8`). The copies cost 2 bytes per expert weight element for the step (1 each
-# way), as much as a bf16 copy of the weights, and turn the 2 quantization passes over each weight per micro-batch
-# into 1 per step. A copy made from a weight that has since changed would be silently stale, so the check below
-# changes a weight in place and shows both what `clear` prevents and that it does.
-#
-# `expert_mlp` is the SwiGLU experts' call (Qwen3, DeepSeek-V2, Qwen3.5) and `expert_linear` one projection (GPT-OSS,
-# whose experts add biases and clamp): `grouped_linear` in the compute dtype, or, when the module's `fp8` holds an
-# `Fp8Weights` (`set_fp8`), `fp8_swiglu_experts` or `fp8_grouped_linear` with the step's copies. Both
-# implementations keep their copies there: the Triton kernels' on a GPU, `quantize_weight_ref`'s (the same values,
-# in plain torch) on a CPU.
-
-# %%
-#| export
-class Fp8Weights:
-    "The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling."
-    def __init__(self, scaling: str = "block"):
-        self.scaling = scaling
-        self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
-
-    def weight(self, name: str, w: Tensor):
-        """`weight(transposed, quantize)` for `fp8_grouped_linear`: w's copy under `name`, quantized on first use.
-        When gradients will flow into w (a training step: its backward asks for the transposed copy too), the
-        first use makes both copies in one pass over w; otherwise only the one asked for."""
-        both = torch.is_grad_enabled() and w.requires_grad
-        def get(transposed: bool, quantize) -> tuple[Tensor, Tensor]:
-            key = (name, transposed)
-            if key not in self._copies:
-                with torch.no_grad():
-                    if both:
-                        self._copies[(name, False)], self._copies[(name, True)] = quantize(w.detach(), "both")
-                    else:
-                        self._copies[key] = quantize(w.detach(), transposed)
-            return self._copies[key]
-        return get
-
-    def clear(self) -> None:
-        self._copies.clear()
-
-
-def expert_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
-                  fp8: Fp8Weights | None = None, name: str = "") -> Tensor:
-    "An experts module's projection: `grouped_linear`, or with `fp8` the FP8 layer on the step's copy of `w`."
-    if fp8 is None:
-        return grouped_linear(x, w, counts, wgrad_queue)
-    return fp8_grouped_linear(x, w, counts, wgrad_queue, weight=fp8.weight(name, w), scaling=fp8.scaling)
-
-
-def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
-               wgrad_queue: WeightGradQueue | None = None, fp8: Fp8Weights | None = None) -> Tensor:
-    "SwiGLU experts, `down(swiglu(gate_up(x)))`: in the compute dtype, or with `fp8` in FP8 on the step's copies."
-    if fp8 is None:
-        return grouped_linear(swiglu(grouped_linear(x, w_gate_up, counts, wgrad_queue)), w_down, counts, wgrad_queue)
-    return fp8_swiglu_experts(x, w_gate_up, w_down, counts, wgrad_queue,
-                              weight_gate_up=fp8.weight("gate_up", w_gate_up), weight_down=fp8.weight("down", w_down),
-                              scaling=fp8.scaling)
-
-
-def set_fp8(model: torch.nn.Module, on: bool, scaling: str = "block") -> None:
-    """`train.fp8`: give every experts module (those with an `fp8` attribute) an `Fp8Weights` with `scaling`
-    (`train.fp8_scaling`), or none."""
-    for m in model.modules():
-        if hasattr(m, "fp8"):
-            m.fp8 = Fp8Weights(scaling) if on else None
-
-
-def clear_fp8(model: torch.nn.Module) -> None:
-    "Drop the step's FP8 weight copies (after an optimizer step: the next forward quantizes the new weights)."
-    for m in model.modules():
-        if getattr(m, "fp8", None) is not None:
-            m.fp8.clear()
-
-# %% [markdown]
-# Two micro-batches through one `Fp8Weights`: the same outputs and gradients as quantizing inside, each weight
-# quantized once, both layouts in one pass; then the weight moves (as an optimizer step would move it): without
-# `clear` the output is still the old weight's, after it the new one's. Under `no_grad` only the forward's copy is made.
-
-# %%
-def check_copies(n_in=256, n_out=128, counts=(100, 0, 60)):
-    counts = torch.tensor(counts)
-    n, E = int(counts.sum()), len(counts)
-    x1, x2, w, dy = randn(7, (n, n_in), (n, n_in), (E, n_out, n_in), (n, n_out))
-    w = w.requires_grad_()
-    ref = []
-    for x in (x1, x2):
-        xr = x.clone().requires_grad_()
-        y = fp8_grouped_linear(xr, w, counts, impl="triton")
-        y.backward(dy)
-        ref.append((y.detach(), xr.grad))
-    ref_dw, w.grad = w.grad, None
-    fp8 = Fp8Weights()
-    made = []
-    def counted(get):              # a weight() (made outside the layer, as expert_mlp does) recording each pass
-        def weight(transposed, quantize):
-            def quantize_counted(w, layouts):
-                made.append(layouts)
-                return quantize(w, layouts)
-            return get(transposed, quantize_counted)
-        return weight
-    for x, (y_ref, dx_ref) in zip((x1, x2), ref):
-        xr = x.clone().requires_grad_()
-        y = fp8_grouped_linear(xr, w, counts, impl="triton", weight=counted(fp8.weight("w", w)))
-        y.backward(dy)
-        assert torch.equal(y, y_ref) and torch.equal(xr.grad, dx_ref)
-    assert torch.equal(w.grad, ref_dw) and sorted(fp8._copies) == [("w", False), ("w", True)] and made == ["both"]
-    with torch.no_grad():
-        w.mul_(2.0)
-    stale = fp8_grouped_linear(x1, w, counts, impl="triton", weight=fp8.weight("w", w))
-    fp8.clear()
-    fresh = fp8_grouped_linear(x1, w, counts, impl="triton", weight=fp8.weight("w", w))
-    assert torch.equal(stale, ref[0][0]) and rel_err(fresh, 2 * ref[0][0]) < 1e-6
-    fp8.clear()                                     # the torch implementation (a CPU run's) keeps the same copies
-    with torch.no_grad():
-        y = expert_linear(x1, w, counts, None, fp8, "w")
-    assert rel_err(y, 2 * ref[0][0]) < 1e-5 and list(fp8._copies) == [("w", False)]
-
-check_copies()
-print("FP8 copies: the same outputs and gradients, one quantization pass per step, fresh after clear")
 
 # %%
 print(f"CPU checks done in {time.time() - T0:.1f} s")

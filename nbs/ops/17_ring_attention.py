@@ -397,9 +397,9 @@ class RingAttention(torch.autograd.Function):
 
 # %% [markdown]
 # `ring_attention` is what the models call. `cp_group` is the context-parallel process group of this rank
-# (engine/30's `mesh.cp`); the models keep it on their attention modules as `cp_group`, set by
-# `set_context_parallel`, and call this function when it is set. It is not traced by `torch.compile`: with
-# `parallel.cp > 1` the trainer compiles stage 1 around it.
+# (engine/30's `mesh.cp`): `ring_group(mesh.cp)` gives it at cp > 1 and None at cp 1, a model takes it as
+# `Options.cp_group` (models/20) when it is built, and its attention modules call this function when it is set. It
+# is not traced by `torch.compile`: with `parallel.cp > 1` the trainer compiles stage 1 around it.
 
 # %%
 #| export
@@ -421,16 +421,14 @@ def ring_attention(q: Tensor, payload: Tensor, cp_group, positions: Tensor, expa
     return out
 
 
-def set_context_parallel(model: torch.nn.Module, cp_group) -> int:
-    """Give every attention module of `model` (those with a `cp_group` attribute) the context-parallel group, or
-    None to attend locally; returns how many. The group's first operation is a barrier, as batched point-to-point
-    transfers need."""
-    mods = [m for m in model.modules() if hasattr(m, "cp_group")]
-    for m in mods:
-        m.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
-    if cp_group is not None and cp_group.size() > 1:
-        dist.barrier(group=cp_group)
-    return len(mods)
+def ring_group(cp_group):
+    """The process group a model's attention rings over (`Options.cp_group`): `cp_group` when it has more than one
+    rank, else None (each rank attends within its own sequence). The group's first operation is a barrier, as
+    batched point-to-point transfers need: call it on every rank of the group."""
+    if cp_group is None or cp_group.size() == 1:
+        return None
+    dist.barrier(group=cp_group)
+    return cp_group
 
 # %% [markdown]
 # The multi-process checks of the ring — every model at cp 2 and 4 against one process, with documents crossing

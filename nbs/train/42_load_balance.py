@@ -455,36 +455,27 @@ assert history[0] > 1.3 and history[-1] < 1.01
 #
 # A benchmark of the MoE step needs its routing stated, since the slowest expert rank sets the pace. Measured
 # with a learned router, a number mixes the system's speed with how balanced the router happened to be.
-# `train.route = "round_robin"` removes that: each router (`round_robin = True`) assigns token t of a
-# micro-batch to experts t·k, …, t·k + k − 1 (mod E). Every expert then gets exactly T·k/E assignments when E
-# divides T·k, on every rank, so the balance statistic is 1, and the router's matmul and softmax still run, so
-# the compute is that of a learned router. The weights are the router's probabilities of the assigned experts,
-# so gradients still flow. `set_route` sets the mode on this rank's routers.
+# `train.route = "round_robin"` removes that: the trainer builds the model with `Options(route="round_robin")`
+# (models/20), and each router assigns token t of a micro-batch to experts t·k, …, t·k + k − 1 (mod E). Every
+# expert then gets exactly T·k/E assignments when E divides T·k, on every rank, so the balance statistic is 1, and
+# the router's matmul and softmax still run, so the compute is that of a learned router. The weights are the
+# router's probabilities of the assigned experts, so gradients still flow.
 
 # %%
-#| export
-def set_route(model: nn.Module, route: str) -> None:
-    "`train.route`: 'learned' (each router's top-k) or 'round_robin' (token t to experts t·k … t·k+k−1 mod E)."
-    if route not in ("learned", "round_robin"):
-        raise ValueError(f"route must be 'learned' or 'round_robin', got {route!r} (set train.route)")
-    for router in routers(model).values():
-        router.round_robin = route == "round_robin"
-
-# %%
+from pith_lit.models.protocol import Options
 from pith_lit.models.qwen3_moe import Qwen3MoeForCausalLM
 
-tiny = Qwen3MoeForCausalLM(QwenConfig(vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4))
+tiny_cfg = QwenConfig(vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4)
+tiny = Qwen3MoeForCausalLM(tiny_cfg, Options(route="round_robin"))
 assert sorted(routers(tiny)) == ["0", "1"]
-set_route(tiny, "round_robin")
 with torch.no_grad():
     routing = routers(tiny)["1"](torch.randn(6, 16))
 assert routing.ids.flatten().tolist() == [0, 1, 2, 3] * 3
 lbr = LoadBalance(4, 0.0, "global")
 lbr.loss("1", routing.probs, routing.ids)
 assert lbr.stats()["lb/mean"] == 1.0
-set_route(tiny, "learned")
-assert not any(r.round_robin for r in routers(tiny).values())
+assert all(r.route == "learned" for r in routers(Qwen3MoeForCausalLM(tiny_cfg)).values())
 
 # %% [markdown]
 # ### Across ranks

@@ -58,28 +58,38 @@ from pith_lit.engine.planner import GiB, Estimate, estimate
 from pith_lit.engine.stages import recompute_layers
 from pith_lit.engine.steptime import choose_stage_layers, profile_layers
 from pith_lit.models.family import family
-from pith_lit.models.protocol import LocalDispatcher, head_loss, run_layers
+from pith_lit.models.protocol import LocalDispatcher, Options, head_loss, run_layers
 from pith_lit.ops.attention import doc_positions
-from pith_lit.ops.fp8 import clear_fp8, set_fp8
-from pith_lit.ops.ring_attention import set_context_parallel, zigzag_shard
+from pith_lit.ops.experts import drop_fp8_copies
+from pith_lit.ops.ring_attention import ring_group, zigzag_shard
 from pith_lit.train import checkpoint
 from pith_lit.train.config import (Config, ConfigError, UserError, dump_toml, from_dict, read_toml, to_dict,
                                    validate)
 from pith_lit.train.data import build_dataset, load_tokenizer
-from pith_lit.train.load_balance import LoadBalance, routers, set_route, update_bias
+from pith_lit.train.load_balance import LoadBalance, routers, update_bias
 from pith_lit.train.optim import build_optimizer, count_tokens, lr_at, optimizer_states
 
 # %% [markdown]
 # ## Building the model
 #
 # The model family is chosen by `model.model_type`: its module (models/29 `family`) holds the model class,
-# `Model`.
+# `Model`. The model is built with the run's `Options` (models/20), which `model_options` reads from the config and
+# the mesh: `train.fp8` and `train.fp8_scaling` give the experts' FP8 scaling (ops/18), `parallel.cp > 1` the ring's
+# group (`ring_group(mesh.cp)`, ops/17), `train.route` the routing (train/42).
 
 # %%
 #| export
-def build_model(model_cfg) -> torch.nn.Module:
-    "The model of the family `model_cfg.model_type` in float32 on the default device, initialised (not on meta)."
-    return family(model_cfg.model_type).Model(model_cfg)
+def build_model(model_cfg, options: Options = Options()) -> torch.nn.Module:
+    """The model of the family `model_cfg.model_type` in float32 on the default device, initialised (not on meta),
+    running with `options`."""
+    return family(model_cfg.model_type).Model(model_cfg, options)
+
+
+def model_options(cfg: Config, mesh: Mesh | None) -> Options:
+    """The run's `Options`: FP8 experts under `train.fp8`, the ring over `mesh.cp` at cp > 1, `train.route`;
+    without a mesh no ring (a model on the meta device, for the planner)."""
+    t = cfg.train
+    return Options(fp8=t.fp8_scaling if t.fp8 else None, cp_group=mesh and ring_group(mesh.cp), route=t.route)
 
 # %% [markdown]
 # ## Model FLOPs and MFU
@@ -185,10 +195,10 @@ class NonFiniteLoss(UserError, RuntimeError):
 # %%
 #| export
 def meta_model(cfg: Config):
-    "A builder of the whole model on the meta device (shapes only)."
+    "A builder of the whole model on the meta device (shapes only), with the run's `Options` but no ring."
     def make():
         with torch.device("meta"):
-            return build_model(cfg.model)
+            return build_model(cfg.model, model_options(cfg, None))
     return make
 
 
@@ -205,7 +215,7 @@ def cut_pipeline(cfg: Config, device: torch.device) -> list[int]:
     if dist.get_rank() == 0:
         w = cfg.workload()
         profile = profile_layers(meta_model(cfg)(), dataclasses.replace(w, compile=False), device,
-                                 LocalDispatcher(cfg.model.routed_experts), optimizer_for(cfg), cfg.train.fp8_scaling)
+                                 LocalDispatcher(cfg.model.routed_experts), optimizer_for(cfg))
         cut = [choose_stage_layers(cfg.model, w, profile)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(cut, src=0)
@@ -324,8 +334,9 @@ class Run:
 def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.nn.Module, tuple | None, dict]:
     "This rank's share of the model, initialised, compiled and sharded; its pipeline parts; the whole model's sizes."
     torch.manual_seed(cfg.run.seed)
+    options = model_options(cfg, mesh)
     with torch.device("meta"):  # shapes only: the whole model costs no memory until this rank has cut out its share
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, options)
     sizes = dict(params=sum(p.numel() for p in model.parameters()), active=model.active_matmul_params(),
                  flops_per_token=model.flops_per_token(cfg.train.seq_len),
                  moe_layers=sum(any(is_expert_param(n) for n, _ in layer.named_parameters())
@@ -335,7 +346,6 @@ def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.n
         shard_experts(model, mesh.ep.rank(), mesh.ep.size())
     model.to_empty(device=device)
     model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
-    set_context_parallel(model, mesh.cp)   # at cp > 1 the attention runs as a ring over mesh.cp (ops/17)
     recompute_layers(model.model.layers.values(), cfg.train.recompute)
     if cfg.train.compile:   # the ring's transfers stay outside the graph: stage 1 compiles around them
         for layer in model.model.layers.values():
@@ -390,8 +400,6 @@ def _build(cfg: Config, device: torch.device, mesh: Mesh, started: bool) -> Run:
     # deferred: the forward does not wait for the global counts (train/42); their values are settled per step
     lb = LoadBalance(cfg.model.routed_experts, t.lb_coef, t.lb_level, group=mesh.dense, deferred=True,
                      seq_len=t.seq_len)
-    set_route(model, t.route)   # learned top-k, or round-robin for benchmarks (train/42)
-    set_fp8(model, t.fp8, t.fp8_scaling)   # the experts' matmuls in FP8, one copy of each weight per step (ops/15)
     eos = load_tokenizer(cfg.data.tokenizer, cfg.cache_dir).eos_id if cfg.data.document_mask else None
     run = Run(cfg, device, mesh, started, model, optimizer, data, lb, _dispatcher(cfg, mesh, device), None, sizes,
               val, eos, memory=memory)
@@ -600,7 +608,7 @@ def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     if t.fp8:
-        clear_fp8(run.model)   # the weights moved: the next step quantizes them again
+        drop_fp8_copies(run.model)   # the weights moved: the next step quantizes them again (ops/18)
     totals = run.lb.totals()   # this rank's MoE layers: the step's expert counts, summed over the dense group
     if t.lb_bias_rate:         # aux-loss-free balancing: every rank holding a layer applies the same update
         update_bias(routers(run.model), totals, t.lb_bias_rate)
@@ -913,10 +921,8 @@ def _sample(run: Run, report: Reporter) -> str:
             report.say(f"no sample: greedy_sample needs the whole model, and pp = {pp}, ep = {ep} split it among "
                        "the ranks")
         return ""
-    set_context_parallel(run.model, None)   # at cp > 1 every rank decodes the short prompt whole, without the ring
     sample = greedy_sample(run.model, load_tokenizer(run.cfg.data.tokenizer, run.cfg.cache_dir), run.data, n,
-                           run.device)
-    set_context_parallel(run.model, run.mesh.cp)
+                           run.device, cp=run.mesh.cp)
     if run.rank != 0:
         return ""
     report.say("sample: " + repr(sample))
@@ -928,18 +934,36 @@ def _sample(run: Run, report: Reporter) -> str:
 # The run ends by continuing a piece of the training data for a few tokens, greedily. It uses the model's own
 # five-stage `forward` (no cache; the tiny model makes this instant), through which FSDP gathers the weights, and
 # shows whether the model has picked up the corpus's shape.
+#
+# At cp > 1 the model's attention rings over `mesh.cp` in every forward, so the context ranks decode the text
+# together, as they train: each runs its zigzag chunks of it (ops/17), padded at the end to 2·cp equal chunks (a
+# causal model's logits for the text do not depend on what follows it), and the rank holding the last token's
+# logits gives them to the others.
 
 # %%
 #| export
 @torch.no_grad()
-def greedy_sample(model, tokenizer, data, n_tokens: int, device, prompt_len: int = 32) -> str:
-    "Decode `n_tokens` greedy tokens after the first `prompt_len` tokens of the first training window."
+def greedy_sample(model, tokenizer, data, n_tokens: int, device, prompt_len: int = 32, cp=None) -> str:
+    """Decode `n_tokens` greedy tokens after the first `prompt_len` tokens of the first training window. `cp`: the
+    context-parallel group the model rings over (every rank of it calls this), or None."""
     x, _ = data.batch(0, 0, 1, 1)
     ids = x[:1, :prompt_len].to(device)
     for _ in range(n_tokens):
-        logits, _ = model(ids)
-        ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+        ids = torch.cat([ids, _last_logits(model, ids, cp).argmax(-1, keepdim=True)], dim=1)
     return tokenizer.decode(ids[0, prompt_len:].tolist())
+
+
+def _last_logits(model, ids: torch.Tensor, cp) -> torch.Tensor:
+    "The logits (1, vocab) after the last token of `ids` (1, n): the model's forward, over the ring at cp > 1."
+    if cp is None or cp.size() == 1:
+        return model(ids)[0][:, -1]
+    n, size, rank = ids.shape[1], cp.size(), cp.rank()
+    ids = torch.cat([ids, ids.new_zeros(1, -n % (2 * size))], dim=1)
+    mine = zigzag_shard(torch.arange(ids.shape[1], device=ids.device), size, rank, dim=0)   # their places
+    logits, _ = model(zigzag_shard(ids, size, rank), mine)
+    last = logits[0, mine == n - 1].sum(0, keepdim=True)   # zeros on the ranks without the last token
+    dist.all_reduce(last, group=cp)
+    return last
 
 # %% [markdown]
 # ## A short run

@@ -168,8 +168,7 @@ for kind in ("adamw", "muon"):
     runs[kind] = load_config(overrides=["run.device=cpu", "train.seq_len=32", "train.micro_batch=2",
                                         f"train.optimizer={kind}"])
     profiles[kind] = profile_layers(meta_model(runs[kind])(), runs[kind].workload(), "cpu",
-                                    LocalDispatcher(runs[kind].model.routed_experts), optimizer_for(runs[kind]),
-                                    runs[kind].train.fp8_scaling, reps=5)
+                                    LocalDispatcher(runs[kind].model.routed_experts), optimizer_for(runs[kind]), reps=5)
 a, m = profiles["adamw"].optimizer_ms, profiles["muon"].optimizer_ms
 print("optimizer ms, AdamW:", {k: round(v, 3) for k, v in a.items()}, "Muon:", {k: round(v, 3) for k, v in m.items()})
 assert m["moe full experts"] > a["moe full experts"]
@@ -235,7 +234,7 @@ def _profile(args, cfg: Config) -> Profile | None:
             raise UserError("--measure times the layers on a GPU, and torch sees none here; measure on the GPU "
                             "machine, then pass the file with --profile")
         prof = profile_layers(meta_model(cfg)(), cfg.workload(), "cuda", LocalDispatcher(cfg.model.routed_experts),
-                              optimizer_for(cfg), cfg.train.fp8_scaling)
+                              optimizer_for(cfg))
         with open(args.measure, "w") as fh:
             json.dump(asdict(prof), fh, indent=1)
         print(f"wrote {args.measure}")

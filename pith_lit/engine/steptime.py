@@ -16,7 +16,6 @@ from .mesh import stage_layers
 from .planner import Unit, Workload, is_moe, ranks_per_token
 from .stages import LayerRun
 from ..models.protocol import head_loss
-from ..ops.fp8 import set_fp8
 from ..ops.grouped_linear import WeightGradQueue
 
 # %% ../../nbs/engine/38_steptime.ipynb #f1acd260
@@ -157,12 +156,13 @@ def _time_ends(ends: nn.Module, ids, x, device, reps: int) -> tuple[dict, dict]:
     return {"F": t_loss, "B": max(t_lossb, 0.0)}, {"F": t_emb, "B": max(t_embb, 0.0)}
 
 # %% ../../nbs/engine/38_steptime.ipynb #c75e927c
-def profile_layers(model: nn.Module, w: Workload, device, dispatcher, optimizer, fp8_scaling: str,
-                   reps: int = 3) -> Profile:
+def profile_layers(model: nn.Module, w: Workload, device, dispatcher, optimizer, reps: int = 3) -> Profile:
     """Measure `model` (a whole model on the meta device, left as it is) on `device`: one layer of each kind, the head,
     the embedding and the optimizer step, for one micro-batch of `w.micro_batch` × `w.seq_len` tokens in `w`'s
     compute dtype. `dispatcher`: the local one (models/20 `LocalDispatcher`); `optimizer(module)`: the run's optimizer
-    over a module's parameters that require gradients; `fp8_scaling`: `train.fp8_scaling`, used under `w.fp8`."""
+    over a module's parameters that require gradients."""
+    if any(getattr(m, "fp8_copies", None) is not None for m in model.modules()) != w.fp8:
+        raise ValueError(f"workload fp8={w.fp8}, but the model's experts disagree: build it with Options(fp8=...)")
     device = torch.device(device)
     dtype, param_dtype = DTYPES[w.compute_bytes], DTYPES[w.param_bytes]
     c, g = model.config, torch.Generator(device=device).manual_seed(0)
@@ -175,7 +175,6 @@ def profile_layers(model: nn.Module, w: Workload, device, dispatcher, optimizer,
         if kind in layers:
             continue
         layer = _materialise(copy.deepcopy(meta_layer), device, dtype)
-        set_fp8(layer, w.fp8, fp8_scaling)   # the time model's one switch of FP8 (ops/15)
         if w.compile:
             layer.stage1, layer.stage5 = torch.compile(layer.stage1), torch.compile(layer.stage5, fullgraph=True)
         layers[kind] = _time_layer(layer, key, x, positions, dispatcher, device, reps, is_moe(c, i))

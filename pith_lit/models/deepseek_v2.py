@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+from .protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
                                      mlp_bytes, norm_bytes, router_bytes, run_layers)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import ring_attention
-from ..ops.fp8 import expert_mlp
+from ..ops.experts import Fp8Weights, expert_mlp
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #2e1664ca
 YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -166,19 +166,19 @@ def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Li
 
 class Experts(nn.Module):
     "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #0502191e
 class Attention(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, cp_group=None):
         super().__init__()
         n, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
         self.n_heads, self.q_lora_rank, self.kv_lora_rank = n, c.q_lora_rank, c.kv_lora_rank
@@ -197,7 +197,7 @@ class Attention(nn.Module):
         mscale_all_dim = c.rope_scaling.get("mscale_all_dim") if c.rope_scaling else None
         self.softmax_scale = qk ** -0.5 * (yarn_mscale(c.rope_scaling["factor"], mscale_all_dim) ** 2
                                            if mscale_all_dim else 1.0)
-        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+        self.ring = cp_group   # context parallelism: the ring's process group, or None (ops/17)
 
     def expand(self, payload: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (B, n, S, nope + rope) and values (B, n, S, v) from the payload (B, S, kv_lora_rank + rope): the
@@ -221,8 +221,8 @@ class Attention(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)   # one rotated key for all heads
         payload = torch.cat((self.kv_a_layernorm(latent), k_rope), -1)   # what the ring passes
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if self.cp_group is not None:  # the latent travels the ring, each rank expands it (ops/17)
-            o = ring_attention(q, payload, self.cp_group, positions, self.expand, (self.kv_b_proj.weight,),
+        if self.ring is not None:  # the latent travels the ring, each rank expands it (ops/17)
+            o = ring_attention(q, payload, self.ring, positions, self.expand, (self.kv_b_proj.weight,),
                                scale=self.softmax_scale)
             return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
         k, v = self.expand(payload, self.kv_b_proj.weight)
@@ -237,19 +237,19 @@ class Attention(nn.Module):
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #5aafcb58
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k, self.method, self.scale = c.num_experts_per_tok, c.topk_method, c.routed_scaling_factor
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         ct = _compute_dtype(x.dtype)
         probs = F.linear(x.to(ct), self.weight.to(ct)).softmax(-1)
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = probs.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -276,18 +276,18 @@ class MLP(nn.Module):
 
 class SparseMoE(nn.Module):
     "Holds the routed experts, the router (`gate`) and the shared experts under transformers' names."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
-        self.gate = Router(c)
+        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
+        self.gate = Router(c, options.route)
         self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #cbf5d655
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = SparseMoE(c) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+        self.self_attn = Attention(c, options.cp_group)
+        self.mlp = SparseMoE(c, options) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -312,18 +312,18 @@ class DecoderLayer(nn.Module):
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #16c7d60f
 class DeepseekV2Model(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class DeepseekV2ForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config)
+        self.model = DeepseekV2Model(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -419,7 +419,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
         return 6 * self.active_matmul_params() + 3 * seq_len * c.num_attention_heads * (qk + v) * c.num_hidden_layers
 
-# %% ../../nbs/models/22_deepseek_v2.ipynb #93204214
+# %% ../../nbs/models/22_deepseek_v2.ipynb #7f973c1c
 Model = DeepseekV2ForCausalLM   # the model class, under the name every family gives it
 
 
@@ -431,7 +431,7 @@ def tiny_config(layers: int = 5, experts: int = 4, top_k: int = 2, dense: int = 
                   n_routed_experts=experts, num_experts_per_tok=top_k, first_k_dense_replace=1,
                   kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 
-# %% ../../nbs/models/22_deepseek_v2.ipynb #8f8bcfac
+# %% ../../nbs/models/22_deepseek_v2.ipynb #7d5527f9
 HF_MODEL_TYPES = ("deepseek_v2",)     # the config.json model_types this family reads
 HF_EXPERTS_ONE_BY_ONE = True          # save_hf writes each routed expert on its own, as the hub's checkpoints do
 HF_READ_EXPERTS_ONE_BY_ONE = True     # load_hf reads them one by one too (and stacked, as transformers 5.x saves)
@@ -462,7 +462,7 @@ def to_hf(c: Config) -> dict:
     return asdict(c) | {"q_lora_rank": c.q_lora_rank or None, "rope_scaling": c.rope_scaling or None,
                         "hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False}
 
-# %% ../../nbs/models/22_deepseek_v2.ipynb #d3780c4c
+# %% ../../nbs/models/22_deepseek_v2.ipynb #25a43425
 def kept_by_part(c: Config, i: int, b: int, f: int, compiled: bool) -> dict:
     "Bytes per token layer `i` keeps for backward in stage 1, by part (the planner adds stage 3 and the output)."
     H, n, r, rope = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+from .protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
                                      mlp_bytes, norm_bytes, router_bytes, run_layers)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
-from ..ops.fp8 import expert_linear
+from ..ops.experts import Fp8Weights, expert_linear
 from ..ops.swiglu import clamped_swiglu
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #01788d83
@@ -177,7 +177,7 @@ def projection(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 
 class Experts(nn.Module):
     "E clamped-SwiGLU experts with biases, stacked (E, in, out) as in transformers; rows grouped by expert."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, fp8: str | None = None):
         super().__init__()
         E, H, I = c.num_local_experts, c.hidden_size, c.intermediate_size
         self.limit, self.alpha = c.swiglu_limit, c.swiglu_alpha
@@ -185,22 +185,22 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I))
         self.down_proj = nn.Parameter(torch.empty(E, I, H))
         self.down_proj_bias = nn.Parameter(torch.empty(E, H))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         """x (N, H) grouped by expert, counts (E,) -> (N, H). `wgrad_queue` defers the expert weight gradients
         (not the biases') to the pipeline schedule's W slots; it reaches the parameters through the `.mT` views."""
         experts = torch.arange(counts.numel(), device=x.device)
         one_hot = (torch.repeat_interleave(experts, counts, output_size=x.shape[0])[:, None] == experts).to(x.dtype)
-        gate_up = (expert_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue, self.fp8, "gate_up")
+        gate_up = (expert_linear(x, local(self.gate_up_proj).mT, counts, wgrad_queue, self.fp8_copies, "gate_up")
                    + one_hot @ local(self.gate_up_proj_bias))
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return (expert_linear(act, local(self.down_proj).mT, counts, wgrad_queue, self.fp8, "down")
+        return (expert_linear(act, local(self.down_proj).mT, counts, wgrad_queue, self.fp8_copies, "down")
                 + one_hot @ local(self.down_proj_bias))
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #47093d77
 class Attention(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, cp_group=None):
         super().__init__()
         self.head_dim, self.rope_parameters = c.head_dim, c.rope_parameters
         self.sliding_window = c.sliding_window if c.layer_types[layer_idx] == "sliding_attention" else None
@@ -209,7 +209,7 @@ class Attention(nn.Module):
         self.v_proj = projection(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
         self.o_proj = projection(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
         self.sinks = nn.Parameter(torch.empty(c.num_attention_heads))
-        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+        self.ring = cp_group   # context parallelism: the ring's process group, or None (ops/17)
 
     def qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         "x (B, S, H) -> rotated q (B, n_q, S, d), rotated k and v (B, n_kv, S, d)."
@@ -224,8 +224,8 @@ class Attention(nn.Module):
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
         q, k, v = self.qkv(x, positions)
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if self.cp_group is not None:  # the ring skips the chunks outside the window; the sinks enter once (ops/17)
-            o = ring_attention(q, kv_payload(k, v), self.cp_group, positions, partial(split_kv, dk=self.head_dim),
+        if self.ring is not None:  # the ring skips the chunks outside the window; the sinks enter once (ops/17)
+            o = ring_attention(q, kv_payload(k, v), self.ring, positions, partial(split_kv, dk=self.head_dim),
                                sinks=self.sinks, window=self.sliding_window)
         elif q.is_cuda:   # ops/14's kernel: sinks in the softmax, whole blocks outside the window skipped
             o = causal_attention(q, k, v, self.sinks, self.sliding_window, docs=docs)
@@ -235,18 +235,18 @@ class Attention(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k = c.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(c.num_local_experts, c.hidden_size))
         self.bias = nn.Parameter(torch.empty(c.num_local_experts))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.num_local_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
         logits = F.linear(x, self.weight, self.bias).to(_compute_dtype(x.dtype))
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = logits.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -256,17 +256,17 @@ class Router(nn.Module):
 
 class MLP(nn.Module):
     "Holds the router and the routed experts under transformers' names (`mlp.router`, `mlp.experts`)."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.router = Router(c)
-        self.experts = Experts(c)
+        self.router = Router(c, options.route)
+        self.experts = Experts(c, options.fp8)
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #3160d39a
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
-        self.self_attn = Attention(c, layer_idx)
-        self.mlp = MLP(c)
+        self.self_attn = Attention(c, layer_idx, options.cp_group)
+        self.mlp = MLP(c, options)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -286,18 +286,18 @@ class DecoderLayer(nn.Module):
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #0c4901bd
 class GptOssModel(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class GptOssForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
         self.config = config
-        self.model = GptOssModel(config)
+        self.model = GptOssModel(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -378,7 +378,7 @@ class GptOssForCausalLM(nn.Module):
         keys = sum(S / 2 if kind == "full_attention" or S <= W else W - W * W / (2 * S) for kind in c.layer_types)
         return 6 * self.active_matmul_params() + 12 * c.num_attention_heads * c.head_dim * keys
 
-# %% ../../nbs/models/23_gpt_oss.ipynb #f82f8213
+# %% ../../nbs/models/23_gpt_oss.ipynb #b5cf0cd2
 Model = GptOssForCausalLM   # the model class, under the name every family gives it
 
 
@@ -389,7 +389,7 @@ def tiny_config(layers: int = 5, experts: int = 4, top_k: int = 2, dense: int = 
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=experts,
                   num_experts_per_tok=top_k, sliding_window=3)
 
-# %% ../../nbs/models/23_gpt_oss.ipynb #2c41327f
+# %% ../../nbs/models/23_gpt_oss.ipynb #c42a79f8
 HF_MODEL_TYPES = ("gpt_oss",)         # the config.json model_types this family reads
 HF_EXPERTS_ONE_BY_ONE = False         # save_hf writes the routed experts stacked, as GPT-OSS checkpoints hold them
 HF_READ_EXPERTS_ONE_BY_ONE = False    # and load_hf reads them stacked only
@@ -415,7 +415,7 @@ def to_hf(c: Config) -> dict:
     rope = dict(hf.pop("rope_parameters"))
     return hf | {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "attention_dropout": 0.0}
 
-# %% ../../nbs/models/23_gpt_oss.ipynb #e8ceaa27
+# %% ../../nbs/models/23_gpt_oss.ipynb #6ba38d93
 def kept_by_part(c: Config, i: int, b: int, f: int, compiled: bool) -> dict:
     "Bytes per token layer `i` keeps for backward in stage 1, by part (the planner adds stage 3 and the output)."
     H, hq, hkv, d, E, k = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,

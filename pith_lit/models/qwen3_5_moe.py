@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+from .protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
                                      mlp_bytes, norm_bytes, router_bytes, run_layers)
 from ..ops.attention import attention_mask, documents
 from ..ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
-from ..ops.fp8 import expert_mlp
+from ..ops.experts import Fp8Weights, expert_mlp
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #b18712f4
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -149,15 +149,15 @@ def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Li
 
 class Experts(nn.Module):
     "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 
 class MLP(nn.Module):
@@ -266,17 +266,17 @@ class GatedDeltaNet(nn.Module):
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #6c88565a
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k = c.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = probs.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -287,10 +287,10 @@ class Router(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     "The router, the routed experts, the shared expert and its gate, under transformers' names."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.gate = Router(c)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.gate = Router(c, options.route)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
         self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
@@ -300,14 +300,14 @@ class SparseMoeBlock(nn.Module):
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #3b2532a1
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
         self.layer_type = c.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(c)
         else:
             self.self_attn = Attention(c)
-        self.mlp = SparseMoeBlock(c)
+        self.mlp = SparseMoeBlock(c, options)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -337,18 +337,21 @@ GDR_CHUNK = 64   # the chunk of the gated delta rule's chunked form (ops/16's de
 
 
 class Qwen3_5MoeTextModel(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class Qwen3_5MoeForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
+        if options.cp_group is not None:
+            raise ValueError("Qwen3.5-MoE has no context-parallel form: its linear attention carries a recurrent "
+                             "state along the sequence; build it with Options(cp_group=None) (parallel.cp = 1)")
         self.config = config
-        self.model = Qwen3_5MoeTextModel(config)
+        self.model = Qwen3_5MoeTextModel(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -450,7 +453,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         linear = c.linear_num_value_heads * (2 * C * (3 * dk + 2 * dv) + 6 * dk * dv)
         return 6 * self.active_matmul_params() + 3 * (full * attn + (c.num_hidden_layers - full) * linear)
 
-# %% ../../nbs/models/24_qwen3_5_moe.ipynb #31ccd8d3
+# %% ../../nbs/models/24_qwen3_5_moe.ipynb #ec2db264
 Model = Qwen3_5MoeForCausalLM   # the model class, under the name every family gives it
 
 
@@ -462,7 +465,7 @@ def tiny_config(layers: int = 5, experts: int = 4, top_k: int = 2, dense: int = 
                   linear_key_head_dim=8, linear_value_head_dim=8, num_experts=experts, num_experts_per_tok=top_k,
                   moe_intermediate_size=16, shared_expert_intermediate_size=24)
 
-# %% ../../nbs/models/24_qwen3_5_moe.ipynb #a9c576f5
+# %% ../../nbs/models/24_qwen3_5_moe.ipynb #da71aac6
 HF_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")   # the text model, and the multimodal one (its language model)
 HF_EXPERTS_ONE_BY_ONE = False         # save_hf writes the routed experts stacked, as the published checkpoints do
 HF_READ_EXPERTS_ONE_BY_ONE = True     # load_hf reads them one by one too, as transformers' save_pretrained writes them
@@ -510,7 +513,7 @@ def to_hf(c: Config) -> dict:
     "The config.json keys of `c` in the hub's spelling: the text model, transformers' Qwen3_5MoeForCausalLM."
     return asdict(c) | {"model_type": "qwen3_5_moe_text", "hidden_act": "silu", "attention_dropout": 0.0}
 
-# %% ../../nbs/models/24_qwen3_5_moe.ipynb #a9a40208
+# %% ../../nbs/models/24_qwen3_5_moe.ipynb #9a4f9944
 def kept_by_part(c: Config, i: int, b: int, f: int, compiled: bool) -> dict:
     "Bytes per token layer `i` keeps for backward in stage 1, by part (the planner adds stage 3 and the output)."
     H, comp = c.hidden_size, compiled

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (LocalDispatcher, Routing, cfg, hf_or, hf_rope, init_shared, local,
+from .protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
                                      mlp_bytes, norm_bytes, router_bytes, run_layers)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
-from ..ops.fp8 import expert_mlp
+from ..ops.experts import Fp8Weights, expert_mlp
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #8eb992f3
 @dataclass
@@ -107,19 +107,19 @@ def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Li
 
 class Experts(nn.Module):
     "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8 = None   # an Fp8Weights under train.fp8 (ops/fp8 set_fp8): the step's FP8 copies
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
 
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8)
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #0e8794b9
 class Attention(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, cp_group=None):
         super().__init__()
         self.head_dim, self.rope_theta = c.head_dim, c.rope_theta
         self.q_proj = projection(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias)
@@ -128,7 +128,7 @@ class Attention(nn.Module):
         self.o_proj = projection(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.cp_group = None   # context parallelism: the ring's process group (ops/17 set_context_parallel)
+        self.ring = cp_group   # context parallelism: the ring's process group, or None (ops/17)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
@@ -139,8 +139,8 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
-        if self.cp_group is not None:  # this rank's zigzag chunks over the whole sequence's keys (ops/17)
-            o = ring_attention(q, kv_payload(k, v), self.cp_group, positions, partial(split_kv, dk=self.head_dim))
+        if self.ring is not None:  # this rank's zigzag chunks over the whole sequence's keys (ops/17)
+            o = ring_attention(q, kv_payload(k, v), self.ring, positions, partial(split_kv, dk=self.head_dim))
         elif docs is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif q.is_cuda:             # within documents, skipping the key blocks of other documents
@@ -152,17 +152,17 @@ class Attention(nn.Module):
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #461f9f03
 class Router(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, route: str = "learned"):
         super().__init__()
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
-        self.round_robin = False
+        self.route = route   # 'learned' or 'round_robin' (Options.route)
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        if self.round_robin:
+        if self.route == "round_robin":
             T, E = probs.shape
             ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
         else:
@@ -175,10 +175,10 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     "Holds the router (`gate`) and the routed experts under transformers' names; the stages call them."
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
-        self.gate = Router(c)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.gate = Router(c, options.route)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
 
 
 class MLP(nn.Module):
@@ -193,10 +193,10 @@ class MLP(nn.Module):
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #e5d0d861
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Config, layer_idx: int):
+    def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = SparseMoE(c) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+        self.self_attn = Attention(c, options.cp_group)
+        self.mlp = SparseMoE(c, options) if c.is_moe_layer(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -219,18 +219,18 @@ class DecoderLayer(nn.Module):
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #55bd6111
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, options: Options):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(c.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, options: Options = Options()):
         super().__init__()
         self.config = config
-        self.model = Qwen3MoeModel(config)
+        self.model = Qwen3MoeModel(config, options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -317,7 +317,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         c = self.config
         return 6 * self.active_matmul_params() + 6 * seq_len * c.num_attention_heads * c.head_dim * c.num_hidden_layers
 
-# %% ../../nbs/models/21_qwen3_moe.ipynb #730b072b
+# %% ../../nbs/models/21_qwen3_moe.ipynb #8e01715f
 Model = Qwen3MoeForCausalLM   # the model class, under the name every family gives it
 
 
@@ -327,7 +327,7 @@ def tiny_config(layers: int = 5, experts: int = 4, top_k: int = 2, dense: int = 
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   num_experts=experts, num_experts_per_tok=top_k, mlp_only_layers=[dense])
 
-# %% ../../nbs/models/21_qwen3_moe.ipynb #515b8dd3
+# %% ../../nbs/models/21_qwen3_moe.ipynb #41dd9e03
 HF_MODEL_TYPES = ("qwen3_moe",)       # the config.json model_types this family reads
 HF_EXPERTS_ONE_BY_ONE = True          # save_hf writes each routed expert on its own, as the hub's checkpoints do
 HF_READ_EXPERTS_ONE_BY_ONE = True     # load_hf reads them one by one too (and stacked, as transformers 5.x saves)
@@ -353,7 +353,7 @@ def to_hf(c: Config) -> dict:
     return asdict(c) | {"rope_scaling": None, "hidden_act": "silu", "attention_dropout": 0.0,
                         "use_sliding_window": False}
 
-# %% ../../nbs/models/21_qwen3_moe.ipynb #95b80b22
+# %% ../../nbs/models/21_qwen3_moe.ipynb #92790504
 def kept_by_part(c: Config, i: int, b: int, f: int, compiled: bool) -> dict:
     "Bytes per token layer `i` keeps for backward in stage 1, by part (the planner adds stage 3 and the output)."
     H, hq, hkv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim

@@ -5,8 +5,7 @@ __all__ = ['E4M3_MAX', 'FP8', 'QUANT_WARPS', 'ROWS_BM', 'ROWS_WARPS', 'WEIGHT_RO
            'SCALINGS', 'pow2_scale', 'quantize_ref', 'dequantize_ref', 'fake_quant', 'fake_quant_rows', 'Fp8Act',
            'quantize_act', 'quantize_weight', 'GemmConfig', 'fp8_grouped_mm', 'fp8_grouped_wgrad', 'Fp8Rows',
            'quantize_rows', 'quantize_weight_rows', 'quantize_weight_ref', 'quantize_weight_rows_ref',
-           'fp8_grouped_linear', 'fp8_swiglu_experts', 'Fp8Weights', 'expert_linear', 'expert_mlp', 'set_fp8',
-           'clear_fp8']
+           'fp8_grouped_linear', 'fp8_swiglu_experts']
 
 # %% ../../nbs/ops/15_fp8.ipynb #b4104c85
 from typing import NamedTuple
@@ -17,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .grouped_linear import WeightGradQueue, grouped_linear
+from .grouped_linear import WeightGradQueue
 from .swiglu import swiglu, swiglu_grad_tiles, swiglu_tile
 
 # %% ../../nbs/ops/15_fp8.ipynb #c6f14391
@@ -755,7 +754,7 @@ def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: Weight
     blocks) or "rows" (one scale per row; see "One scale per row"). With `wgrad_queue` the weight gradient waits for
     `wgrad_queue.drain()`. `impl`: "triton", "torch", or None (triton on CUDA, torch elsewhere).
     `weight(transposed, quantize)`: w's quantization, `quantize(w, transposed)` when None, or a copy kept for the
-    step (`Fp8Weights`)."""
+    step (ops/18 `Fp8Weights`)."""
     impl = _check_args("fp8_grouped_linear", x, w, counts, impl, scaling)
     return _Fp8GroupedLinear.apply(x, w, counts, wgrad_queue, impl, weight, scaling == "rows")
 
@@ -843,62 +842,3 @@ def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Ten
         return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down, scaling)
     return _Fp8SwiGLUExperts.apply(x, w_gate_up, w_down, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up),
                                    weight_down or _own_weight(w_down), scaling == "rows")
-
-# %% ../../nbs/ops/15_fp8.ipynb #e16c3517
-class Fp8Weights:
-    "The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling."
-    def __init__(self, scaling: str = "block"):
-        self.scaling = scaling
-        self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
-
-    def weight(self, name: str, w: Tensor):
-        """`weight(transposed, quantize)` for `fp8_grouped_linear`: w's copy under `name`, quantized on first use.
-        When gradients will flow into w (a training step: its backward asks for the transposed copy too), the
-        first use makes both copies in one pass over w; otherwise only the one asked for."""
-        both = torch.is_grad_enabled() and w.requires_grad
-        def get(transposed: bool, quantize) -> tuple[Tensor, Tensor]:
-            key = (name, transposed)
-            if key not in self._copies:
-                with torch.no_grad():
-                    if both:
-                        self._copies[(name, False)], self._copies[(name, True)] = quantize(w.detach(), "both")
-                    else:
-                        self._copies[key] = quantize(w.detach(), transposed)
-            return self._copies[key]
-        return get
-
-    def clear(self) -> None:
-        self._copies.clear()
-
-
-def expert_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
-                  fp8: Fp8Weights | None = None, name: str = "") -> Tensor:
-    "An experts module's projection: `grouped_linear`, or with `fp8` the FP8 layer on the step's copy of `w`."
-    if fp8 is None:
-        return grouped_linear(x, w, counts, wgrad_queue)
-    return fp8_grouped_linear(x, w, counts, wgrad_queue, weight=fp8.weight(name, w), scaling=fp8.scaling)
-
-
-def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
-               wgrad_queue: WeightGradQueue | None = None, fp8: Fp8Weights | None = None) -> Tensor:
-    "SwiGLU experts, `down(swiglu(gate_up(x)))`: in the compute dtype, or with `fp8` in FP8 on the step's copies."
-    if fp8 is None:
-        return grouped_linear(swiglu(grouped_linear(x, w_gate_up, counts, wgrad_queue)), w_down, counts, wgrad_queue)
-    return fp8_swiglu_experts(x, w_gate_up, w_down, counts, wgrad_queue,
-                              weight_gate_up=fp8.weight("gate_up", w_gate_up), weight_down=fp8.weight("down", w_down),
-                              scaling=fp8.scaling)
-
-
-def set_fp8(model: torch.nn.Module, on: bool, scaling: str = "block") -> None:
-    """`train.fp8`: give every experts module (those with an `fp8` attribute) an `Fp8Weights` with `scaling`
-    (`train.fp8_scaling`), or none."""
-    for m in model.modules():
-        if hasattr(m, "fp8"):
-            m.fp8 = Fp8Weights(scaling) if on else None
-
-
-def clear_fp8(model: torch.nn.Module) -> None:
-    "Drop the step's FP8 weight copies (after an optimizer step: the next forward quantizes the new weights)."
-    for m in model.modules():
-        if getattr(m, "fp8", None) is not None:
-            m.fp8.clear()

@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['zigzag_chunks', 'zigzag_shard', 'zigzag_unshard', 'zigzag_index', 'zigzag_documents', 'visible', 'block_forward',
            'block_backward', 'merge', 'kv_payload', 'split_kv', 'expand_bytes', 'RingAttention', 'ring_attention',
-           'set_context_parallel']
+           'ring_group']
 
 # %% ../../nbs/ops/17_ring_attention.ipynb #9462ce93
 import functools
@@ -237,13 +237,11 @@ def ring_attention(q: Tensor, payload: Tensor, cp_group, positions: Tensor, expa
     return out
 
 
-def set_context_parallel(model: torch.nn.Module, cp_group) -> int:
-    """Give every attention module of `model` (those with a `cp_group` attribute) the context-parallel group, or
-    None to attend locally; returns how many. The group's first operation is a barrier, as batched point-to-point
-    transfers need."""
-    mods = [m for m in model.modules() if hasattr(m, "cp_group")]
-    for m in mods:
-        m.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
-    if cp_group is not None and cp_group.size() > 1:
-        dist.barrier(group=cp_group)
-    return len(mods)
+def ring_group(cp_group):
+    """The process group a model's attention rings over (`Options.cp_group`): `cp_group` when it has more than one
+    rank, else None (each rank attends within its own sequence). The group's first operation is a barrier, as
+    batched point-to-point transfers need: call it on every rank of the group."""
+    if cp_group is None or cp_group.size() == 1:
+        return None
+    dist.barrier(group=cp_group)
+    return cp_group
