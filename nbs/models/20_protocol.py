@@ -450,7 +450,10 @@ print("experts 2..3 built on meta and initialised alone == the same experts of t
 # - `MLP`: the dense SwiGLU MLP, `down_proj(silu(gate_proj(x)) · up_proj(x))` under transformers' names;
 # - `Experts`: E SwiGLU experts as stacked `gate_up_proj (E, 2I, H)` and `down_proj (E, H, I)`, computed by
 #   ops/18's `expert_mlp` on rows grouped by expert; with an FP8 scaling (`Options.fp8`) it keeps the step's FP8
-#   weight copies (GPT-OSS's experts, with biases and a clamped SwiGLU, are its own);
+#   weight copies (GPT-OSS's experts, with biases and a clamped SwiGLU, are its own); `reference` is the same
+#   product written out per expert, for the families' `reference_forward`;
+# - `route_ids`: the experts a router chooses, its top k or, with `Options.route = "round_robin"`, a fixed cycle
+#   over the experts (token t's j-th choice is expert (t·k + j) mod E), for benchmarks that need a balanced load;
 # - `RoutedLayer`: stages 3 and 5 of a decoder layer whose routed experts are `self.mlp.experts`: stage 3 runs
 #   them, stage 5 adds the reduced rows to the residual. A family's `DecoderLayer` subclasses it and writes its
 #   own `__init__` and `stage1`;
@@ -490,6 +493,22 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
         return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
+
+    def reference(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        "For tests: every expert on every token of x (..., H), weighted by `weights` where `ids` (..., k) chose it."
+        out = torch.zeros_like(x)
+        for e, (w_gate_up, w_down) in enumerate(zip(self.gate_up_proj, self.down_proj)):
+            gate, up = (x @ w_gate_up.T).chunk(2, -1)
+            out = out + (weights * (ids == e)).sum(-1, keepdim=True) * ((F.silu(gate) * up) @ w_down.T)
+        return out
+
+
+def route_ids(scores: Tensor, k: int, route: str) -> Tensor:
+    "The k experts of each row of `scores` (T, E): its top k ('learned'), or a fixed cycle ('round_robin', Options)."
+    if route == "round_robin":
+        T, E = scores.shape
+        return (torch.arange(T * k, device=scores.device) % E).view(T, k)
+    return scores.topk(k, -1).indices
 
 
 class RoutedLayer(nn.Module):

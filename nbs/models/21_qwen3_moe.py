@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
-                                     hf_rope, init_shared, mlp_bytes, norm_bytes, projection, router_bytes)
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
 
@@ -159,8 +159,8 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 #
 # Every matrix a token's activations pass through in bulk is made by the constructors models/20 gives every family,
 # and nowhere else: `projection` builds the attention (and dense `MLP`) projections, `Experts` holds the routed
-# experts' stacked weights, and its `forward` is their only use. Switching precision is a change to these, not a patch elsewhere. The router and
-# the output head stay in the model's dtype.
+# experts' stacked weights, and its `forward` is their only use. Switching precision is a change to these, not a patch
+# elsewhere. The router and the output head stay in the model's dtype.
 #
 # The experts' weights are stacked 3-D tensors with transformers' names and layouts: `gate_up_proj` (E, 2I, H),
 # the gate in the first I rows and the up projection in the last I, and `down_proj` (E, H, I). Stage 3 receives
@@ -265,11 +265,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(compute_dtype(x.dtype)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        ids = route_ids(probs + self.e_score_correction_bias, self.top_k, self.route)
         weights = probs.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -414,13 +410,7 @@ class Qwen3MoeForCausalLM(CausalLM):
             top, ids = probs.topk(c.num_experts_per_tok, -1)
             if c.norm_topk_prob:
                 top = top / top.sum(-1, keepdim=True)
-            top = top.to(x.dtype)
-            out = torch.zeros_like(x)
-            for e in range(c.num_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ layer.mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ layer.mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + layer.mlp.experts.reference(x, top.to(x.dtype), ids)
         return self.lm_head(self.model.norm(h))
 
     def active_matmul_params(self) -> int:

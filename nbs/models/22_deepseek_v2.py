@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
-                                     hf_rope, init_shared, mlp_bytes, norm_bytes, projection, router_bytes)
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import ring_attention
 
@@ -422,17 +422,13 @@ class Router(nn.Module):
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         ct = compute_dtype(x.dtype)
         probs = F.linear(x.to(ct), self.weight.to(ct)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            scores = probs + self.e_score_correction_bias
-            if self.method == "group_limited_greedy":
-                groups = scores.unflatten(-1, (self.n_group, -1))                    # (T, G, E/G)
-                best = groups.amax(-1).topk(self.topk_group, -1).indices             # (T, topk_group)
-                keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(-1, best, True)
-                scores = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
-            ids = scores.topk(self.top_k, -1).indices
+        scores = probs + self.e_score_correction_bias
+        if self.method == "group_limited_greedy":
+            groups = scores.unflatten(-1, (self.n_group, -1))                    # (T, G, E/G)
+            best = groups.amax(-1).topk(self.topk_group, -1).indices             # (T, topk_group)
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(-1, best, True)
+            scores = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+        ids = route_ids(scores, self.top_k, self.route)
         return Routing(ids, (probs.gather(-1, ids) * self.scale).to(x.dtype), probs)
 
 class SparseMoE(nn.Module):
@@ -606,12 +602,7 @@ class DeepseekV2ForCausalLM(CausalLM):
             else:
                 top, ids = probs.topk(c.num_experts_per_tok, -1)
             top = (top * c.routed_scaling_factor).to(x.dtype)
-            out = layer.mlp.shared_experts(x)
-            for e in range(c.n_routed_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ layer.mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ layer.mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + layer.mlp.shared_experts(x) + layer.mlp.experts.reference(x, top, ids)
         return self.lm_head(self.model.norm(h))
 
     def active_matmul_params(self) -> int:

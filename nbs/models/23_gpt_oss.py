@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pith_lit.models.protocol import (CausalLM, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or, hf_rope,
-                                     init_shared, local, norm_bytes, projection, router_bytes)
+                                      init_shared, local, norm_bytes, projection, route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
 from pith_lit.ops.experts import Fp8Weights, expert_linear
@@ -286,11 +286,11 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # memory per head.
 #
 # On CUDA the layers therefore call ops/14's `causal_attention` instead: a flash-attention kernel with the sinks in
-# its softmax and a window that skips whole key blocks, as one custom operator that `torch.compile` keeps whole.
-# At the shape above it takes 5.1 ms forward + backward on a full layer and 1.0 ms on a sliding one
-# (benchmarks/RESULTS.md, "GPT-OSS's sinks against the masked SDPA path"), against 17.6 ms for either by SDPA. On
-# the CPU the SDPA form stays (the Triton kernels run there only under the interpreter, for tests); the two are checked against each
-# other in ops/14.
+# its softmax and a window that skips whole key blocks, as one custom operator that `torch.compile` keeps whole. At
+# the shape above it takes 5.1 ms forward + backward on a full layer and 1.0 ms on a sliding one
+# (benchmarks/RESULTS.md, "GPT-OSS's sinks against the masked SDPA path"), against 17.6 ms for either by SDPA. On the
+# CPU the SDPA form stays (the Triton kernels run there only under the interpreter, for tests); the two are checked
+# against each other in ops/14.
 
 # %%
 #| export
@@ -380,8 +380,9 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 # ## The projections FP8 will replace
 #
 # Every matrix a token's activations pass through in bulk is made in one place: `projection` (models/20, the
-# constructor of every family's dense projections) builds the attention projections, `Experts` holds the routed experts' stacked weights, and its `forward` is their only use.
-# The router and the output head stay in the model's dtype.
+# constructor of every family's dense projections) builds the attention projections, `Experts` holds the routed
+# experts' stacked weights, and its `forward` is their only use. The router and the output head stay in the model's
+# dtype.
 #
 # transformers stores GPT-OSS's experts as `(E, in, out)`, the transpose of Qwen3's: `gate_up_proj` (E, H, 2I) with
 # the gate in the even columns and the up projection in the odd ones (interleaved), `down_proj` (E, I, H), and biases
@@ -502,11 +503,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
         logits = F.linear(x, self.weight, self.bias).to(compute_dtype(x.dtype))
-        if self.route == "round_robin":
-            T, E = logits.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (logits + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        ids = route_ids(logits + self.e_score_correction_bias, self.top_k, self.route)
         return Routing(ids, logits.gather(-1, ids).softmax(-1).to(x.dtype), logits.softmax(-1))
 
 
@@ -550,11 +547,12 @@ assert torch.allclose(rr.weights, logits.gather(1, rr.ids).softmax(-1))
 # %% [markdown]
 # ## The decoder layer in five stages
 #
-# Stage 1 is everything before the experts: `h + attention(input_layernorm(h))`, then the post-attention norm and
-# the router on the T = B·S flattened tokens. Stage 3 is the experts on grouped rows. Stage 5 adds, for each token,
-# its k expert outputs weighted by the router to the residual; stages 3 and 5 are models/20's `RoutedLayer`, which
+# Stage 1 is everything before the experts: `h + attention(input_layernorm(h))`, then the post-attention norm and the
+# router on the T = B·S flattened tokens. Stage 3 is the experts on grouped rows. Stage 5 adds, for each token, its k
+# expert outputs weighted by the router to the residual; stages 3 and 5 are models/20's `RoutedLayer`, which
 # `DecoderLayer` subclasses. Stages 1 and 5 have no data-dependent shapes, no host synchronisation and no Python
-# branch on tensor values, so `torch.compile(fullgraph=True)` can take them whole; the window is a Python constant per layer.
+# branch on tensor values, so `torch.compile(fullgraph=True)` can take them whole; the window is a Python constant per
+# layer.
 
 # %%
 #| export

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
-                                     hf_rope, init_shared, mlp_bytes, norm_bytes, projection, router_bytes)
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, documents
 from pith_lit.ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
@@ -427,11 +427,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(compute_dtype(x.dtype)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        ids = route_ids(probs + self.e_score_correction_bias, self.top_k, self.route)
         weights = probs.gather(-1, ids)
         return Routing(ids, (weights / weights.sum(-1, keepdim=True)).to(x.dtype), probs)
 
@@ -461,12 +457,12 @@ assert torch.equal(r.probs.gather(1, r.ids), r.probs.sort(-1, descending=True).v
 # %% [markdown]
 # ## The decoder layer in five stages
 #
-# Stage 1 is everything before the routed experts: the token mixer of the layer's type (linear or full attention)
-# on `input_layernorm(h)` with its residual, the post-attention norm, the shared expert folded into the residual,
-# and the router on the T = B·S flattened tokens. Stage 3 is the routed experts on grouped rows; stage 5 adds each
-# token's router-weighted sum (both are models/20's `RoutedLayer`, which `DecoderLayer` subclasses). The layer type is a Python constant per layer, and neither mixer has a
-# data-dependent shape, host synchronisation or branch on tensor values, so `torch.compile(fullgraph=True)` takes
-# stages 1 and 5 whole.
+# Stage 1 is everything before the routed experts: the token mixer of the layer's type (linear or full attention) on
+# `input_layernorm(h)` with its residual, the post-attention norm, the shared expert folded into the residual, and the
+# router on the T = B·S flattened tokens. Stage 3 is the routed experts on grouped rows; stage 5 adds each token's
+# router-weighted sum (both are models/20's `RoutedLayer`, which `DecoderLayer` subclasses). The layer type is a
+# Python constant per layer, and neither mixer has a data-dependent shape, host synchronisation or branch on tensor
+# values, so `torch.compile(fullgraph=True)` takes stages 1 and 5 whole.
 
 # %%
 #| export
@@ -594,11 +590,7 @@ class Qwen3_5MoeForCausalLM(CausalLM):
             s = mlp.shared_expert
             out = torch.sigmoid(x @ mlp.shared_expert_gate.weight.T) * (
                 (F.silu(x @ s.gate_proj.weight.T) * (x @ s.up_proj.weight.T)) @ s.down_proj.weight.T)
-            for e in range(c.num_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + out + mlp.experts.reference(x, top, ids)
         return self.lm_head(self.model.norm(h))
 
     def active_matmul_params(self) -> int:

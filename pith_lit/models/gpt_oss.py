@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import (CausalLM, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or, hf_rope,
-                                     init_shared, local, norm_bytes, projection, router_bytes)
+                                      init_shared, local, norm_bytes, projection, route_ids, router_bytes)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
 from ..ops.experts import Fp8Weights, expert_linear
@@ -236,11 +236,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
         logits = F.linear(x, self.weight, self.bias).to(compute_dtype(x.dtype))
-        if self.route == "round_robin":
-            T, E = logits.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (logits + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        ids = route_ids(logits + self.e_score_correction_bias, self.top_k, self.route)
         return Routing(ids, logits.gather(-1, ids).softmax(-1).to(x.dtype), logits.softmax(-1))
 
 

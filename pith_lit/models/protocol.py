@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['cfg', 'Options', 'Routing', 'LocalPlan', 'LocalDispatcher', 'run_layers', 'local', 'head_loss', 'compute_dtype',
-           'SeededInit', 'init_shared', 'projection', 'MLP', 'Experts', 'RoutedLayer', 'CausalLM', 'norm_bytes',
-           'mlp_bytes', 'router_bytes', 'hf_or', 'hf_rope']
+           'SeededInit', 'init_shared', 'projection', 'MLP', 'Experts', 'route_ids', 'RoutedLayer', 'CausalLM',
+           'norm_bytes', 'mlp_bytes', 'router_bytes', 'hf_or', 'hf_rope']
 
 # %% ../../nbs/models/20_protocol.ipynb #7a36d413
 import hashlib
@@ -210,6 +210,22 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
         "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
         return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
+
+    def reference(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        "For tests: every expert on every token of x (..., H), weighted by `weights` where `ids` (..., k) chose it."
+        out = torch.zeros_like(x)
+        for e, (w_gate_up, w_down) in enumerate(zip(self.gate_up_proj, self.down_proj)):
+            gate, up = (x @ w_gate_up.T).chunk(2, -1)
+            out = out + (weights * (ids == e)).sum(-1, keepdim=True) * ((F.silu(gate) * up) @ w_down.T)
+        return out
+
+
+def route_ids(scores: Tensor, k: int, route: str) -> Tensor:
+    "The k experts of each row of `scores` (T, E): its top k ('learned'), or a fixed cycle ('round_robin', Options)."
+    if route == "round_robin":
+        T, E = scores.shape
+        return (torch.arange(T * k, device=scores.device) % E).view(T, k)
+    return scores.topk(k, -1).indices
 
 
 class RoutedLayer(nn.Module):

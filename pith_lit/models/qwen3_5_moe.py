@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
-                                     hf_rope, init_shared, mlp_bytes, norm_bytes, projection, router_bytes)
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from ..ops.attention import attention_mask, documents
 from ..ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
@@ -241,11 +241,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(compute_dtype(x.dtype)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        ids = route_ids(probs + self.e_score_correction_bias, self.top_k, self.route)
         weights = probs.gather(-1, ids)
         return Routing(ids, (weights / weights.sum(-1, keepdim=True)).to(x.dtype), probs)
 
@@ -353,11 +349,7 @@ class Qwen3_5MoeForCausalLM(CausalLM):
             s = mlp.shared_expert
             out = torch.sigmoid(x @ mlp.shared_expert_gate.weight.T) * (
                 (F.silu(x @ s.gate_proj.weight.T) * (x @ s.up_proj.weight.T)) @ s.down_proj.weight.T)
-            for e in range(c.num_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + out + mlp.experts.reference(x, top, ids)
         return self.lm_head(self.model.norm(h))
 
     def active_matmul_params(self) -> int:

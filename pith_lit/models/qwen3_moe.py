@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
-                                     hf_rope, init_shared, mlp_bytes, norm_bytes, projection, router_bytes)
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
 
@@ -138,11 +138,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
         probs = F.linear(x, self.weight).to(compute_dtype(x.dtype)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        ids = route_ids(probs + self.e_score_correction_bias, self.top_k, self.route)
         weights = probs.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -220,13 +216,7 @@ class Qwen3MoeForCausalLM(CausalLM):
             top, ids = probs.topk(c.num_experts_per_tok, -1)
             if c.norm_topk_prob:
                 top = top / top.sum(-1, keepdim=True)
-            top = top.to(x.dtype)
-            out = torch.zeros_like(x)
-            for e in range(c.num_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ layer.mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ layer.mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + layer.mlp.experts.reference(x, top.to(x.dtype), ids)
         return self.lm_head(self.model.norm(h))
 
     def active_matmul_params(self) -> int:
