@@ -207,7 +207,8 @@ class LocalDispatcher:
 #
 # `head_loss` is the loss of a micro-batch from the last hidden states, written once for the plain loop, the
 # pipeline schedule and the checks: the final norm, the head and the summed token cross-entropy over labels that
-# are not -100, in fp32. On CUDA the fused linear cross-entropy of ops/13 computes it without materialising the
+# are not -100, in fp32 (`compute_dtype`: float64 for a float64 model, the dtype the families' norms, RoPE and
+# routers compute in too). On CUDA the fused linear cross-entropy of ops/13 computes it without materialising the
 # (tokens × vocabulary) logits.
 
 # %%
@@ -551,6 +552,23 @@ class CausalLM(nn.Module):
     def num_params(self) -> int:
         "All parameters, a tied embedding counted once."
         return sum(p.numel() for p in self.parameters())
+
+# %% [markdown]
+# Check: the round-robin cycle and the learned top-k; `Experts.reference` against the grouped computation, on
+# rows sorted by expert.
+
+# %%
+assert route_ids(torch.zeros(3, 4), 2, "round_robin").tolist() == [[0, 1], [2, 3], [0, 1]]
+assert route_ids(torch.tensor([[0.1, 0.7, 0.2]]), 2, "learned").tolist() == [[1, 2]]
+torch.manual_seed(0)
+ex = Experts(3, 8, 5).double()
+with torch.no_grad():
+    for w in ex.parameters(): w.normal_()
+xe, ids = torch.randn(6, 8, dtype=torch.float64), torch.tensor([[0], [2], [2], [1], [0], [2]])
+order = ids.flatten().argsort(stable=True)
+grouped = ex(xe[order], torch.bincount(ids.flatten(), minlength=3))
+ref = ex.reference(xe, torch.ones(6, 1, dtype=torch.float64), ids)
+assert torch.allclose(grouped, ref[order], rtol=0, atol=1e-10), (grouped - ref[order]).abs().max()
 
 # %% [markdown]
 # ## What the families share with the planner and the Hugging Face conversion
