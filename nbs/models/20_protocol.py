@@ -25,7 +25,8 @@
 #
 # The router weights are applied where the experts ran (`reduce`, in stage 3), so that combine returns one row
 # per token and rank instead of one per (token, expert) pair: at ep 2 with top-8 that is a quarter of the bytes,
-# and it measures faster than returning the pairs (benchmarks/RESULTS.md, "Combine summed on the experts' rank").
+# and it measures faster than returning the pairs (benchmarks/RESULTS.md, "Throughput on two H200s: expert parallelism and
+# DualPipeV").
 #
 # Stage 3's optional `wgrad_queue` (ops/12_grouped_linear) defers the experts' weight gradients: backward then
 # computes only the input gradient, and a pipeline schedule computes the weight gradient later, in a slot that
@@ -47,9 +48,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from pith_lit.ops.experts import Fp8Weights, expert_mlp
 from pith_lit.ops.permute import gather_rows, sort_by_expert, weighted_gather
 
 # %% [markdown]
@@ -205,7 +207,8 @@ class LocalDispatcher:
 #
 # `head_loss` is the loss of a micro-batch from the last hidden states, written once for the plain loop, the
 # pipeline schedule and the checks: the final norm, the head and the summed token cross-entropy over labels that
-# are not -100, in fp32. On CUDA the fused linear cross-entropy of ops/13 computes it without materialising the
+# are not -100, in fp32 (`compute_dtype`: float64 for a float64 model, the dtype the families' norms, RoPE and
+# routers compute in too). On CUDA the fused linear cross-entropy of ops/13 computes it without materialising the
 # (tokens × vocabulary) logits.
 
 # %%
@@ -239,8 +242,12 @@ def head_loss(model, h: Tensor, labels: Tensor, ignore_index: int = -100) -> Ten
         from pith_lit.ops.cross_entropy import linear_cross_entropy
         return linear_cross_entropy(h, model.lm_head.weight, labels, ignore_index)
     logits = model.lm_head(h)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(logits.to(compute_dtype(logits.dtype)), labels, ignore_index=ignore_index, reduction="sum")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE, routers and losses compute."
+    return torch.promote_types(dtype, torch.float32)
 
 # %% [markdown]
 # ## Check: five stages equal a plain loop over experts
@@ -250,10 +257,6 @@ def head_loss(model, h: Tensor, labels: Tensor, ignore_index: int = -100) -> Ten
 # `reference` computes the same thing without any protocol piece: every expert on every token, masked by
 # whether the token chose it. A dense toy layer in the middle checks that `run_layers` skips stages 2–5
 # for it.
-
-# %%
-import torch
-from torch import nn
 
 # %%
 class ToyMoE(nn.Module):
@@ -436,6 +439,136 @@ other = ToyStack(4)
 other.init_weights(8)
 assert not torch.equal(other.experts.w, whole.experts.w) and abs(whole.experts.w.std().item() / 0.02 - 1) < 0.5
 print("experts 2..3 built on meta and initialised alone == the same experts of the whole model")
+
+# %% [markdown]
+# ## The modules every family builds from
+#
+# The four families differ in attention, router and norms; the rest of a model is the same code, written once
+# here:
+#
+# - `projection(in, out, bias)`: the one constructor of the dense projections (attention, dense and shared MLPs),
+#   the place a change of their precision would go;
+# - `MLP`: the dense SwiGLU MLP, `down_proj(silu(gate_proj(x)) · up_proj(x))` under transformers' names;
+# - `Experts`: E SwiGLU experts as stacked `gate_up_proj (E, 2I, H)` and `down_proj (E, H, I)`, computed by
+#   ops/18's `expert_mlp` on rows grouped by expert; with an FP8 scaling (`Options.fp8`) it keeps the step's FP8
+#   weight copies (GPT-OSS's experts, with biases and a clamped SwiGLU, are its own); `reference` is the same
+#   product written out per expert, for the families' `reference_forward`;
+# - `route_ids`: the experts a router chooses, its top k or, with `Options.route = "round_robin"`, a fixed cycle
+#   over the experts (token t's j-th choice is expert (t·k + j) mod E), for benchmarks that need a balanced load;
+# - `RoutedLayer`: stages 3 and 5 of a decoder layer whose routed experts are `self.mlp.experts`: stage 3 runs
+#   them, stage 5 adds the reduced rows to the residual. A family's `DecoderLayer` subclasses it and writes its
+#   own `__init__` and `stage1`;
+# - `CausalLM`: the model class of the protocol. It holds `config`, the family's inner `model` (with
+#   `embed_tokens`, the `layers` under their absolute keys, and the final `norm`) and the `lm_head`, tied to the
+#   embedding when `config.tie_word_embeddings`; it calls the family's `init_weights()` once built, and gives
+#   `prolog`, `epilog`, `forward` (the five stages on one rank, `LocalDispatcher` over `config.routed_experts`)
+#   and `num_params`. A family's `...ForCausalLM` subclasses it once, passing its inner model, and writes
+#   `init_weights`, `reference_forward`, `active_matmul_params` and `flops_per_token`.
+
+# %%
+#| export
+def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    "A dense projection (attention, dense and shared MLPs): the one constructor of the dense projections."
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+class MLP(nn.Module):
+    "A dense SwiGLU MLP with three projections (a dense layer's MLP, a shared expert)."
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = projection(hidden, inter), projection(hidden, inter)
+        self.down_proj = projection(inter, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
+
+    def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
+        "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
+        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
+
+    def reference(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        "For tests: every expert on every token of x (..., H), weighted by `weights` where `ids` (..., k) chose it."
+        out = torch.zeros_like(x)
+        for e, (w_gate_up, w_down) in enumerate(zip(self.gate_up_proj, self.down_proj)):
+            gate, up = (x @ w_gate_up.T).chunk(2, -1)
+            out = out + (weights * (ids == e)).sum(-1, keepdim=True) * ((F.silu(gate) * up) @ w_down.T)
+        return out
+
+
+def route_ids(scores: Tensor, k: int, route: str) -> Tensor:
+    "The k experts of each row of `scores` (T, E): its top k ('learned'), or a fixed cycle ('round_robin', Options)."
+    if route == "round_robin":
+        T, E = scores.shape
+        return (torch.arange(T * k, device=scores.device) % E).view(T, k)
+    return scores.topk(k, -1).indices
+
+
+class RoutedLayer(nn.Module):
+    "Stages 3 and 5 of a decoder layer whose routed experts are `self.mlp.experts`; a family writes `stage1`."
+    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
+        "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
+        return self.mlp.experts(x, counts, wgrad_queue)
+
+    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
+        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
+        return h + y.view(h.shape)
+
+
+class CausalLM(nn.Module):
+    "A family's model class: `config`, the inner `model` (embed_tokens, layers, norm), `lm_head`, the five stages."
+    def __init__(self, config, model: nn.Module):
+        super().__init__()
+        self.config, self.model = config, model
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_weights()
+
+    def prolog(self, input_ids: Tensor) -> Tensor:
+        "input_ids (B, S) -> h (B, S, H)."
+        return self.model.embed_tokens(input_ids)
+
+    def epilog(self, h: Tensor) -> Tensor:
+        "h (B, S, H) -> logits (B, S, vocab)."
+        return self.lm_head(self.model.norm(h))
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> tuple[Tensor, list]:
+        "The five-stage forward on one rank: (logits, one Routing per layer, None for a dense layer)."
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        h, routings = run_layers(self.model.layers.values(), self.prolog(input_ids), positions,
+                                 LocalDispatcher(self.config.routed_experts))
+        return self.epilog(h), routings
+
+    def num_params(self) -> int:
+        "All parameters, a tied embedding counted once."
+        return sum(p.numel() for p in self.parameters())
+
+# %% [markdown]
+# Check: the round-robin cycle and the learned top-k; `Experts.reference` against the grouped computation, on
+# rows sorted by expert.
+
+# %%
+assert route_ids(torch.zeros(3, 4), 2, "round_robin").tolist() == [[0, 1], [2, 3], [0, 1]]
+assert route_ids(torch.tensor([[0.1, 0.7, 0.2]]), 2, "learned").tolist() == [[1, 2]]
+torch.manual_seed(0)
+ex = Experts(3, 8, 5).double()
+with torch.no_grad():
+    for w in ex.parameters(): w.normal_()
+xe, ids = torch.randn(6, 8, dtype=torch.float64), torch.tensor([[0], [2], [2], [1], [0], [2]])
+order = ids.flatten().argsort(stable=True)
+grouped = ex(xe[order], torch.bincount(ids.flatten(), minlength=3))
+ref = ex.reference(xe, torch.ones(6, 1, dtype=torch.float64), ids)
+assert torch.allclose(grouped, ref[order], rtol=0, atol=1e-10), (grouped - ref[order]).abs().max()
 
 # %% [markdown]
 # ## What the families share with the planner and the Hugging Face conversion

@@ -31,11 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
-                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
+from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
-from pith_lit.ops.experts import Fp8Weights, expert_mlp
 
 # %%
 #| export
@@ -93,11 +92,6 @@ class Config:
 
 # %%
 #| export
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE and the router compute."
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -105,7 +99,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(_compute_dtype(x.dtype))
+        xf = x.to(compute_dtype(x.dtype))
         return self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 # %%
@@ -130,7 +124,7 @@ assert out_bf16.dtype == torch.bfloat16 and torch.allclose(out_bf16.double(), re
 #| export
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     "cos and sin of the rotation angles, shape `positions.shape + (head_dim,)`, cast to `dtype`."
-    ct = _compute_dtype(dtype)
+    ct = compute_dtype(dtype)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=ct) / head_dim)
     angles = positions.to(ct)[..., None] * inv_freq
     angles = torch.cat((angles, angles), -1)
@@ -163,10 +157,10 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # %% [markdown]
 # ## The projections FP8 will replace
 #
-# Every matrix a token's activations pass through in bulk is made here and nowhere else: `projection` builds
-# the attention (and dense MLP) projections, `Experts` holds the routed experts' stacked weights, and its
-# `forward` is their only use. Switching precision is a change to these, not a patch elsewhere. The router and
-# the output head stay in the model's dtype.
+# Every matrix a token's activations pass through in bulk is made by the constructors models/20 gives every family,
+# and nowhere else: `projection` builds the attention (and dense `MLP`) projections, `Experts` holds the routed
+# experts' stacked weights, and its `forward` is their only use. Switching precision is a change to these, not a patch
+# elsewhere. The router and the output head stay in the model's dtype.
 #
 # The experts' weights are stacked 3-D tensors with transformers' names and layouts: `gate_up_proj` (E, 2I, H),
 # the gate in the first I rows and the up projection in the last I, and `down_proj` (E, H, I). Stage 3 receives
@@ -177,25 +171,6 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # experts call them through `expert_mlp` (ops/experts). Built with `fp8` (`Options.fp8`, `train.fp8`), the module
 # holds an `Fp8Weights`, and `expert_mlp` runs the FP8 layers of ops/15 on the step's copies instead, with SwiGLU
 # computed inside their quantization passes.
-
-# %%
-#| export
-def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention q/k/v/o, dense MLP): the one constructor of the dense projections."
-    return nn.Linear(in_features, out_features, bias=bias)
-
-
-class Experts(nn.Module):
-    "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
-
-    def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 # %% [markdown]
 # ## Attention
@@ -289,12 +264,8 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
-        probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        probs = F.linear(x, self.weight).to(compute_dtype(x.dtype)).softmax(-1)
+        ids = route_ids(probs + self.e_score_correction_bias, self.top_k, self.route)
         weights = probs.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -307,18 +278,6 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.gate = Router(c, options.route)
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
-
-
-class MLP(nn.Module):
-    "The dense SwiGLU MLP of the layers in `mlp_only_layers`."
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj, self.up_proj = projection(hidden, inter), projection(hidden, inter)
-        self.down_proj = projection(inter, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 # %%
 cr = Config(hidden_size=16, num_experts=6, num_experts_per_tok=3)
 router = Router(cr)
@@ -358,13 +317,14 @@ assert torch.allclose(rr.weights, rr.probs.gather(1, rr.ids) / rr.probs.gather(1
 # Stage 1 is everything before the experts: `h + attention(input_layernorm(h))`, then the post-attention norm
 # and the router on the T = B·S flattened tokens (a dense layer finishes its MLP here and returns no routing).
 # Stage 3 is the experts on grouped rows. Stage 5 adds, for each token, its k expert outputs weighted by the
-# router to the residual. Stages 1 and 5 have no data-dependent shapes, no host synchronisation and no Python
+# router to the residual; stages 3 and 5 are models/20's `RoutedLayer`, which `DecoderLayer` subclasses. Stages 1
+# and 5 have no data-dependent shapes, no host synchronisation and no Python
 # branch on tensor values, so `torch.compile(fullgraph=True)` can take them whole; everything data-dependent
 # lives in dispatch and stage 3.
 
 # %%
 #| export
-class DecoderLayer(nn.Module):
+class DecoderLayer(RoutedLayer):
     def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
         self.self_attn = Attention(c, options.cp_group)
@@ -381,14 +341,6 @@ class DecoderLayer(nn.Module):
         x = x.flatten(0, 1)
         return h, x, self.mlp.gate(x)
 
-    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
-        return self.mlp.experts(x, counts, wgrad_queue)
-
-    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
-        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
-        return h + y.view(h.shape)
-
 # %% [markdown]
 # ## The model
 #
@@ -404,6 +356,10 @@ class DecoderLayer(nn.Module):
 # `reference_forward` is the check for everything the engine does: the same layers run sequentially with no
 # protocol piece, every expert applied to every token and masked by whether the token chose it.
 #
+# `Qwen3MoeForCausalLM` subclasses models/20's `CausalLM`, which holds the head and gives `prolog`, `epilog`,
+# `forward` and `num_params`; this notebook writes the inner model, the initialisation, `reference_forward` and
+# the FLOP count.
+#
 # The constructor takes the run's `Options` (models/20) beside the config and hands each field to the module that
 # reads it: `cp_group` to every attention, `route` to every router, `fp8` to every experts module.
 
@@ -417,15 +373,9 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3MoeModel(config, options)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_weights()
+        super().__init__(config, Qwen3MoeModel(config, options))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -445,22 +395,6 @@ class Qwen3MoeForCausalLM(nn.Module):
                 init.normal_(layer.mlp.experts.gate_up_proj, std)
                 init.normal_(layer.mlp.experts.down_proj, out_std)
 
-    def prolog(self, input_ids: Tensor) -> Tensor:
-        "input_ids (B, S) -> h (B, S, H)."
-        return self.model.embed_tokens(input_ids)
-
-    def epilog(self, h: Tensor) -> Tensor:
-        "h (B, S, H) -> logits (B, S, vocab)."
-        return self.lm_head(self.model.norm(h))
-
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> tuple[Tensor, list]:
-        "The five-stage forward on one rank: (logits, one Routing per layer, None for dense layers)."
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        h, routings = run_layers(self.model.layers.values(), self.prolog(input_ids), positions,
-                                 LocalDispatcher(self.config.num_experts))
-        return self.epilog(h), routings
-
     def reference_forward(self, input_ids: Tensor) -> Tensor:
         "Plain sequential forward for tests: no protocol stage, no dispatcher; each expert on all tokens, masked."
         c = self.config
@@ -472,22 +406,12 @@ class Qwen3MoeForCausalLM(nn.Module):
             if isinstance(layer.mlp, MLP):
                 h = h + layer.mlp(x)
                 continue
-            probs = torch.softmax(x @ layer.mlp.gate.weight.T, -1, dtype=_compute_dtype(x.dtype))
+            probs = torch.softmax(x @ layer.mlp.gate.weight.T, -1, dtype=compute_dtype(x.dtype))
             top, ids = probs.topk(c.num_experts_per_tok, -1)
             if c.norm_topk_prob:
                 top = top / top.sum(-1, keepdim=True)
-            top = top.to(x.dtype)
-            out = torch.zeros_like(x)
-            for e in range(c.num_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ layer.mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ layer.mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + layer.mlp.experts.reference(x, top.to(x.dtype), ids)
         return self.lm_head(self.model.norm(h))
-
-    def num_params(self) -> int:
-        "All parameters, a tied embedding counted once."
-        return sum(p.numel() for p in self.parameters())
 
     def active_matmul_params(self) -> int:
         "Matmul parameters one token touches (for MFU): attention projections, router, k experts or dense MLP, head."
@@ -562,6 +486,7 @@ print("skewed routing, tokens per expert:", routings[0].counts.tolist())
 # `torch.compile` does but skips code generation, so the check is quick on a CPU.
 
 # %%
+from pith_lit.models.protocol import LocalDispatcher
 model = model.float()
 layer, h_in = model.model.layers["0"], torch.randn(2, 7, c.hidden_size)
 h1, x1, r1 = torch.compile(layer.stage1, fullgraph=True, backend="aot_eager")(h_in, torch.arange(7))

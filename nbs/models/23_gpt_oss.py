@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
-                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
+from pith_lit.models.protocol import (CausalLM, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or, hf_rope,
+                                      init_shared, local, norm_bytes, projection, route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
 from pith_lit.ops.experts import Fp8Weights, expert_linear
@@ -144,11 +144,6 @@ assert Config().routed_experts == 8
 
 # %%
 #| export
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE and the router compute."
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -156,7 +151,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(_compute_dtype(x.dtype))
+        xf = x.to(compute_dtype(x.dtype))
         return (self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 # %%
@@ -213,7 +208,7 @@ def yarn_inv_freq(head_dim: int, rope: dict, dtype: torch.dtype, device=None) ->
 
 def rope_cos_sin(positions: Tensor, head_dim: int, rope: dict, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     "cos and sin of the rotation angles times YaRN's attention factor, shape `positions.shape + (head_dim/2,)`."
-    ct = _compute_dtype(dtype)
+    ct = compute_dtype(dtype)
     inv_freq, scale = yarn_inv_freq(head_dim, rope, ct, positions.device)
     angles = positions.to(ct)[..., None] * inv_freq
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
@@ -291,11 +286,11 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # memory per head.
 #
 # On CUDA the layers therefore call ops/14's `causal_attention` instead: a flash-attention kernel with the sinks in
-# its softmax and a window that skips whole key blocks, as one custom operator that `torch.compile` keeps whole.
-# At the shape above it takes 5.1 ms forward + backward on a full layer and 1.0 ms on a sliding one (the same
-# benchmarks/RESULTS.md section, "Attention kernel"), against 17.6 ms for either by SDPA. On the CPU the SDPA form
-# stays (the Triton kernels run there only under the interpreter, for tests); the two are checked against each
-# other in ops/14.
+# its softmax and a window that skips whole key blocks, as one custom operator that `torch.compile` keeps whole. At
+# the shape above it takes 5.1 ms forward + backward on a full layer and 1.0 ms on a sliding one
+# (benchmarks/RESULTS.md, "GPT-OSS's sinks against the masked SDPA path"), against 17.6 ms for either by SDPA. On the
+# CPU the SDPA form stays (the Triton kernels run there only under the interpreter, for tests); the two are checked
+# against each other in ops/14.
 
 # %%
 #| export
@@ -384,9 +379,10 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 # %% [markdown]
 # ## The projections FP8 will replace
 #
-# Every matrix a token's activations pass through in bulk is made here and nowhere else: `projection` builds the
-# attention projections, `Experts` holds the routed experts' stacked weights, and its `forward` is their only use.
-# The router and the output head stay in the model's dtype.
+# Every matrix a token's activations pass through in bulk is made in one place: `projection` (models/20, the
+# constructor of every family's dense projections) builds the attention projections, `Experts` holds the routed
+# experts' stacked weights, and its `forward` is their only use. The router and the output head stay in the model's
+# dtype.
 #
 # transformers stores GPT-OSS's experts as `(E, in, out)`, the transpose of Qwen3's: `gate_up_proj` (E, H, 2I) with
 # the gate in the even columns and the up projection in the odd ones (interleaved), `down_proj` (E, I, H), and biases
@@ -406,11 +402,6 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 # %%
 #| export
-def projection(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    "A dense projection (attention q/k/v/o): the one constructor of the dense projections."
-    return nn.Linear(in_features, out_features, bias=bias)
-
-
 class Experts(nn.Module):
     "E clamped-SwiGLU experts with biases, stacked (E, in, out) as in transformers; rows grouped by expert."
     def __init__(self, c: Config, fp8: str | None = None):
@@ -511,12 +502,8 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
-        logits = F.linear(x, self.weight, self.bias).to(_compute_dtype(x.dtype))
-        if self.route == "round_robin":
-            T, E = logits.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (logits + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        logits = F.linear(x, self.weight, self.bias).to(compute_dtype(x.dtype))
+        ids = route_ids(logits + self.e_score_correction_bias, self.top_k, self.route)
         return Routing(ids, logits.gather(-1, ids).softmax(-1).to(x.dtype), logits.softmax(-1))
 
 
@@ -560,15 +547,16 @@ assert torch.allclose(rr.weights, logits.gather(1, rr.ids).softmax(-1))
 # %% [markdown]
 # ## The decoder layer in five stages
 #
-# Stage 1 is everything before the experts: `h + attention(input_layernorm(h))`, then the post-attention norm and
-# the router on the T = B·S flattened tokens. Stage 3 is the experts on grouped rows. Stage 5 adds, for each token,
-# its k expert outputs weighted by the router to the residual. Stages 1 and 5 have no data-dependent shapes, no
-# host synchronisation and no Python branch on tensor values, so `torch.compile(fullgraph=True)` can take them
-# whole; the window is a Python constant per layer.
+# Stage 1 is everything before the experts: `h + attention(input_layernorm(h))`, then the post-attention norm and the
+# router on the T = B·S flattened tokens. Stage 3 is the experts on grouped rows. Stage 5 adds, for each token, its k
+# expert outputs weighted by the router to the residual; stages 3 and 5 are models/20's `RoutedLayer`, which
+# `DecoderLayer` subclasses. Stages 1 and 5 have no data-dependent shapes, no host synchronisation and no Python
+# branch on tensor values, so `torch.compile(fullgraph=True)` can take them whole; the window is a Python constant per
+# layer.
 
 # %%
 #| export
-class DecoderLayer(nn.Module):
+class DecoderLayer(RoutedLayer):
     def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
         self.self_attn = Attention(c, layer_idx, options.cp_group)
@@ -581,14 +569,6 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), positions)
         x = self.post_attention_layernorm(h).flatten(0, 1)
         return h, x, self.mlp.router(x)
-
-    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
-        return self.mlp.experts(x, counts, wgrad_queue)
-
-    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
-        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
-        return h + y.view(h.shape)
 
 # %% [markdown]
 # ## The model
@@ -608,6 +588,10 @@ class DecoderLayer(nn.Module):
 # protocol piece, explicit-score attention, and every expert applied to every token, masked by whether the token
 # chose it, with the activation written out.
 #
+# `GptOssForCausalLM` subclasses models/20's `CausalLM`, which holds the head and gives `prolog`, `epilog`,
+# `forward` and `num_params`; this notebook writes the inner model, the initialisation, `reference_forward` and
+# the FLOP count.
+#
 # The constructor takes the run's `Options` (models/20) beside the config and hands each field to the module that
 # reads it: `cp_group` to every attention, `route` to every router, `fp8` to every experts module.
 
@@ -621,15 +605,9 @@ class GptOssModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__()
-        self.config = config
-        self.model = GptOssModel(config, options)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_weights()
+        super().__init__(config, GptOssModel(config, options))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -645,22 +623,6 @@ class GptOssForCausalLM(nn.Module):
             for p in (router.bias, router.e_score_correction_bias, ex.gate_up_proj_bias, ex.down_proj_bias):
                 p.zero_()
 
-    def prolog(self, input_ids: Tensor) -> Tensor:
-        "input_ids (B, S) -> h (B, S, H)."
-        return self.model.embed_tokens(input_ids)
-
-    def epilog(self, h: Tensor) -> Tensor:
-        "h (B, S, H) -> logits (B, S, vocab)."
-        return self.lm_head(self.model.norm(h))
-
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> tuple[Tensor, list]:
-        "The five-stage forward on one rank: (logits, one Routing per layer)."
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        h, routings = run_layers(self.model.layers.values(), self.prolog(input_ids), positions,
-                                 LocalDispatcher(self.config.num_local_experts))
-        return self.epilog(h), routings
-
     def reference_forward(self, input_ids: Tensor) -> Tensor:
         "Plain sequential forward for tests: explicit attention, each expert on all tokens, masked; no protocol."
         c = self.config
@@ -671,7 +633,7 @@ class GptOssForCausalLM(nn.Module):
             o = sink_attention_reference(*a.qkv(layer.input_layernorm(h), positions), a.sinks, a.sliding_window)
             h = h + a.o_proj(o.transpose(1, 2).flatten(2))
             x = layer.post_attention_layernorm(h)
-            logits = (x @ router.weight.T + router.bias).to(_compute_dtype(x.dtype))
+            logits = (x @ router.weight.T + router.bias).to(compute_dtype(x.dtype))
             top, ids = logits.topk(c.num_experts_per_tok, -1)
             top = top.softmax(-1).to(x.dtype)
             out = torch.zeros_like(x)
@@ -684,10 +646,6 @@ class GptOssForCausalLM(nn.Module):
                 out = out + w_e * (act @ ex.down_proj[e] + ex.down_proj_bias[e])
             h = h + out
         return self.lm_head(self.model.norm(h))
-
-    def num_params(self) -> int:
-        "All parameters, a tied embedding counted once."
-        return sum(p.numel() for p in self.parameters())
 
     def active_matmul_params(self) -> int:
         "Matmul weights one token touches (for MFU): attention projections, router, k experts, head. No biases."
@@ -763,6 +721,7 @@ print("sink gradients, smallest |g|:", f"{sink_grads.abs().min().item():.1e}")
 # `torch.compile` does but skips code generation, so the check is quick on a CPU. Layer 0 slides, layer 1 does not.
 
 # %%
+from pith_lit.models.protocol import LocalDispatcher
 model = model.float()
 h_in = torch.randn(2, 13, c.hidden_size)
 for i in ("0", "1"):

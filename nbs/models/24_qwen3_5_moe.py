@@ -43,12 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
-                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
+from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, documents
 from pith_lit.ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
-from pith_lit.ops.experts import Fp8Weights, expert_mlp
 
 # %% [markdown]
 # ## Config
@@ -150,11 +149,6 @@ assert Config().routed_experts == 8
 
 # %%
 #| export
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE and the router compute."
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
     "Zero-centred RMSNorm: x / sqrt(mean(x²) + ε) · (1 + weight); weight starts at 0."
     def __init__(self, dim: int, eps: float):
@@ -163,7 +157,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        ct = _compute_dtype(x.dtype)
+        ct = compute_dtype(x.dtype)
         xf = x.to(ct)
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * (1 + self.weight.to(ct))).to(x.dtype)
 
@@ -201,7 +195,7 @@ assert torch.allclose(RMSNorm(6, 1e-6)(xn), xn / xn.pow(2).mean(-1, keepdim=True
 #| export
 def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     "cos and sin of the rotation angles, shape `positions.shape + (rotary_dim,)`, cast to `dtype`."
-    ct = _compute_dtype(dtype)
+    ct = compute_dtype(dtype)
     inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=ct) / rotary_dim)
     angles = positions.to(ct)[..., None] * inv_freq
     angles = torch.cat((angles, angles), -1)
@@ -233,42 +227,13 @@ assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 # %% [markdown]
 # ## The projections FP8 will replace
 #
-# Every dense projection is made by `projection` and the routed experts are `Experts`, as in Qwen3-MoE: stacked
+# Every dense projection is made by `projection` and the routed experts are `Experts`, models/20's constructors,
+# as in Qwen3-MoE: stacked
 # weights with transformers' names and layouts, `gate_up_proj` (E, 2I, H) (gate rows first) and `down_proj`
 # (E, H, I), run on rows grouped by expert through `expert_mlp` (ops/experts: `grouped_linear` and `swiglu`, or FP8
 # when built with `Options.fp8`, `train.fp8`; ops/12, ops/10, ops/15). The shared
-# expert is a plain SwiGLU `MLP` of three projections. The router, the shared expert's gate and the output head
+# expert is models/20's plain SwiGLU `MLP` of three projections. The router, the shared expert's gate and the output head
 # stay in the model's dtype.
-
-# %%
-#| export
-def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention, linear attention, shared expert): the one constructor of the dense projections."
-    return nn.Linear(in_features, out_features, bias=bias)
-
-
-class Experts(nn.Module):
-    "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
-
-    def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
-
-
-class MLP(nn.Module):
-    "The shared expert: a SwiGLU MLP with three projections."
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj, self.up_proj = projection(hidden, inter), projection(hidden, inter)
-        self.down_proj = projection(inter, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 # %% [markdown]
 # ## Gated full attention
@@ -461,12 +426,8 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
-        probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        probs = F.linear(x, self.weight).to(compute_dtype(x.dtype)).softmax(-1)
+        ids = route_ids(probs + self.e_score_correction_bias, self.top_k, self.route)
         weights = probs.gather(-1, ids)
         return Routing(ids, (weights / weights.sum(-1, keepdim=True)).to(x.dtype), probs)
 
@@ -496,16 +457,16 @@ assert torch.equal(r.probs.gather(1, r.ids), r.probs.sort(-1, descending=True).v
 # %% [markdown]
 # ## The decoder layer in five stages
 #
-# Stage 1 is everything before the routed experts: the token mixer of the layer's type (linear or full attention)
-# on `input_layernorm(h)` with its residual, the post-attention norm, the shared expert folded into the residual,
-# and the router on the T = B·S flattened tokens. Stage 3 is the routed experts on grouped rows; stage 5 adds each
-# token's router-weighted sum. The layer type is a Python constant per layer, and neither mixer has a
-# data-dependent shape, host synchronisation or branch on tensor values, so `torch.compile(fullgraph=True)` takes
-# stages 1 and 5 whole.
+# Stage 1 is everything before the routed experts: the token mixer of the layer's type (linear or full attention) on
+# `input_layernorm(h)` with its residual, the post-attention norm, the shared expert folded into the residual, and the
+# router on the T = B·S flattened tokens. Stage 3 is the routed experts on grouped rows; stage 5 adds each token's
+# router-weighted sum (both are models/20's `RoutedLayer`, which `DecoderLayer` subclasses). The layer type is a
+# Python constant per layer, and neither mixer has a data-dependent shape, host synchronisation or branch on tensor
+# values, so `torch.compile(fullgraph=True)` takes stages 1 and 5 whole.
 
 # %%
 #| export
-class DecoderLayer(nn.Module):
+class DecoderLayer(RoutedLayer):
     def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
         self.layer_type = c.layer_types[layer_idx]
@@ -530,14 +491,6 @@ class DecoderLayer(nn.Module):
         x = x.flatten(0, 1)
         return h, x, self.mlp.gate(x)
 
-    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
-        return self.mlp.experts(x, counts, wgrad_queue)
-
-    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
-        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
-        return h + y.view(h.shape)
-
 # %% [markdown]
 # ## The model
 #
@@ -553,6 +506,10 @@ class DecoderLayer(nn.Module):
 # `reference_forward` is the check for everything the engine does: the layers run sequentially with no protocol
 # piece, the per-token recurrence and explicit-score attention, and every expert applied to every token, masked by
 # whether the token chose it. It takes positions too, so packed documents can be checked.
+#
+# `Qwen3_5MoeForCausalLM` subclasses models/20's `CausalLM`, which holds the head and gives `prolog`, `epilog`,
+# `forward` and `num_params`; this notebook writes the inner model, the initialisation, `reference_forward` and
+# the FLOP count.
 #
 # The constructor takes the run's `Options` (models/20) and hands `route` to every router and `fp8` to every experts
 # module. It refuses a `cp_group`: the linear attention's recurrent state runs along the whole sequence, so this
@@ -581,18 +538,12 @@ class Qwen3_5MoeTextModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class Qwen3_5MoeForCausalLM(nn.Module):
+class Qwen3_5MoeForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__()
         if options.cp_group is not None:
             raise ValueError("Qwen3.5-MoE has no context-parallel form: its linear attention carries a recurrent "
                              "state along the sequence; build it with Options(cp_group=None) (parallel.cp = 1)")
-        self.config = config
-        self.model = Qwen3_5MoeTextModel(config, options)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_weights()
+        super().__init__(config, Qwen3_5MoeTextModel(config, options))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -623,22 +574,6 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             init.normal_(mlp.shared_expert.down_proj.weight, out_std)
             mlp.gate.e_score_correction_bias.zero_()
 
-    def prolog(self, input_ids: Tensor) -> Tensor:
-        "input_ids (B, S) -> h (B, S, H)."
-        return self.model.embed_tokens(input_ids)
-
-    def epilog(self, h: Tensor) -> Tensor:
-        "h (B, S, H) -> logits (B, S, vocab)."
-        return self.lm_head(self.model.norm(h))
-
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> tuple[Tensor, list]:
-        "The five-stage forward on one rank: (logits, one Routing per layer)."
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        h, routings = run_layers(self.model.layers.values(), self.prolog(input_ids), positions,
-                                 LocalDispatcher(self.config.num_experts))
-        return self.epilog(h), routings
-
     def reference_forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
         "Plain sequential forward for tests: the recurrence, explicit attention, each expert on all tokens, masked."
         c = self.config
@@ -649,22 +584,14 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             h = h + layer.mixer.reference(layer.input_layernorm(h), positions)
             x = layer.post_attention_layernorm(h)
             mlp = layer.mlp
-            probs = torch.softmax(x @ mlp.gate.weight.T, -1, dtype=_compute_dtype(x.dtype))
+            probs = torch.softmax(x @ mlp.gate.weight.T, -1, dtype=compute_dtype(x.dtype))
             top, ids = probs.topk(c.num_experts_per_tok, -1)
             top = (top / top.sum(-1, keepdim=True)).to(x.dtype)
             s = mlp.shared_expert
             out = torch.sigmoid(x @ mlp.shared_expert_gate.weight.T) * (
                 (F.silu(x @ s.gate_proj.weight.T) * (x @ s.up_proj.weight.T)) @ s.down_proj.weight.T)
-            for e in range(c.num_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + out + mlp.experts.reference(x, top, ids)
         return self.lm_head(self.model.norm(h))
-
-    def num_params(self) -> int:
-        "All parameters, a tied embedding counted once."
-        return sum(p.numel() for p in self.parameters())
 
     def active_matmul_params(self) -> int:
         """Matmul weights one token touches (for MFU): the mixer's projections, router, shared expert and its gate,
@@ -784,6 +711,7 @@ assert all((r.ids[:, 0] == 3).all() and r.counts.tolist() == [0, 18, 0, 18] for 
 # `torch.compile` does, without code generation).
 
 # %%
+from pith_lit.models.protocol import LocalDispatcher
 model = model.float()
 h_in = torch.randn(2, 9, c.hidden_size)
 for i in ("0", "1"):

@@ -3,9 +3,9 @@
 # %% auto #0
 __all__ = ['YARN_KEYS', 'Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE', 'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME',
            'HF_READ_PAST', 'FP32_NORM_GAIN', 'Config', 'RMSNorm', 'yarn_mscale', 'rope_frequencies', 'rope_cos_sin',
-           'apply_rope', 'projection', 'Experts', 'Attention', 'Router', 'MLP', 'SparseMoE', 'DecoderLayer',
-           'DeepseekV2Model', 'DeepseekV2ForCausalLM', 'tiny_config', 'from_hf', 'to_hf', 'kept_by_part',
-           'kernel_attention_shape', 'expert_width', 'router_one_hot']
+           'apply_rope', 'Attention', 'Router', 'SparseMoE', 'DecoderLayer', 'DeepseekV2Model', 'DeepseekV2ForCausalLM',
+           'tiny_config', 'from_hf', 'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width',
+           'router_one_hot']
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #731259be
 import math
@@ -15,11 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
-                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
+from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import ring_attention
-from ..ops.experts import Fp8Weights, expert_mlp
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #2e1664ca
 YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -104,11 +103,6 @@ class Config:
         return i >= self.first_k_dense_replace
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #82f2579d
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE and the router compute."
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -116,7 +110,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(_compute_dtype(x.dtype))
+        xf = x.to(compute_dtype(x.dtype))
         return self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #d2f2141f
@@ -158,24 +152,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.to(cos.dtype).unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2).to(x.dtype)
 
-# %% ../../nbs/models/22_deepseek_v2.ipynb #6448f0a9
-def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention, dense and shared MLPs): the one constructor of the dense projections."
-    return nn.Linear(in_features, out_features, bias=bias)
-
-
-class Experts(nn.Module):
-    "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
-
-    def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
-
 # %% ../../nbs/models/22_deepseek_v2.ipynb #0502191e
 class Attention(nn.Module):
     def __init__(self, c: Config, cp_group=None):
@@ -215,7 +191,7 @@ class Attention(nn.Module):
         q_nope, q_rope = q.view(B, S, self.n_heads, -1).transpose(1, 2).split([self.nope, self.rope], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
         inv_freq, factor = rope_frequencies(self.rope, self.rope_theta, self.rope_scaling, self.max_positions,
-                                            _compute_dtype(x.dtype), x.device)
+                                            compute_dtype(x.dtype), x.device)
         cos, sin = rope_cos_sin(positions, inv_freq, factor)
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), -1)
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)   # one rotated key for all heads
@@ -247,32 +223,16 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
-        ct = _compute_dtype(x.dtype)
+        ct = compute_dtype(x.dtype)
         probs = F.linear(x.to(ct), self.weight.to(ct)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            scores = probs + self.e_score_correction_bias
-            if self.method == "group_limited_greedy":
-                groups = scores.unflatten(-1, (self.n_group, -1))                    # (T, G, E/G)
-                best = groups.amax(-1).topk(self.topk_group, -1).indices             # (T, topk_group)
-                keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(-1, best, True)
-                scores = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
-            ids = scores.topk(self.top_k, -1).indices
+        scores = probs + self.e_score_correction_bias
+        if self.method == "group_limited_greedy":
+            groups = scores.unflatten(-1, (self.n_group, -1))                    # (T, G, E/G)
+            best = groups.amax(-1).topk(self.topk_group, -1).indices             # (T, topk_group)
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(-1, best, True)
+            scores = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+        ids = route_ids(scores, self.top_k, self.route)
         return Routing(ids, (probs.gather(-1, ids) * self.scale).to(x.dtype), probs)
-
-
-class MLP(nn.Module):
-    "A dense SwiGLU MLP: the first layers' MLP and the shared experts."
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj, self.up_proj = projection(hidden, inter), projection(hidden, inter)
-        self.down_proj = projection(inter, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class SparseMoE(nn.Module):
     "Holds the routed experts, the router (`gate`) and the shared experts under transformers' names."
@@ -283,7 +243,7 @@ class SparseMoE(nn.Module):
         self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #cbf5d655
-class DecoderLayer(nn.Module):
+class DecoderLayer(RoutedLayer):
     def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
         self.self_attn = Attention(c, options.cp_group)
@@ -302,14 +262,6 @@ class DecoderLayer(nn.Module):
         x = x.flatten(0, 1)
         return h, x, self.mlp.gate(x)
 
-    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
-        return self.mlp.experts(x, counts, wgrad_queue)
-
-    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
-        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
-        return h + y.view(h.shape)
-
 # %% ../../nbs/models/22_deepseek_v2.ipynb #16c7d60f
 class DeepseekV2Model(nn.Module):
     def __init__(self, c: Config, options: Options):
@@ -319,15 +271,9 @@ class DeepseekV2Model(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV2Model(config, options)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_weights()
+        super().__init__(config, DeepseekV2Model(config, options))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -349,22 +295,6 @@ class DeepseekV2ForCausalLM(nn.Module):
                 init.normal_(layer.mlp.experts.gate_up_proj, std)
                 init.normal_(layer.mlp.experts.down_proj, out_std)
 
-    def prolog(self, input_ids: Tensor) -> Tensor:
-        "input_ids (B, S) -> h (B, S, H)."
-        return self.model.embed_tokens(input_ids)
-
-    def epilog(self, h: Tensor) -> Tensor:
-        "h (B, S, H) -> logits (B, S, vocab)."
-        return self.lm_head(self.model.norm(h))
-
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> tuple[Tensor, list]:
-        "The five-stage forward on one rank: (logits, one Routing per layer, None for dense layers)."
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        h, routings = run_layers(self.model.layers.values(), self.prolog(input_ids), positions,
-                                 LocalDispatcher(self.config.n_routed_experts))
-        return self.epilog(h), routings
-
     def reference_forward(self, input_ids: Tensor) -> Tensor:
         "Plain sequential forward for tests: no protocol stage, no dispatcher; each expert on all tokens, masked."
         c = self.config
@@ -376,7 +306,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             if isinstance(layer.mlp, MLP):
                 h = h + layer.mlp(x)
                 continue
-            ct = _compute_dtype(x.dtype)
+            ct = compute_dtype(x.dtype)
             probs = torch.softmax(x.to(ct) @ layer.mlp.gate.weight.to(ct).T, -1)
             if c.topk_method == "group_limited_greedy":
                 group_best = probs.unflatten(-1, (c.n_group, -1)).amax(-1)              # (B, S, G)
@@ -386,17 +316,8 @@ class DeepseekV2ForCausalLM(nn.Module):
             else:
                 top, ids = probs.topk(c.num_experts_per_tok, -1)
             top = (top * c.routed_scaling_factor).to(x.dtype)
-            out = layer.mlp.shared_experts(x)
-            for e in range(c.n_routed_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ layer.mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ layer.mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + layer.mlp.shared_experts(x) + layer.mlp.experts.reference(x, top, ids)
         return self.lm_head(self.model.norm(h))
-
-    def num_params(self) -> int:
-        "All parameters, a tied embedding counted once."
-        return sum(p.numel() for p in self.parameters())
 
     def active_matmul_params(self) -> int:
         """Matmul parameters one token touches (for MFU): attention projections, router, k routed experts,

@@ -3,9 +3,9 @@
 # %% auto #0
 __all__ = ['LAYER_TYPES', 'ROPE_KEYS', 'SINK_PAD', 'Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE',
            'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME', 'HF_READ_PAST', 'FP32_NORM_GAIN', 'Config', 'RMSNorm',
-           'yarn_inv_freq', 'rope_cos_sin', 'apply_rope', 'sink_attention', 'sink_attention_reference', 'projection',
-           'Experts', 'Attention', 'Router', 'MLP', 'DecoderLayer', 'GptOssModel', 'GptOssForCausalLM', 'tiny_config',
-           'from_hf', 'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
+           'yarn_inv_freq', 'rope_cos_sin', 'apply_rope', 'sink_attention', 'sink_attention_reference', 'Experts',
+           'Attention', 'Router', 'MLP', 'DecoderLayer', 'GptOssModel', 'GptOssForCausalLM', 'tiny_config', 'from_hf',
+           'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #649fc001
 import math
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
-                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
+from .protocol import (CausalLM, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or, hf_rope,
+                                      init_shared, local, norm_bytes, projection, route_ids, router_bytes)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
 from ..ops.experts import Fp8Weights, expert_linear
@@ -91,11 +91,6 @@ class Config:
         return self.num_local_experts
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #5ac237f6
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE and the router compute."
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -103,7 +98,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(_compute_dtype(x.dtype))
+        xf = x.to(compute_dtype(x.dtype))
         return (self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #8d01a222
@@ -125,7 +120,7 @@ def yarn_inv_freq(head_dim: int, rope: dict, dtype: torch.dtype, device=None) ->
 
 def rope_cos_sin(positions: Tensor, head_dim: int, rope: dict, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     "cos and sin of the rotation angles times YaRN's attention factor, shape `positions.shape + (head_dim/2,)`."
-    ct = _compute_dtype(dtype)
+    ct = compute_dtype(dtype)
     inv_freq, scale = yarn_inv_freq(head_dim, rope, ct, positions.device)
     angles = positions.to(ct)[..., None] * inv_freq
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
@@ -170,11 +165,6 @@ def sink_attention_reference(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, win
     return logits.softmax(-1)[..., :-1] @ v
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #f2c4ccbf
-def projection(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    "A dense projection (attention q/k/v/o): the one constructor of the dense projections."
-    return nn.Linear(in_features, out_features, bias=bias)
-
-
 class Experts(nn.Module):
     "E clamped-SwiGLU experts with biases, stacked (E, in, out) as in transformers; rows grouped by expert."
     def __init__(self, c: Config, fp8: str | None = None):
@@ -245,12 +235,8 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing: softmax over the top-k logits (x's dtype), softmax over all logits (float32 or 64)."
-        logits = F.linear(x, self.weight, self.bias).to(_compute_dtype(x.dtype))
-        if self.route == "round_robin":
-            T, E = logits.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (logits + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        logits = F.linear(x, self.weight, self.bias).to(compute_dtype(x.dtype))
+        ids = route_ids(logits + self.e_score_correction_bias, self.top_k, self.route)
         return Routing(ids, logits.gather(-1, ids).softmax(-1).to(x.dtype), logits.softmax(-1))
 
 
@@ -262,7 +248,7 @@ class MLP(nn.Module):
         self.experts = Experts(c, options.fp8)
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #3160d39a
-class DecoderLayer(nn.Module):
+class DecoderLayer(RoutedLayer):
     def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
         self.self_attn = Attention(c, layer_idx, options.cp_group)
@@ -276,14 +262,6 @@ class DecoderLayer(nn.Module):
         x = self.post_attention_layernorm(h).flatten(0, 1)
         return h, x, self.mlp.router(x)
 
-    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
-        return self.mlp.experts(x, counts, wgrad_queue)
-
-    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
-        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
-        return h + y.view(h.shape)
-
 # %% ../../nbs/models/23_gpt_oss.ipynb #0c4901bd
 class GptOssModel(nn.Module):
     def __init__(self, c: Config, options: Options):
@@ -293,15 +271,9 @@ class GptOssModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__()
-        self.config = config
-        self.model = GptOssModel(config, options)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_weights()
+        super().__init__(config, GptOssModel(config, options))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -317,22 +289,6 @@ class GptOssForCausalLM(nn.Module):
             for p in (router.bias, router.e_score_correction_bias, ex.gate_up_proj_bias, ex.down_proj_bias):
                 p.zero_()
 
-    def prolog(self, input_ids: Tensor) -> Tensor:
-        "input_ids (B, S) -> h (B, S, H)."
-        return self.model.embed_tokens(input_ids)
-
-    def epilog(self, h: Tensor) -> Tensor:
-        "h (B, S, H) -> logits (B, S, vocab)."
-        return self.lm_head(self.model.norm(h))
-
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> tuple[Tensor, list]:
-        "The five-stage forward on one rank: (logits, one Routing per layer)."
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        h, routings = run_layers(self.model.layers.values(), self.prolog(input_ids), positions,
-                                 LocalDispatcher(self.config.num_local_experts))
-        return self.epilog(h), routings
-
     def reference_forward(self, input_ids: Tensor) -> Tensor:
         "Plain sequential forward for tests: explicit attention, each expert on all tokens, masked; no protocol."
         c = self.config
@@ -343,7 +299,7 @@ class GptOssForCausalLM(nn.Module):
             o = sink_attention_reference(*a.qkv(layer.input_layernorm(h), positions), a.sinks, a.sliding_window)
             h = h + a.o_proj(o.transpose(1, 2).flatten(2))
             x = layer.post_attention_layernorm(h)
-            logits = (x @ router.weight.T + router.bias).to(_compute_dtype(x.dtype))
+            logits = (x @ router.weight.T + router.bias).to(compute_dtype(x.dtype))
             top, ids = logits.topk(c.num_experts_per_tok, -1)
             top = top.softmax(-1).to(x.dtype)
             out = torch.zeros_like(x)
@@ -356,10 +312,6 @@ class GptOssForCausalLM(nn.Module):
                 out = out + w_e * (act @ ex.down_proj[e] + ex.down_proj_bias[e])
             h = h + out
         return self.lm_head(self.model.norm(h))
-
-    def num_params(self) -> int:
-        "All parameters, a tied embedding counted once."
-        return sum(p.numel() for p in self.parameters())
 
     def active_matmul_params(self) -> int:
         "Matmul weights one token touches (for MFU): attention projections, router, k experts, head. No biases."

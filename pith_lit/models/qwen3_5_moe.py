@@ -3,9 +3,9 @@
 # %% auto #0
 __all__ = ['LAYER_TYPES', 'ROPE_KEYS', 'GDR_CHUNK', 'Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE',
            'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME', 'HF_READ_PAST', 'FP32_NORM_GAIN', 'Config', 'RMSNorm',
-           'GatedRMSNorm', 'rope_cos_sin', 'apply_rope', 'projection', 'Experts', 'MLP', 'Attention', 'GatedDeltaNet',
-           'Router', 'SparseMoeBlock', 'DecoderLayer', 'Qwen3_5MoeTextModel', 'Qwen3_5MoeForCausalLM', 'tiny_config',
-           'from_hf', 'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
+           'GatedRMSNorm', 'rope_cos_sin', 'apply_rope', 'Attention', 'GatedDeltaNet', 'Router', 'SparseMoeBlock',
+           'DecoderLayer', 'Qwen3_5MoeTextModel', 'Qwen3_5MoeForCausalLM', 'tiny_config', 'from_hf', 'to_hf',
+           'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #2f0e74f7
 import math
@@ -15,12 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
-                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
+from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from ..ops.attention import attention_mask, documents
 from ..ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
-from ..ops.experts import Fp8Weights, expert_mlp
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #b18712f4
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -96,11 +95,6 @@ class Config:
         return int(self.head_dim * self.rope_parameters["partial_rotary_factor"])
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #7b2a67bf
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE and the router compute."
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
     "Zero-centred RMSNorm: x / sqrt(mean(x²) + ε) · (1 + weight); weight starts at 0."
     def __init__(self, dim: int, eps: float):
@@ -109,7 +103,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        ct = _compute_dtype(x.dtype)
+        ct = compute_dtype(x.dtype)
         xf = x.to(ct)
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * (1 + self.weight.to(ct))).to(x.dtype)
 
@@ -127,7 +121,7 @@ class GatedRMSNorm(nn.Module):
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #7cf8ec24
 def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     "cos and sin of the rotation angles, shape `positions.shape + (rotary_dim,)`, cast to `dtype`."
-    ct = _compute_dtype(dtype)
+    ct = compute_dtype(dtype)
     inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=ct) / rotary_dim)
     angles = positions.to(ct)[..., None] * inv_freq
     angles = torch.cat((angles, angles), -1)
@@ -140,35 +134,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rot, rest = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
     r1, r2 = rot.chunk(2, -1)
     return torch.cat((rot * cos + torch.cat((-r2, r1), -1) * sin, rest), -1)
-
-# %% ../../nbs/models/24_qwen3_5_moe.ipynb #02143c79
-def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention, linear attention, shared expert): the one constructor of the dense projections."
-    return nn.Linear(in_features, out_features, bias=bias)
-
-
-class Experts(nn.Module):
-    "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
-
-    def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
-
-
-class MLP(nn.Module):
-    "The shared expert: a SwiGLU MLP with three projections."
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj, self.up_proj = projection(hidden, inter), projection(hidden, inter)
-        self.down_proj = projection(inter, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #d763a48b
 class Attention(nn.Module):
@@ -275,12 +240,8 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
-        probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        probs = F.linear(x, self.weight).to(compute_dtype(x.dtype)).softmax(-1)
+        ids = route_ids(probs + self.e_score_correction_bias, self.top_k, self.route)
         weights = probs.gather(-1, ids)
         return Routing(ids, (weights / weights.sum(-1, keepdim=True)).to(x.dtype), probs)
 
@@ -299,7 +260,7 @@ class SparseMoeBlock(nn.Module):
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #3b2532a1
-class DecoderLayer(nn.Module):
+class DecoderLayer(RoutedLayer):
     def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
         self.layer_type = c.layer_types[layer_idx]
@@ -324,14 +285,6 @@ class DecoderLayer(nn.Module):
         x = x.flatten(0, 1)
         return h, x, self.mlp.gate(x)
 
-    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
-        return self.mlp.experts(x, counts, wgrad_queue)
-
-    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
-        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
-        return h + y.view(h.shape)
-
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #768d489b
 GDR_CHUNK = 64   # the chunk of the gated delta rule's chunked form (ops/16's default), for the FLOP count
 
@@ -344,18 +297,12 @@ class Qwen3_5MoeTextModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class Qwen3_5MoeForCausalLM(nn.Module):
+class Qwen3_5MoeForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__()
         if options.cp_group is not None:
             raise ValueError("Qwen3.5-MoE has no context-parallel form: its linear attention carries a recurrent "
                              "state along the sequence; build it with Options(cp_group=None) (parallel.cp = 1)")
-        self.config = config
-        self.model = Qwen3_5MoeTextModel(config, options)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_weights()
+        super().__init__(config, Qwen3_5MoeTextModel(config, options))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -386,22 +333,6 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             init.normal_(mlp.shared_expert.down_proj.weight, out_std)
             mlp.gate.e_score_correction_bias.zero_()
 
-    def prolog(self, input_ids: Tensor) -> Tensor:
-        "input_ids (B, S) -> h (B, S, H)."
-        return self.model.embed_tokens(input_ids)
-
-    def epilog(self, h: Tensor) -> Tensor:
-        "h (B, S, H) -> logits (B, S, vocab)."
-        return self.lm_head(self.model.norm(h))
-
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> tuple[Tensor, list]:
-        "The five-stage forward on one rank: (logits, one Routing per layer)."
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        h, routings = run_layers(self.model.layers.values(), self.prolog(input_ids), positions,
-                                 LocalDispatcher(self.config.num_experts))
-        return self.epilog(h), routings
-
     def reference_forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
         "Plain sequential forward for tests: the recurrence, explicit attention, each expert on all tokens, masked."
         c = self.config
@@ -412,22 +343,14 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             h = h + layer.mixer.reference(layer.input_layernorm(h), positions)
             x = layer.post_attention_layernorm(h)
             mlp = layer.mlp
-            probs = torch.softmax(x @ mlp.gate.weight.T, -1, dtype=_compute_dtype(x.dtype))
+            probs = torch.softmax(x @ mlp.gate.weight.T, -1, dtype=compute_dtype(x.dtype))
             top, ids = probs.topk(c.num_experts_per_tok, -1)
             top = (top / top.sum(-1, keepdim=True)).to(x.dtype)
             s = mlp.shared_expert
             out = torch.sigmoid(x @ mlp.shared_expert_gate.weight.T) * (
                 (F.silu(x @ s.gate_proj.weight.T) * (x @ s.up_proj.weight.T)) @ s.down_proj.weight.T)
-            for e in range(c.num_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + out + mlp.experts.reference(x, top, ids)
         return self.lm_head(self.model.norm(h))
-
-    def num_params(self) -> int:
-        "All parameters, a tied embedding counted once."
-        return sum(p.numel() for p in self.parameters())
 
     def active_matmul_params(self) -> int:
         """Matmul weights one token touches (for MFU): the mixer's projections, router, shared expert and its gate,

@@ -2,9 +2,9 @@
 
 # %% auto #0
 __all__ = ['Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE', 'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME', 'HF_READ_PAST',
-           'FP32_NORM_GAIN', 'Config', 'RMSNorm', 'rope_cos_sin', 'apply_rope', 'projection', 'Experts', 'Attention',
-           'Router', 'SparseMoE', 'MLP', 'DecoderLayer', 'Qwen3MoeModel', 'Qwen3MoeForCausalLM', 'tiny_config',
-           'from_hf', 'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
+           'FP32_NORM_GAIN', 'Config', 'RMSNorm', 'rope_cos_sin', 'apply_rope', 'Attention', 'Router', 'SparseMoE',
+           'DecoderLayer', 'Qwen3MoeModel', 'Qwen3MoeForCausalLM', 'tiny_config', 'from_hf', 'to_hf', 'kept_by_part',
+           'kernel_attention_shape', 'expert_width', 'router_one_hot']
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #018f2b14
 from dataclasses import asdict, dataclass
@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (LocalDispatcher, Options, Routing, cfg, hf_or, hf_rope, init_shared, local,
-                                     mlp_bytes, norm_bytes, router_bytes, run_layers)
+from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
+                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
-from ..ops.experts import Fp8Weights, expert_mlp
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #8eb992f3
 @dataclass
@@ -68,11 +67,6 @@ class Config:
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #d80971ed
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE and the router compute."
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -80,13 +74,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(_compute_dtype(x.dtype))
+        xf = x.to(compute_dtype(x.dtype))
         return self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #83545832
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     "cos and sin of the rotation angles, shape `positions.shape + (head_dim,)`, cast to `dtype`."
-    ct = _compute_dtype(dtype)
+    ct = compute_dtype(dtype)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=ct) / head_dim)
     angles = positions.to(ct)[..., None] * inv_freq
     angles = torch.cat((angles, angles), -1)
@@ -98,24 +92,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
     x1, x2 = x.chunk(2, -1)
     return x * cos + torch.cat((-x2, x1), -1) * sin
-
-# %% ../../nbs/models/21_qwen3_moe.ipynb #d3294dcb
-def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention q/k/v/o, dense MLP): the one constructor of the dense projections."
-    return nn.Linear(in_features, out_features, bias=bias)
-
-
-class Experts(nn.Module):
-    "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
-    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.fp8_copies = Fp8Weights(fp8) if fp8 else None   # with an FP8 scaling: the step's FP8 weight copies
-
-    def forward(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "`wgrad_queue`: defer the weight gradients to the pipeline schedule's W slots (see ops/12_grouped_linear)."
-        return expert_mlp(x, local(self.gate_up_proj), local(self.down_proj), counts, wgrad_queue, self.fp8_copies)
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #0e8794b9
 class Attention(nn.Module):
@@ -161,12 +137,8 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         "x (T, H) -> Routing with ids, weights (in x's dtype) and probs (float32; float64 for a float64 model)."
-        probs = F.linear(x, self.weight).to(_compute_dtype(x.dtype)).softmax(-1)
-        if self.route == "round_robin":
-            T, E = probs.shape
-            ids = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
-        else:
-            ids = (probs + self.e_score_correction_bias).topk(self.top_k, -1).indices
+        probs = F.linear(x, self.weight).to(compute_dtype(x.dtype)).softmax(-1)
+        ids = route_ids(probs + self.e_score_correction_bias, self.top_k, self.route)
         weights = probs.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -180,19 +152,8 @@ class SparseMoE(nn.Module):
         self.gate = Router(c, options.route)
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, options.fp8)
 
-
-class MLP(nn.Module):
-    "The dense SwiGLU MLP of the layers in `mlp_only_layers`."
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj, self.up_proj = projection(hidden, inter), projection(hidden, inter)
-        self.down_proj = projection(inter, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 # %% ../../nbs/models/21_qwen3_moe.ipynb #e5d0d861
-class DecoderLayer(nn.Module):
+class DecoderLayer(RoutedLayer):
     def __init__(self, c: Config, layer_idx: int, options: Options):
         super().__init__()
         self.self_attn = Attention(c, options.cp_group)
@@ -209,14 +170,6 @@ class DecoderLayer(nn.Module):
         x = x.flatten(0, 1)
         return h, x, self.mlp.gate(x)
 
-    def stage3(self, x: Tensor, counts: Tensor, wgrad_queue=None) -> Tensor:
-        "Rows grouped by local expert, `counts` (E_local,) -> expert outputs, same rows."
-        return self.mlp.experts(x, counts, wgrad_queue)
-
-    def stage5(self, h: Tensor, y: Tensor) -> Tensor:
-        "h + y: the residual plus each token's router-weighted sum of its experts' outputs, (T, H) -> (B, S, H)."
-        return h + y.view(h.shape)
-
 # %% ../../nbs/models/21_qwen3_moe.ipynb #55bd6111
 class Qwen3MoeModel(nn.Module):
     def __init__(self, c: Config, options: Options):
@@ -226,15 +179,9 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3MoeModel(config, options)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_weights()
+        super().__init__(config, Qwen3MoeModel(config, options))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -254,22 +201,6 @@ class Qwen3MoeForCausalLM(nn.Module):
                 init.normal_(layer.mlp.experts.gate_up_proj, std)
                 init.normal_(layer.mlp.experts.down_proj, out_std)
 
-    def prolog(self, input_ids: Tensor) -> Tensor:
-        "input_ids (B, S) -> h (B, S, H)."
-        return self.model.embed_tokens(input_ids)
-
-    def epilog(self, h: Tensor) -> Tensor:
-        "h (B, S, H) -> logits (B, S, vocab)."
-        return self.lm_head(self.model.norm(h))
-
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> tuple[Tensor, list]:
-        "The five-stage forward on one rank: (logits, one Routing per layer, None for dense layers)."
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        h, routings = run_layers(self.model.layers.values(), self.prolog(input_ids), positions,
-                                 LocalDispatcher(self.config.num_experts))
-        return self.epilog(h), routings
-
     def reference_forward(self, input_ids: Tensor) -> Tensor:
         "Plain sequential forward for tests: no protocol stage, no dispatcher; each expert on all tokens, masked."
         c = self.config
@@ -281,22 +212,12 @@ class Qwen3MoeForCausalLM(nn.Module):
             if isinstance(layer.mlp, MLP):
                 h = h + layer.mlp(x)
                 continue
-            probs = torch.softmax(x @ layer.mlp.gate.weight.T, -1, dtype=_compute_dtype(x.dtype))
+            probs = torch.softmax(x @ layer.mlp.gate.weight.T, -1, dtype=compute_dtype(x.dtype))
             top, ids = probs.topk(c.num_experts_per_tok, -1)
             if c.norm_topk_prob:
                 top = top / top.sum(-1, keepdim=True)
-            top = top.to(x.dtype)
-            out = torch.zeros_like(x)
-            for e in range(c.num_experts):
-                w_e = (top * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens that did not choose expert e
-                gate, up = (x @ layer.mlp.experts.gate_up_proj[e].T).chunk(2, -1)
-                out = out + w_e * ((F.silu(gate) * up) @ layer.mlp.experts.down_proj[e].T)
-            h = h + out
+            h = h + layer.mlp.experts.reference(x, top.to(x.dtype), ids)
         return self.lm_head(self.model.norm(h))
-
-    def num_params(self) -> int:
-        "All parameters, a tied embedding counted once."
-        return sum(p.numel() for p in self.parameters())
 
     def active_matmul_params(self) -> int:
         "Matmul parameters one token touches (for MFU): attention projections, router, k experts or dense MLP, head."
