@@ -217,24 +217,14 @@ print("reference agrees with SDPA, logsumexp and the sink identity")
 # ## Packed documents: ids and positions
 #
 # Data loaders pack documents into rows and describe them flash-attn style, by `cu_seqlens`: the offsets of the
-# document starts in the flattened `B·S` tokens, from 0 to `B·S`. `doc_ids` turns these into `(B, S)` ids
-# (a document that crosses a row boundary keeps its id, but rows never attend to each other anyway).
+# document starts in the flattened `B·S` tokens, from 0 to `B·S`. `doc_ids` (`tests/references.py`; the model
+# derives ids from positions, `documents` below) turns these into `(B, S)` ids (a document that crosses a row
+# boundary keeps its id, but rows never attend to each other anyway).
 # `doc_positions` gives positions that restart at 0 at each document start and at each row start, which is what
 # RoPE needs when documents are packed.
 
 # %%
 #| export
-def doc_ids(cu_seqlens: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    "(B, S) int32 document ids from `cu_seqlens` over the flattened B·S tokens (0 = c_0 ≤ c_1 ≤ … ≤ c_n = B·S)."
-    cu = torch.as_tensor(cu_seqlens).to(torch.int64)
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries; got shape {tuple(cu.shape)}")
-    if not cu.is_cuda and (cu[0] != 0 or cu[-1] != B * S or (cu.diff() < 0).any()):  # no sync on the GPU
-        raise ValueError(f"cu_seqlens must rise from 0 to B·S = {B * S}; got {cu.tolist()[:8]}...")
-    tokens = torch.arange(B * S, device=cu.device)
-    return (torch.searchsorted(cu, tokens, right=True) - 1).view(B, S).to(torch.int32)
-
-
 def doc_positions(doc: torch.Tensor) -> torch.Tensor:
     "(B, S) int64 positions from (B, S) document ids: 0 at each document start and at the start of each row."
     B, S = doc.shape
@@ -245,6 +235,8 @@ def doc_positions(doc: torch.Tensor) -> torch.Tensor:
 
 
 # %%
+from tests.references import doc_ids
+
 ids = doc_ids(torch.tensor([0, 1, 4, 4, 9, 10, 12]), 2, 6)
 assert ids.tolist() == [[0, 1, 1, 1, 3, 3], [3, 3, 3, 4, 5, 5]], ids  # the empty document 2 gets no token
 assert doc_positions(ids).tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 2, 0, 0, 1]]
@@ -281,11 +273,10 @@ def _split_dim(d: int) -> tuple[int, int]:
     return (a, 0) if a == d else (a, max(16, triton.next_power_of_2(d - a)))
 
 
-def _dot_dtype(dtype: torch.dtype):
-    "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype`."
+def _dot_dtype(dtype: torch.dtype, op: str = "flash_attention", reference: str = "attention_reference"):
+    "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype` (`op` names the caller)."
     if dtype not in _TL_DTYPES:
-        raise ValueError(f"flash_attention takes float32, bfloat16 or float16; got {dtype} "
-                         "(attention_reference computes in any dtype)")
+        raise ValueError(f"{op} takes float32, bfloat16 or float16; got {dtype} ({reference} computes in any dtype)")
     if INTERPRET:
         return tl.float32, "ieee"
     return (tl.float32, "tf32x3") if dtype == torch.float32 else (_TL_DTYPES[dtype], "tf32")
@@ -305,7 +296,7 @@ assert [_split_dim(d) for d in (8, 16, 24, 64, 128, 192, 40, 96)] == \
 # Each entry is the fastest of a timed sweep on one H200 at the GPT-OSS (head dim 64, window 128 and full causal,
 # sinks), Qwen3 (head dim 128, causal) and DeepSeek MLA (192/128) shapes; `triton.compile` with
 # `GPUTarget("cuda", 90, 32)` reports ptxas's register and spill counts without a GPU, to see why a tile is slow
-# (benchmarks/RESULTS.md, "Attention kernel" and "Attention backward").
+# (benchmarks/RESULTS.md, "Attention backward: its tiles, TMA, and dq from a stored dS").
 #
 # One scheduling choice goes with them: the forward and `dq` programs take their query blocks last-first, so that
 # under a causal mask the longest programs start first and the short ones fill the tail. The `dk, dv` tiles are
@@ -818,9 +809,9 @@ for opts in [{}, dict(window=9), dict(docs=[10, 1, 25, 28]), dict(docs=[3, 30, 3
 # then one product per tile, `dS K`, reading them back. It trades the recomputation, `2·(Dqk + Dv)` FLOPs per
 # visible pair, for 4 bytes of memory traffic per pair (written once, read once) and `B·Hq·Sk·Sq` bf16 elements of
 # transient memory. The trade wins where the heads are wide: at MLA's 192 + 128 the backward is faster this way
-# and at Qwen3's 128 + 128 or GPT-OSS's 64 + 64 it is slower (RESULTS.md, "dq from a stored dS"), so
-# `attention_bwd` stores `dS` when `Dqk + Dv > 256` and the buffer fits in `DS_BUDGET` (1 GiB; MLA's bench shape, batch 4 ×
-# 2,048 tokens × 16 heads, needs 512 MiB), and recomputes otherwise. The two ways give the same `dq` up to the
+# and at Qwen3's 128 + 128 or GPT-OSS's 64 + 64 it is slower (RESULTS.md, "Attention backward: its tiles, TMA, and
+# dq from a stored dS"), so `attention_bwd` stores `dS` when `Dqk + Dv > 256` and the buffer fits in `DS_BUDGET`
+# (1 GiB; MLA's bench shape, batch 4 × 2,048 tokens × 16 heads, needs 512 MiB), and recomputes otherwise. The two ways give the same `dq` up to the
 # order of fp32 sums. The buffer is not initialised: the `dk, dv` kernel writes every tile it visits, and the `dq`
 # kernel reads only tiles that hold a visible pair and masks the rest of them by the same predicate, with a select,
 # since an unwritten entry may hold NaN. The checks run both ways, the stored one with its buffer filled with NaN
@@ -854,8 +845,8 @@ def _attn_bwd_pre_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, st
 # The `dq` kernels walk the same key blocks as the forward. The `dk, dv` kernel computes its tiles key-major,
 # `Sᵀ = K Qᵀ` with the program's keys along rows, so `Pᵀ` and `dSᵀ` are already the left operands of `dV += Pᵀ dO`
 # and `dK += dSᵀ Q` and nothing is transposed in registers; `Qᵀ` and `dOᵀ` are transposed views of tiles just
-# loaded. The tile sizes of `CUDA_CONFIGS` are the fastest of a sweep on the H200 (RESULTS.md, "Attention
-# backward").
+# loaded. The tile sizes of `CUDA_CONFIGS` are the fastest of a sweep on the H200 (RESULTS.md,
+# "Attention backward: its tiles, TMA, and dq from a stored dS").
 
 # %%
 #| export
@@ -1109,7 +1100,8 @@ def _attn_bwd_dq_ds_kernel(DST, KA, KB, DQ, QDOC, KDOC, RANGES, stride_gb, strid
 # each kernel reads at every step (`Q` and `dO` in the `dk, dv` kernel; `K` and `V`, or `dSᵀ` and `K`, in the `dq`
 # kernel) come in by TMA as in the forward, and the `dSᵀ` tiles go out by TMA: the store is asynchronous, so the
 # kernel goes on to its next products while the copy engine writes. The backward runs faster with descriptors than
-# with pointer loads at every bench shape (RESULTS.md, "Attention backward by TMA").
+# with pointer loads at every bench shape (RESULTS.md, "Attention backward: its tiles, TMA, and dq from a stored
+# dS").
 
 # %%
 #| export
@@ -1573,12 +1565,12 @@ torch._dynamo.reset()
 # Where the time goes: the backward is most of forward+backward at every shape. Accumulating `dq` inside the
 # `dk, dv` pass instead of recomputing it is slower at every shape measured: each key block adds its share of `dq`
 # for every query block it sees, and that fp32 reduction traffic costs more than the products it saves, whether
-# added element by element or as TMA tile reductions (RESULTS.md, "Attention backward by TMA"). The bf16 `dS` that
+# added element by element or as TMA tile reductions (RESULTS.md, "Tried and not adopted"). The bf16 `dS` that
 # the stored way writes and reads once is a quarter of that traffic, and it wins at MLA's head dims. Timed eagerly
 # through autograd, a forward+backward at these shapes costs the host about as long as its kernels cost the GPU
 # (the launches, the descriptors, autograd); the benchmark's `fwd+bwd graph ms` replays the same calls from a CUDA
-# graph, the GPU's time alone, which is what a training step sees while its GPU has queued work (RESULTS.md, "dq
-# from a stored dS"). What remains toward cuDNN is a forward and backward whose softmax overlaps the next block's
+# graph, the GPU's time alone, which is what a training step sees while its GPU has queued work (RESULTS.md,
+# "Attention"). What remains toward cuDNN is a forward and backward whose softmax overlaps the next block's
 # products (FlashAttention-3's warp specialisation).
 
 # %%

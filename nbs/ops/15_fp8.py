@@ -532,7 +532,7 @@ print("weight quantization equals the reference; the transposed layout holds the
 # step never straddles two scale blocks, and `BN` divides 128, so a tile's columns lie in one block of B: B's scale
 # is one number per step and `s_a s_b` a column of `BM` numbers. Promotion is then one multiply-add per accumulator
 # element; a scale per column would add a multiply per element, which `benchmarks/fp8_bound.py` measures slower
-# (benchmarks/RESULTS.md, "FP8: one scale per row in the promotion").
+# (benchmarks/RESULTS.md, "Block scales: one scale per row in the promotion").
 #
 # Promotion matters on the GPU: the tensor cores accumulate FP8 products with fewer bits than fp32, and Triton's
 # default on sm90 lets that accumulator run over the whole K. A fresh `tl.dot` per step bounds it to `BK`
@@ -1114,8 +1114,8 @@ print(f"row-scaled GEMMs (forward, input and weight gradients) vs reference: max
 #
 # Each runs either recipe (`scaling`): "block", DeepSeek-V3's, or "rows", one scale per row ("One scale per row"
 # above). PyTorch's own row-scaled grouped GEMM, `torch._scaled_grouped_mm`, measured slower than these kernels at
-# the Qwen3 and DeepSeek-V2-Lite expert shapes, forward and backward (`benchmarks/RESULTS.md`, "FP8 operators"), so
-# the row recipe runs on the kernels above too.
+# the Qwen3 and DeepSeek-V2-Lite expert shapes, forward and backward (`benchmarks/RESULTS.md`, "The three products:
+# row scales against block scales"), so the row recipe runs on the kernels above too.
 
 # %%
 #| export
@@ -1463,8 +1463,8 @@ for bad, msg in [
 # halves). Neither `h` nor its gradient is ever written in bf16: per layer that saves a write and a read of
 # `(M, I)` forward and of `(M, 2I)` backward. The gradient pass gives part of that back, since the tiles of both
 # halves read gate and dh for their columns; on the H200 the fused experts run as fast as the layers apart at
-# Qwen3's shape and slightly faster at DeepSeek-V2-Lite's (benchmarks/RESULTS.md, "FP8: SwiGLU and its gradient
-# inside the quantization passes").
+# Qwen3's shape and slightly faster at DeepSeek-V2-Lite's (benchmarks/RESULTS.md, "The expert MLP and its
+# quantization passes").
 #
 # `fp8_swiglu_experts(x, w_gate_up, w_down, counts)` is `down(swiglu(gate_up(x)))` in FP8. With the Triton kernels
 # it is one autograd function around the fused passes; it saves what the two layers and SwiGLU saved apart (the
@@ -1619,9 +1619,8 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #
 # `benchmarks/fp8_rows.py` times each product and the whole SwiGLU expert MLP under both scalings against bf16,
 # `benchmarks/fp8_bench.py` and `benchmarks/fp8_bound.py` the block-scaled pieces and variants of its GEMM
-# (benchmarks/RESULTS.md, "FP8 with one scale per row", the sections before it, and "FP8: both layouts of each expert
-# weight from one pass" for the bench end to end). Three things bound the experts
-# in FP8 on the H200:
+# (benchmarks/RESULTS.md, "FP8", and "FP8 end to end" for the bench end to end). Three things bound the experts in
+# FP8 on the H200:
 #
 # - **Promotion, under block scales.** A step's scales apply to a finished 128-deep product, so each step waits for
 #   its tensor-core instruction to complete (`wgmma.wait_group 0` in the kernel's PTX) and then runs the

@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['INTERPRET', 'LOG2E', 'CUDA_CONFIGS', 'FP32_CONFIG', 'DS_BUDGET', 'attention_mask', 'Mask', 'check_args',
-           'attention_reference', 'doc_ids', 'doc_positions', 'attention_fwd', 'ds_bytes', 'attention_bwd',
-           'FlashAttention', 'flash_attention', 'documents', 'causal_attention']
+           'attention_reference', 'doc_positions', 'attention_fwd', 'ds_bytes', 'attention_bwd', 'FlashAttention',
+           'flash_attention', 'documents', 'causal_attention']
 
 # %% ../../nbs/ops/14_attention.ipynb #e0784306
 import os
@@ -99,17 +99,6 @@ def attention_reference(q, k, v, sinks=None, *, causal=True, window=None, scale=
     return out, lse.to(torch.promote_types(q.dtype, torch.float32))
 
 # %% ../../nbs/ops/14_attention.ipynb #6c38fb0f
-def doc_ids(cu_seqlens: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    "(B, S) int32 document ids from `cu_seqlens` over the flattened B·S tokens (0 = c_0 ≤ c_1 ≤ … ≤ c_n = B·S)."
-    cu = torch.as_tensor(cu_seqlens).to(torch.int64)
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries; got shape {tuple(cu.shape)}")
-    if not cu.is_cuda and (cu[0] != 0 or cu[-1] != B * S or (cu.diff() < 0).any()):  # no sync on the GPU
-        raise ValueError(f"cu_seqlens must rise from 0 to B·S = {B * S}; got {cu.tolist()[:8]}...")
-    tokens = torch.arange(B * S, device=cu.device)
-    return (torch.searchsorted(cu, tokens, right=True) - 1).view(B, S).to(torch.int32)
-
-
 def doc_positions(doc: torch.Tensor) -> torch.Tensor:
     "(B, S) int64 positions from (B, S) document ids: 0 at each document start and at the start of each row."
     B, S = doc.shape
@@ -134,11 +123,10 @@ def _split_dim(d: int) -> tuple[int, int]:
     return (a, 0) if a == d else (a, max(16, triton.next_power_of_2(d - a)))
 
 
-def _dot_dtype(dtype: torch.dtype):
-    "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype`."
+def _dot_dtype(dtype: torch.dtype, op: str = "flash_attention", reference: str = "attention_reference"):
+    "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype` (`op` names the caller)."
     if dtype not in _TL_DTYPES:
-        raise ValueError(f"flash_attention takes float32, bfloat16 or float16; got {dtype} "
-                         "(attention_reference computes in any dtype)")
+        raise ValueError(f"{op} takes float32, bfloat16 or float16; got {dtype} ({reference} computes in any dtype)")
     if INTERPRET:
         return tl.float32, "ieee"
     return (tl.float32, "tf32x3") if dtype == torch.float32 else (_TL_DTYPES[dtype], "tf32")
