@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .grouped_linear import WeightGradQueue
+from .grouped_linear import WeightGradQueue, _check_grouped, _deliver
 from .swiglu import swiglu, swiglu_grad_tiles, swiglu_tile
 
 # %% ../../nbs/ops/15_fp8.ipynb #c6f14391
@@ -735,17 +735,6 @@ def _own_weight(w: Tensor):
     return lambda transposed, quantize: quantize(w, transposed)
 
 
-def _deliver(queue: WeightGradQueue | None, param: Tensor | None, wgrad):
-    """A weight gradient for autograd to return: `wgrad()` now, or None when there is none (`wgrad` None) or it waits
-    in `queue`, as a closure that back-propagates it into `param` (the weight tensor the forward was given)."""
-    if wgrad is None:
-        return None
-    if queue is None:
-        return wgrad()
-    queue.push(lambda: torch.autograd.backward(param, wgrad()))
-    return None
-
-
 def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
                        impl: str | None = None, weight=None, scaling: str = "block") -> Tensor:
     """Per-expert linear in FP8 on grouped rows: `y[rows of e] ≈ x[rows of e] @ w[e]ᵀ` for `x (N, in)`,
@@ -763,17 +752,10 @@ SCALINGS = ("block", "rows")
 
 
 def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, scaling: str) -> str:
-    "Refuse what an FP8 expert layer cannot take, in one line; return the implementation to run."
-    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
-        raise ValueError(f"{name} wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
-                         f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
-    if counts.dtype != torch.int64:
-        raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
-    if impl not in (None, "triton", "torch"):
-        raise ValueError(f"impl must be 'triton', 'torch' or None (choose by device), got {impl!r}")
+    "Refuse what an FP8 expert layer cannot take, in one line (ops/12's checks and the scaling); return the impl."
+    _check_grouped(name, x, w, counts, impl, ("triton", "torch"))
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
-    torch._assert_async(counts.sum() <= x.shape[0], f"{name}: counts must sum to at most the {x.shape[0]} rows of x")
     return impl or ("triton" if x.is_cuda else "torch")
 
 # %% ../../nbs/ops/15_fp8.ipynb #bfe52a85
