@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pith_lit.ops.swiglu import choose_impl
+
 # %%
 #| hide
 torch.manual_seed(0)
@@ -167,16 +169,16 @@ class _GroupedLinear(torch.autograd.Function):
 
 # %%
 #| export
-def _check_grouped(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, impls: tuple[str, ...]):
-    "Refuse what an expert layer (this one, or ops/15's FP8 ones) cannot take, in one line."
+def _check_grouped(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, impls: tuple[str, str]) -> str:
+    "Refuse what an expert layer (this one, or ops/15's FP8 ones) cannot take, in one line; return the impl to run."
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
         raise ValueError(f"{name} wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
                          f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
     if counts.dtype != torch.int64:
         raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
-    if impl not in (None, *impls):
-        raise ValueError(f"impl must be {', '.join(map(repr, impls))} or None (choose by device), got {impl!r}")
+    impl = choose_impl(impl, x, impls)
     torch._assert_async(counts.sum() <= x.shape[0], f"{name}: counts must sum to at most the {x.shape[0]} rows of x")
+    return impl
 
 
 def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
@@ -186,8 +188,7 @@ def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGrad
     read nor written, and their outputs and input gradients are left unspecified. With `wgrad_queue`, the weight
     gradient is deferred to `wgrad_queue.drain()` (accumulated into `w.grad`). `impl`: "grouped_mm", "loop", or
     None (grouped_mm on CUDA, loop elsewhere)."""
-    _check_grouped("grouped_linear", x, w, counts, impl, ("grouped_mm", "loop"))
-    use_grouped_mm = x.is_cuda if impl is None else impl == "grouped_mm"
+    use_grouped_mm = _check_grouped("grouped_linear", x, w, counts, impl, ("grouped_mm", "loop")) == "grouped_mm"
     return _GroupedLinear.apply(x, w, counts, wgrad_queue, use_grouped_mm)
 
 # %% [markdown]

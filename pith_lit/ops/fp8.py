@@ -756,10 +756,10 @@ SCALINGS = ("block", "rows")
 
 def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, scaling: str) -> str:
     "Refuse what an FP8 expert layer cannot take, in one line (ops/12's checks and the scaling); return the impl."
-    _check_grouped(name, x, w, counts, impl, ("triton", "torch"))
+    impl = _check_grouped(name, x, w, counts, impl, ("triton", "torch"))
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
-    return impl or ("triton" if x.is_cuda else "torch")
+    return impl
 
 # %% ../../nbs/ops/15_fp8.ipynb #bfe52a85
 class _Fp8SwiGLUExperts(torch.autograd.Function):
