@@ -228,16 +228,15 @@ def _block_range(r0, n_rows, n_cols, delta, window, RANGE, BLOCK_R: tl.constexpr
 def _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr):
     """A query-block program's document ids (its rows', and the keys' of its batch row) and its key loop bounds
-    (`_block_range`), shared by the forward and the dq kernels."""
+    (`_block_range`'s four), shared by the forward and the dq kernels."""
     qdoc = rows
     KDOCb = KDOC
     if HAS_DOC:
         qdoc = tl.load(QDOC + b.to(tl.int64) * Sq + rows, mask=rows < Sq, other=-2)
         KDOCb = KDOC + b.to(tl.int64) * Sk
-    start, int_lo, int_hi, hi = _block_range(pid_m * BLOCK_M, Sq, Sk, delta, window,
-                                             RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N,
-                                             True, CAUSAL, HAS_WINDOW, HAS_DOC)
-    return qdoc, KDOCb, start, int_lo, int_hi, hi
+    return qdoc, KDOCb, _block_range(pid_m * BLOCK_M, Sq, Sk, delta, window,
+                                     RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N, True, CAUSAL,
+                                     HAS_WINDOW, HAS_DOC)
 
 
 @triton.jit
@@ -333,8 +332,8 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
     qb = qa
     if DB > 0:
         qb = _tile(Qh, rows, stride_qm, stride_qd, Sq, DA, DQK, DB, True).to(DOT)
-    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
-                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, bounds = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M, BLOCK_N,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC)
     if HAS_SINK:
         m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + h).to(tl.float32) * _LOG2E
         l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
@@ -342,18 +341,11 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BDV], tl.float32)
-    for n0 in range(start, int_lo, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                   window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC,
-                                   DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                   window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC,
-                                   DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                   window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC,
-                                   DOT, PREC)
+    for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+        for n0 in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                                       window, qk_scale, DA, DB, BDV, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW,
+                                       HAS_DOC, DOT, PREC)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
@@ -503,21 +495,17 @@ def _attn_bwd_dq_kernel(Q, KA, KB, VD, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
     lse = tl.load(LSE + off, mask=rows < Sq, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     dd = tl.load(DELTA + off, mask=rows < Sq, other=0.0)
-    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
-                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, bounds = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M, BLOCK_N,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC)
     dqa = tl.zeros([BLOCK_M, DA], tl.float32)
     dqb = dqa
     if DB > 0:
         dqb = tl.zeros([BLOCK_M, DB], tl.float32)
-    for n0 in range(start, int_lo, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                             window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+    for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+        for n0 in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+            dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                                 window, qk_scale, DA, DB, BDV, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW, HAS_DOC, DOT,
+                                 PREC)
     _store_split(DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh, rows, stride_gm, stride_gd, Sq, dqa,
                  dqb, scale, DQK, DA, DB)
 
@@ -591,9 +579,8 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, DST, K, V, LSE, DELTA, DK, DVv, QDOC, KDO
     if HAS_DOC:
         kdoc = tl.load(KDOC + b.to(tl.int64) * Sk + cols, mask=cols < Sk, other=-1)
         QDOCb = QDOC + b.to(tl.int64) * Sq
-    start, int_lo, int_hi, hi = _block_range(n0, Sk, Sq, delta, window,
-                                             RANGES + (b * tl.num_programs(0) + pid_n) * 3, BLOCK_N, BLOCK_M,
-                                             False, CAUSAL, HAS_WINDOW, HAS_DOC)
+    bounds = _block_range(n0, Sk, Sq, delta, window, RANGES + (b * tl.num_programs(0) + pid_n) * 3, BLOCK_N,
+                          BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_DOC)
     dka = tl.zeros([BLOCK_N, DA], tl.float32)
     dkb = dka
     if DB > 0:
@@ -603,18 +590,11 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, DST, K, V, LSE, DELTA, DK, DVv, QDOC, KDO
         h = hk * GROUP + g
         LSEh = LSE + (b * HKV * GROUP + h).to(tl.int64) * Sq
         DDh = DELTA + (b * HKV * GROUP + h).to(tl.int64) * Sq
-        for m0 in range(start, int_lo, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
-                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, True,
-                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
-        for m0 in range(int_lo, int_hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
-                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, False,
-                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
-        for m0 in range(int_hi, hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
-                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, True,
-                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
+        for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+            for m0 in range(bounds[phase], bounds[phase + 1], BLOCK_M):
+                dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb,
+                                           b, h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N,
+                                           phase != 1, CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
     _store_split(DK + b.to(tl.int64) * stride_gkb + hk.to(tl.int64) * stride_gkh, cols, stride_gkn, stride_gkd, Sk,
                  dka, dkb, scale, DQK, DA, DB)
     _store_tile(DVv + b.to(tl.int64) * stride_gvb + hk.to(tl.int64) * stride_gvh, cols, stride_gvn, stride_gvd, Sk,
@@ -658,22 +638,17 @@ def _attn_bwd_dq_ds_kernel(DST, KA, KB, DQ, QDOC, KDOC, RANGES, stride_gb, strid
     h = bh % H
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
-    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
-                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, bounds = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M, BLOCK_N,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC)
     dqa = tl.zeros([BLOCK_M, DA], tl.float32)
     dqb = dqa
     if DB > 0:
         dqb = tl.zeros([BLOCK_M, DB], tl.float32)
     hk = h // GROUP
-    for n0 in range(start, int_lo, BLOCK_N):
-        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
-                                BLOCK_M, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
-                                BLOCK_M, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
-                                BLOCK_M, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+    for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+        for n0 in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+            dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA,
+                                    DB, BLOCK_M, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
     _store_split(DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh, rows, stride_gm, stride_gd, Sq, dqa,
                  dqb, scale, DQK, DA, DB)
 
