@@ -376,11 +376,12 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, -(-d * size // 16) * 16 // size - d)).contiguous()
 
 
-def _descs(t: torch.Tensor, rows: int, widths) -> list[TensorDescriptor | None]:
+def _descs(t: torch.Tensor | None, rows: int, widths) -> list[TensorDescriptor | None]:
     """Descriptors over the 4-D tensor t (its layout made TMA-ready), one per tile width (None for a width of 0, a
-    second tile the head dim does not need), each of `rows` rows."""
-    t = _tma_ready(t)
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w else None for w in widths]
+    second tile the head dim does not need, and for no tensor), each of `rows` rows."""
+    t = None if t is None else _tma_ready(t)
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w and t is not None else None
+            for w in widths]
 
 
 def attention_fwd(q, k, v, sinks, m: Mask, scale: float, q_doc, k_doc, blocks=None):
@@ -668,21 +669,14 @@ def ds_bytes(B: int, Hq: int, Sq: int, Sk: int, Dqk: int, Dv: int, itemsize: int
 
 
 def _ds_buffer(q: torch.Tensor, Sk: int, Dv: int, dot, budget: int | None) -> torch.Tensor | None:
-    """The dSᵀ buffer (`ds_bytes`) or None. Not initialised: the `dk, dv` kernel writes every tile the `dq` kernel
-    reads, which masks what lies outside the attention mask."""
+    """The dSᵀ buffer (`ds_bytes`) or None; rows padded to 16 bytes, so `_descs` addresses it in place. Not
+    initialised: the `dk, dv` kernel writes every tile the `dq` kernel reads, which masks what lies outside the mask."""
     B, Hq, Sq, Dqk = q.shape
     dtype = torch.float32 if dot == tl.float32 else q.dtype
     if not ds_bytes(B, Hq, Sq, Sk, Dqk, Dv, dtype.itemsize, budget):
         return None
     row = -(-Sq * dtype.itemsize // 16) * 16 // dtype.itemsize
     return torch.empty(B, Hq, Sk, row, dtype=dtype, device=q.device)[..., :Sq]
-
-
-def _ds_desc(dst: torch.Tensor | None, keys: int, queries: int):
-    "A descriptor of (keys, queries) tiles over the dSᵀ buffer, or None without one (dq recomputes)."
-    if dst is None:
-        return None
-    return TensorDescriptor(dst, list(dst.shape), list(dst.stride()), [1, 1, keys, queries])
 
 
 def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q_doc, k_doc, blocks=None,
@@ -709,7 +703,7 @@ def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q
         ranges = _doc_ranges(k_doc, q_doc, cfg.block_n) if q_doc is not None else lse
         _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
             *_descs(q, cfg.block_m, qk_widths), *_descs(dout, cfg.block_m, (consts["BDV"],)),
-            _ds_desc(dst, cfg.block_n, cfg.block_m), k, v, lse, delta_, dk, dv, *docs, ranges, *k.stride(),
+            *_descs(dst, cfg.block_n, (cfg.block_m,)), k, v, lse, delta_, dk, dv, *docs, ranges, *k.stride(),
             *v.stride(), *dk.stride(), *dv.stride(), Sq, Sk, Hkv, Hq // Hkv, *args, **consts, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, **flags, STORE_DS=dst is not None, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
@@ -729,7 +723,7 @@ def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q
                 **consts, **tiles)
         else:
             _attn_bwd_dq_ds_kernel[grid](
-                _ds_desc(dst, cfg.block_n, cfg.block_m), *_descs(k, cfg.block_n, qk_widths), dq, *docs, ranges,
+                *_descs(dst, cfg.block_n, (cfg.block_m,)), *_descs(k, cfg.block_n, qk_widths), dq, *docs, ranges,
                 *dq.stride(), Sq, Sk, Hq, Hq // Hkv, args[0], args[1], scale, DQK=Dqk, DA=consts["DA"],
                 DB=consts["DB"], **tiles)
     elif B * Hq * Sq:  # no keys at all: nothing to attend to
@@ -756,10 +750,9 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, sinks, out, lse, q_doc, k_doc = ctx.saved_tensors
         if dout is None and dlse is None:
             return (None,) * 9
-        sinks_for_grad = sinks if ctx.needs_input_grad[3] else None
-        dq, dk, dv, dsinks = attention_bwd(q, k, v, sinks_for_grad, out, lse, dout, dlse, ctx.mask, ctx.scale, q_doc, k_doc,
-                                  ctx.blocks)
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        grads = attention_bwd(q, k, v, sinks if ctx.needs_input_grad[3] else None, out, lse, dout, dlse, ctx.mask,
+                              ctx.scale, q_doc, k_doc, ctx.blocks)
+        return *grads, None, None, None, None, None
 
 
 def flash_attention(q, k, v, sinks=None, *, causal=True, window=None, scale=None, q_doc=None, k_doc=None,

@@ -509,8 +509,7 @@ def _bwd(q, k, v, g, beta, s0, docs, scale: float, C: int, do, dsfin, want_ds0: 
             scale, PREC32=_PREC32, **common, num_warps=8)
     elif want_ds0:
         ds0.copy_(dsfin if dsfin is not None else torch.zeros_like(ds0))
-    G = Hv // Hk
-    dq, dk = (x.view(B, T, Hk, G, K).sum(3) for x in (dq, dk))
+    dq, dk = (x.view(B, T, Hk, Hv // Hk, K).sum(3) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta, ds0
 
 # %% ../../nbs/ops/16_gated_delta_rule.ipynb #0703b9db
