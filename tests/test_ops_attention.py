@@ -36,7 +36,7 @@ def _inputs(B, Hq, Hkv, Sq, Sk, dqk, dv, seed, sinks=False, cu=None, layout="bsh
     """q, k, v as (B, S, H, D) projections viewed as (B, H, S, D) (or contiguous), sinks, and document ids from
     flash-attn style cu_seqlens over the B·Sq tokens (keys use the same ids: Sq == Sk)."""
     import torch
-    from pith_lit.ops.attention import doc_ids
+    from references import doc_ids
     dtype = dtype or torch.float32
     g = torch.Generator().manual_seed(seed)
     mk = lambda S, H, D: torch.randn(B, S, H, D, generator=g).to(dtype)
@@ -204,8 +204,8 @@ def group_skipping():
 
 def group_api():
     import torch
-    from pith_lit.ops.attention import (FlashAttention, attention_reference, doc_ids, doc_positions,
-                                        flash_attention)
+    from pith_lit.ops.attention import FlashAttention, attention_reference, doc_positions, flash_attention
+    from references import doc_ids
     # helpers: ids and positions for rows of different layouts, a document crossing a row boundary
     ids = doc_ids(torch.tensor([0, 3, 3, 7, 8, 10]), 2, 5)
     assert ids.dtype == torch.int32 and ids.tolist() == [[0, 0, 0, 2, 2], [2, 2, 3, 4, 4]]

@@ -73,10 +73,13 @@ def swiglu_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 # %%
 #| export
-def _tiles(n_cols: int) -> tuple[int, int, int]:
-    "(BLOCK_M, BLOCK_N, num_warps) for an elementwise pass whose output has `n_cols` columns."
-    block_n = min(triton.next_power_of_2(n_cols), 256)
-    return max(1, 4096 // block_n), block_n, 8
+def _launch(kernel, n: int, i: int, *args) -> None:
+    "Run an elementwise pass on `args` over `n` rows × `i` output columns in these tiles (nothing if it is empty)."
+    if n * i:
+        block_n = min(triton.next_power_of_2(i), 256)
+        block_m = max(1, 4096 // block_n)
+        kernel[(triton.cdiv(n, block_m), triton.cdiv(i, block_n))](*args, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                                   num_warps=8)
 
 
 # %% [markdown]
@@ -111,11 +114,7 @@ def _swiglu_fwd(x: torch.Tensor) -> torch.Tensor:
     "Launch the forward kernel on a contiguous `(N, 2I)` tensor; returns `(N, I)`."
     n, i = x.shape[0], x.shape[1] // 2
     y = torch.empty(n, i, dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
-        return y
-    bm, bn, warps = _tiles(i)
-    _swiglu_fwd_kernel[(triton.cdiv(n, bm), triton.cdiv(i, bn))](x, y, n, i, BLOCK_M=bm, BLOCK_N=bn,
-                                                                 num_warps=warps)
+    _launch(_swiglu_fwd_kernel, n, i, x, y, n, i)
     return y
 
 
@@ -174,11 +173,7 @@ def _swiglu_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     "Launch the backward kernel: gradient of `(N, 2I)` input `x` given the contiguous `(N, I)` output gradient."
     n, i = dy.shape
     dx = torch.empty_like(x)
-    if dy.numel() == 0:
-        return dx
-    bm, bn, warps = _tiles(i)
-    _swiglu_bwd_kernel[(triton.cdiv(n, bm), triton.cdiv(i, bn))](x, dy, dx, n, i, BLOCK_M=bm, BLOCK_N=bn,
-                                                                 num_warps=warps)
+    _launch(_swiglu_bwd_kernel, n, i, x, dy, dx, n, i)
     return dx
 
 
@@ -205,7 +200,8 @@ for n, i in [(37, 50), (1, 768), (300, 1), (17, 257)]:
 #
 # The function saves only its input. The entry point flattens leading dimensions, and chooses the
 # implementation with one visible `if`: Triton on a CUDA tensor, the reference otherwise. `impl` forces one
-# (the checks below run the Triton kernel on CPU tensors under `TRITON_INTERPRET=1`).
+# (the checks below run the Triton kernel on CPU tensors under `TRITON_INTERPRET=1`). `choose_impl` is that choice;
+# the later ops make it the same way.
 
 # %%
 #| export
@@ -223,16 +219,19 @@ class SwiGLUFunction(torch.autograd.Function):
         return _swiglu_bwd(gate_up, dy.contiguous())
 
 
+def choose_impl(impl: str | None, t: torch.Tensor, impls: tuple[str, str] = ("triton", "torch")) -> str:
+    "The implementation an op runs: `impl` if one of `impls`, else by device (the first on CUDA, the second elsewhere)."
+    if impl not in (None, *impls):
+        raise ValueError(f"impl must be {', '.join(map(repr, impls))} or None (choose by device), got {impl!r}")
+    return impl or impls[0 if t.is_cuda else 1]
+
+
 def _check_gate_up(gate_up: torch.Tensor, impl: str | None) -> str:
     "Validate the shared arguments of the SwiGLU entry points; return the implementation to run."
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must have an even last dimension (gate and up halves, I columns each); "
                          f"got shape {tuple(gate_up.shape)}")
-    if impl is None:
-        return "triton" if gate_up.is_cuda else "torch"
-    if impl not in ("triton", "torch"):
-        raise ValueError(f"impl must be 'triton', 'torch' or None (None picks Triton on CUDA), got {impl!r}")
-    return impl
+    return choose_impl(impl, gate_up)
 
 
 def swiglu(gate_up: torch.Tensor, impl: str | None = None) -> torch.Tensor:
@@ -356,10 +355,7 @@ class ClampedSwiGLUFunction(torch.autograd.Function):
         ctx.limit, ctx.alpha = limit, alpha
         n, i = gate_up.shape[0], gate_up.shape[1] // 2
         y = torch.empty(n, i, dtype=gate_up.dtype, device=gate_up.device)
-        if y.numel():
-            bm, bn, warps = _tiles(i)
-            _clamped_fwd_kernel[(triton.cdiv(n, bm), triton.cdiv(i, bn))](
-                gate_up, y, n, i, limit, alpha, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        _launch(_clamped_fwd_kernel, n, i, gate_up, y, n, i, limit, alpha)
         return y
 
     @staticmethod
@@ -368,10 +364,7 @@ class ClampedSwiGLUFunction(torch.autograd.Function):
         dy = dy.contiguous()
         n, i = dy.shape
         dx = torch.empty_like(gate_up)
-        if dy.numel():
-            bm, bn, warps = _tiles(i)
-            _clamped_bwd_kernel[(triton.cdiv(n, bm), triton.cdiv(i, bn))](
-                gate_up, dy, dx, n, i, ctx.limit, ctx.alpha, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        _launch(_clamped_bwd_kernel, n, i, gate_up, dy, dx, n, i, ctx.limit, ctx.alpha)
         return dx, None, None
 
 

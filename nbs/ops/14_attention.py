@@ -217,24 +217,14 @@ print("reference agrees with SDPA, logsumexp and the sink identity")
 # ## Packed documents: ids and positions
 #
 # Data loaders pack documents into rows and describe them flash-attn style, by `cu_seqlens`: the offsets of the
-# document starts in the flattened `B·S` tokens, from 0 to `B·S`. `doc_ids` turns these into `(B, S)` ids
-# (a document that crosses a row boundary keeps its id, but rows never attend to each other anyway).
+# document starts in the flattened `B·S` tokens, from 0 to `B·S`. `doc_ids` (`tests/references.py`; the model
+# derives ids from positions, `documents` below) turns these into `(B, S)` ids (a document that crosses a row
+# boundary keeps its id, but rows never attend to each other anyway).
 # `doc_positions` gives positions that restart at 0 at each document start and at each row start, which is what
 # RoPE needs when documents are packed.
 
 # %%
 #| export
-def doc_ids(cu_seqlens: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    "(B, S) int32 document ids from `cu_seqlens` over the flattened B·S tokens (0 = c_0 ≤ c_1 ≤ … ≤ c_n = B·S)."
-    cu = torch.as_tensor(cu_seqlens).to(torch.int64)
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries; got shape {tuple(cu.shape)}")
-    if not cu.is_cuda and (cu[0] != 0 or cu[-1] != B * S or (cu.diff() < 0).any()):  # no sync on the GPU
-        raise ValueError(f"cu_seqlens must rise from 0 to B·S = {B * S}; got {cu.tolist()[:8]}...")
-    tokens = torch.arange(B * S, device=cu.device)
-    return (torch.searchsorted(cu, tokens, right=True) - 1).view(B, S).to(torch.int32)
-
-
 def doc_positions(doc: torch.Tensor) -> torch.Tensor:
     "(B, S) int64 positions from (B, S) document ids: 0 at each document start and at the start of each row."
     B, S = doc.shape
@@ -245,6 +235,8 @@ def doc_positions(doc: torch.Tensor) -> torch.Tensor:
 
 
 # %%
+from tests.references import doc_ids
+
 ids = doc_ids(torch.tensor([0, 1, 4, 4, 9, 10, 12]), 2, 6)
 assert ids.tolist() == [[0, 1, 1, 1, 3, 3], [3, 3, 3, 4, 5, 5]], ids  # the empty document 2 gets no token
 assert doc_positions(ids).tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 2, 0, 0, 1]]
@@ -281,11 +273,10 @@ def _split_dim(d: int) -> tuple[int, int]:
     return (a, 0) if a == d else (a, max(16, triton.next_power_of_2(d - a)))
 
 
-def _dot_dtype(dtype: torch.dtype):
-    "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype`."
+def _dot_dtype(dtype: torch.dtype, op: str = "flash_attention", reference: str = "attention_reference"):
+    "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype` (`op` names the caller)."
     if dtype not in _TL_DTYPES:
-        raise ValueError(f"flash_attention takes float32, bfloat16 or float16; got {dtype} "
-                         "(attention_reference computes in any dtype)")
+        raise ValueError(f"{op} takes float32, bfloat16 or float16; got {dtype} ({reference} computes in any dtype)")
     if INTERPRET:
         return tl.float32, "ieee"
     return (tl.float32, "tf32x3") if dtype == torch.float32 else (_TL_DTYPES[dtype], "tf32")
@@ -305,7 +296,7 @@ assert [_split_dim(d) for d in (8, 16, 24, 64, 128, 192, 40, 96)] == \
 # Each entry is the fastest of a timed sweep on one H200 at the GPT-OSS (head dim 64, window 128 and full causal,
 # sinks), Qwen3 (head dim 128, causal) and DeepSeek MLA (192/128) shapes; `triton.compile` with
 # `GPUTarget("cuda", 90, 32)` reports ptxas's register and spill counts without a GPU, to see why a tile is slow
-# (benchmarks/RESULTS.md, "Attention kernel" and "Attention backward").
+# (benchmarks/RESULTS.md, "Attention backward: its tiles, TMA, and dq from a stored dS").
 #
 # One scheduling choice goes with them: the forward and `dq` programs take their query blocks last-first, so that
 # under a causal mask the longest programs start first and the short ones fill the tail. The `dk, dv` tiles are
@@ -370,7 +361,8 @@ def _configs(dqk: int, dv: int, cuda: bool, blocks: tuple[int, int] | None = Non
 # Key blocks outside `[lo, hi)` are never loaded. Inside, a block that every row sees entirely needs no mask
 # at all: causal `j ≤ m0 + delta`, window `j ≥ m1 + delta − W + 1`, all keys inside the range, and the query block
 # within one document (then every key of its document range has that same id). The loop runs in three segments:
-# masked blocks up to `int_lo`, unmasked blocks `[int_lo, int_hi)`, masked blocks up to `hi`. All bounds are in
+# masked blocks up to `int_lo`, unmasked blocks `[int_lo, int_hi)`, masked blocks up to `hi` (a `tl.static_range`
+# over the four bounds: each segment compiles to its own loop, the mask a compile-time flag). All bounds are in
 # multiples of the block size, so a block is never split. The `dk, dv` kernel does the same with queries and keys
 # swapped.
 
@@ -433,16 +425,15 @@ def _block_range(r0, n_rows, n_cols, delta, window, RANGE, BLOCK_R: tl.constexpr
 def _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr):
     """A query-block program's document ids (its rows', and the keys' of its batch row) and its key loop bounds
-    (`_block_range`), shared by the forward and the dq kernels."""
+    (`_block_range`'s four), shared by the forward and the dq kernels."""
     qdoc = rows
     KDOCb = KDOC
     if HAS_DOC:
         qdoc = tl.load(QDOC + b.to(tl.int64) * Sq + rows, mask=rows < Sq, other=-2)
         KDOCb = KDOC + b.to(tl.int64) * Sk
-    start, int_lo, int_hi, hi = _block_range(pid_m * BLOCK_M, Sq, Sk, delta, window,
-                                             RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N,
-                                             True, CAUSAL, HAS_WINDOW, HAS_DOC)
-    return qdoc, KDOCb, start, int_lo, int_hi, hi
+    return qdoc, KDOCb, _block_range(pid_m * BLOCK_M, Sq, Sk, delta, window,
+                                     RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N, True, CAUSAL,
+                                     HAS_WINDOW, HAS_DOC)
 
 
 @triton.jit
@@ -558,8 +549,8 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
     qb = qa
     if DB > 0:
         qb = _tile(Qh, rows, stride_qm, stride_qd, Sq, DA, DQK, DB, True).to(DOT)
-    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
-                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, bounds = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M, BLOCK_N,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC)
     if HAS_SINK:
         m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + h).to(tl.float32) * _LOG2E
         l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
@@ -567,18 +558,11 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BDV], tl.float32)
-    for n0 in range(start, int_lo, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                   window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC,
-                                   DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                   window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC,
-                                   DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                   window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC,
-                                   DOT, PREC)
+    for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+        for n0 in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                                       window, qk_scale, DA, DB, BDV, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW,
+                                       HAS_DOC, DOT, PREC)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
@@ -632,11 +616,12 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, -(-d * size // 16) * 16 // size - d)).contiguous()
 
 
-def _descs(t: torch.Tensor, rows: int, widths) -> list[TensorDescriptor | None]:
+def _descs(t: torch.Tensor | None, rows: int, widths) -> list[TensorDescriptor | None]:
     """Descriptors over the 4-D tensor t (its layout made TMA-ready), one per tile width (None for a width of 0, a
-    second tile the head dim does not need), each of `rows` rows."""
-    t = _tma_ready(t)
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w else None for w in widths]
+    second tile the head dim does not need, and for no tensor), each of `rows` rows."""
+    t = None if t is None else _tma_ready(t)
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w and t is not None else None
+            for w in widths]
 
 
 def attention_fwd(q, k, v, sinks, m: Mask, scale: float, q_doc, k_doc, blocks=None):
@@ -818,13 +803,13 @@ for opts in [{}, dict(window=9), dict(docs=[10, 1, 25, 28]), dict(docs=[3, 30, 3
 # then one product per tile, `dS K`, reading them back. It trades the recomputation, `2·(Dqk + Dv)` FLOPs per
 # visible pair, for 4 bytes of memory traffic per pair (written once, read once) and `B·Hq·Sk·Sq` bf16 elements of
 # transient memory. The trade wins where the heads are wide: at MLA's 192 + 128 the backward is faster this way
-# and at Qwen3's 128 + 128 or GPT-OSS's 64 + 64 it is slower (RESULTS.md, "dq from a stored dS"), so
-# `attention_bwd` stores `dS` when `Dqk + Dv > 256` and the buffer fits in `DS_BUDGET` (1 GiB; MLA's bench shape, batch 4 ×
-# 2,048 tokens × 16 heads, needs 512 MiB), and recomputes otherwise. The two ways give the same `dq` up to the
-# order of fp32 sums. The buffer is not initialised: the `dk, dv` kernel writes every tile it visits, and the `dq`
-# kernel reads only tiles that hold a visible pair and masks the rest of them by the same predicate, with a select,
-# since an unwritten entry may hold NaN. The checks run both ways, the stored one with its buffer filled with NaN
-# first.
+# and at Qwen3's 128 + 128 or GPT-OSS's 64 + 64 it is slower (RESULTS.md, "Attention backward: its tiles, TMA, and
+# dq from a stored dS"), so `attention_bwd` stores `dS` when `Dqk + Dv > 256` and the buffer fits in `DS_BUDGET`
+# (1 GiB; MLA's bench shape, batch 4 × 2,048 tokens × 16 heads, needs 512 MiB), and recomputes otherwise. The two
+# ways give the same `dq` up to the order of fp32 sums. The buffer is not initialised: the `dk, dv` kernel writes
+# every tile it visits, and the `dq` kernel reads only tiles that hold a visible pair and masks the rest of them by
+# the same predicate, with a select, since an unwritten entry may hold NaN. The checks run both ways, the stored one
+# with its buffer filled with NaN first.
 #
 # First `D'`, one small pass over `O` and `dO`:
 
@@ -854,8 +839,8 @@ def _attn_bwd_pre_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, st
 # The `dq` kernels walk the same key blocks as the forward. The `dk, dv` kernel computes its tiles key-major,
 # `Sᵀ = K Qᵀ` with the program's keys along rows, so `Pᵀ` and `dSᵀ` are already the left operands of `dV += Pᵀ dO`
 # and `dK += dSᵀ Q` and nothing is transposed in registers; `Qᵀ` and `dOᵀ` are transposed views of tiles just
-# loaded. The tile sizes of `CUDA_CONFIGS` are the fastest of a sweep on the H200 (RESULTS.md, "Attention
-# backward").
+# loaded. The tile sizes of `CUDA_CONFIGS` are the fastest of a sweep on the H200 (RESULTS.md,
+# "Attention backward: its tiles, TMA, and dq from a stored dS").
 
 # %%
 #| export
@@ -925,21 +910,17 @@ def _attn_bwd_dq_kernel(Q, KA, KB, VD, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
     lse = tl.load(LSE + off, mask=rows < Sq, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     dd = tl.load(DELTA + off, mask=rows < Sq, other=0.0)
-    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
-                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, bounds = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M, BLOCK_N,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC)
     dqa = tl.zeros([BLOCK_M, DA], tl.float32)
     dqb = dqa
     if DB > 0:
         dqb = tl.zeros([BLOCK_M, DB], tl.float32)
-    for n0 in range(start, int_lo, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                             window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+    for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+        for n0 in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+            dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                                 window, qk_scale, DA, DB, BDV, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW, HAS_DOC, DOT,
+                                 PREC)
     _store_split(DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh, rows, stride_gm, stride_gd, Sq, dqa,
                  dqb, scale, DQK, DA, DB)
 
@@ -1013,9 +994,8 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, DST, K, V, LSE, DELTA, DK, DVv, QDOC, KDO
     if HAS_DOC:
         kdoc = tl.load(KDOC + b.to(tl.int64) * Sk + cols, mask=cols < Sk, other=-1)
         QDOCb = QDOC + b.to(tl.int64) * Sq
-    start, int_lo, int_hi, hi = _block_range(n0, Sk, Sq, delta, window,
-                                             RANGES + (b * tl.num_programs(0) + pid_n) * 3, BLOCK_N, BLOCK_M,
-                                             False, CAUSAL, HAS_WINDOW, HAS_DOC)
+    bounds = _block_range(n0, Sk, Sq, delta, window, RANGES + (b * tl.num_programs(0) + pid_n) * 3, BLOCK_N,
+                          BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_DOC)
     dka = tl.zeros([BLOCK_N, DA], tl.float32)
     dkb = dka
     if DB > 0:
@@ -1025,18 +1005,11 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, DST, K, V, LSE, DELTA, DK, DVv, QDOC, KDO
         h = hk * GROUP + g
         LSEh = LSE + (b * HKV * GROUP + h).to(tl.int64) * Sq
         DDh = DELTA + (b * HKV * GROUP + h).to(tl.int64) * Sq
-        for m0 in range(start, int_lo, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
-                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, True,
-                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
-        for m0 in range(int_lo, int_hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
-                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, False,
-                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
-        for m0 in range(int_hi, hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
-                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, True,
-                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
+        for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+            for m0 in range(bounds[phase], bounds[phase + 1], BLOCK_M):
+                dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb,
+                                           b, h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N,
+                                           phase != 1, CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
     _store_split(DK + b.to(tl.int64) * stride_gkb + hk.to(tl.int64) * stride_gkh, cols, stride_gkn, stride_gkd, Sk,
                  dka, dkb, scale, DQK, DA, DB)
     _store_tile(DVv + b.to(tl.int64) * stride_gvb + hk.to(tl.int64) * stride_gvh, cols, stride_gvn, stride_gvd, Sk,
@@ -1080,22 +1053,17 @@ def _attn_bwd_dq_ds_kernel(DST, KA, KB, DQ, QDOC, KDOC, RANGES, stride_gb, strid
     h = bh % H
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
-    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
-                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, bounds = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M, BLOCK_N,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC)
     dqa = tl.zeros([BLOCK_M, DA], tl.float32)
     dqb = dqa
     if DB > 0:
         dqb = tl.zeros([BLOCK_M, DB], tl.float32)
     hk = h // GROUP
-    for n0 in range(start, int_lo, BLOCK_N):
-        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
-                                BLOCK_M, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
-                                BLOCK_M, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
-                                BLOCK_M, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+    for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+        for n0 in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+            dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA,
+                                    DB, BLOCK_M, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
     _store_split(DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh, rows, stride_gm, stride_gd, Sq, dqa,
                  dqb, scale, DQK, DA, DB)
 
@@ -1109,7 +1077,8 @@ def _attn_bwd_dq_ds_kernel(DST, KA, KB, DQ, QDOC, KDOC, RANGES, stride_gb, strid
 # each kernel reads at every step (`Q` and `dO` in the `dk, dv` kernel; `K` and `V`, or `dSᵀ` and `K`, in the `dq`
 # kernel) come in by TMA as in the forward, and the `dSᵀ` tiles go out by TMA: the store is asynchronous, so the
 # kernel goes on to its next products while the copy engine writes. The backward runs faster with descriptors than
-# with pointer loads at every bench shape (RESULTS.md, "Attention backward by TMA").
+# with pointer loads at every bench shape (RESULTS.md, "Attention backward: its tiles, TMA, and dq from a stored
+# dS").
 
 # %%
 #| export
@@ -1128,21 +1097,14 @@ def ds_bytes(B: int, Hq: int, Sq: int, Sk: int, Dqk: int, Dv: int, itemsize: int
 
 
 def _ds_buffer(q: torch.Tensor, Sk: int, Dv: int, dot, budget: int | None) -> torch.Tensor | None:
-    """The dSᵀ buffer (`ds_bytes`) or None. Not initialised: the `dk, dv` kernel writes every tile the `dq` kernel
-    reads, which masks what lies outside the attention mask."""
+    """The dSᵀ buffer (`ds_bytes`) or None; rows padded to 16 bytes, so `_descs` addresses it in place. Not
+    initialised: the `dk, dv` kernel writes every tile the `dq` kernel reads, which masks what lies outside the mask."""
     B, Hq, Sq, Dqk = q.shape
     dtype = torch.float32 if dot == tl.float32 else q.dtype
     if not ds_bytes(B, Hq, Sq, Sk, Dqk, Dv, dtype.itemsize, budget):
         return None
     row = -(-Sq * dtype.itemsize // 16) * 16 // dtype.itemsize
     return torch.empty(B, Hq, Sk, row, dtype=dtype, device=q.device)[..., :Sq]
-
-
-def _ds_desc(dst: torch.Tensor | None, keys: int, queries: int):
-    "A descriptor of (keys, queries) tiles over the dSᵀ buffer, or None without one (dq recomputes)."
-    if dst is None:
-        return None
-    return TensorDescriptor(dst, list(dst.shape), list(dst.stride()), [1, 1, keys, queries])
 
 
 def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q_doc, k_doc, blocks=None,
@@ -1169,7 +1131,7 @@ def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q
         ranges = _doc_ranges(k_doc, q_doc, cfg.block_n) if q_doc is not None else lse
         _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
             *_descs(q, cfg.block_m, qk_widths), *_descs(dout, cfg.block_m, (consts["BDV"],)),
-            _ds_desc(dst, cfg.block_n, cfg.block_m), k, v, lse, delta_, dk, dv, *docs, ranges, *k.stride(),
+            *_descs(dst, cfg.block_n, (cfg.block_m,)), k, v, lse, delta_, dk, dv, *docs, ranges, *k.stride(),
             *v.stride(), *dk.stride(), *dv.stride(), Sq, Sk, Hkv, Hq // Hkv, *args, **consts, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, **flags, STORE_DS=dst is not None, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
@@ -1189,7 +1151,7 @@ def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q
                 **consts, **tiles)
         else:
             _attn_bwd_dq_ds_kernel[grid](
-                _ds_desc(dst, cfg.block_n, cfg.block_m), *_descs(k, cfg.block_n, qk_widths), dq, *docs, ranges,
+                *_descs(dst, cfg.block_n, (cfg.block_m,)), *_descs(k, cfg.block_n, qk_widths), dq, *docs, ranges,
                 *dq.stride(), Sq, Sk, Hq, Hq // Hkv, args[0], args[1], scale, DQK=Dqk, DA=consts["DA"],
                 DB=consts["DB"], **tiles)
     elif B * Hq * Sq:  # no keys at all: nothing to attend to
@@ -1340,10 +1302,9 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, sinks, out, lse, q_doc, k_doc = ctx.saved_tensors
         if dout is None and dlse is None:
             return (None,) * 9
-        sinks_for_grad = sinks if ctx.needs_input_grad[3] else None
-        dq, dk, dv, dsinks = attention_bwd(q, k, v, sinks_for_grad, out, lse, dout, dlse, ctx.mask, ctx.scale, q_doc, k_doc,
-                                  ctx.blocks)
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        grads = attention_bwd(q, k, v, sinks if ctx.needs_input_grad[3] else None, out, lse, dout, dlse, ctx.mask,
+                              ctx.scale, q_doc, k_doc, ctx.blocks)
+        return *grads, None, None, None, None, None
 
 
 def flash_attention(q, k, v, sinks=None, *, causal=True, window=None, scale=None, q_doc=None, k_doc=None,
@@ -1573,12 +1534,12 @@ torch._dynamo.reset()
 # Where the time goes: the backward is most of forward+backward at every shape. Accumulating `dq` inside the
 # `dk, dv` pass instead of recomputing it is slower at every shape measured: each key block adds its share of `dq`
 # for every query block it sees, and that fp32 reduction traffic costs more than the products it saves, whether
-# added element by element or as TMA tile reductions (RESULTS.md, "Attention backward by TMA"). The bf16 `dS` that
+# added element by element or as TMA tile reductions (RESULTS.md, "Tried and not adopted"). The bf16 `dS` that
 # the stored way writes and reads once is a quarter of that traffic, and it wins at MLA's head dims. Timed eagerly
 # through autograd, a forward+backward at these shapes costs the host about as long as its kernels cost the GPU
 # (the launches, the descriptors, autograd); the benchmark's `fwd+bwd graph ms` replays the same calls from a CUDA
-# graph, the GPU's time alone, which is what a training step sees while its GPU has queued work (RESULTS.md, "dq
-# from a stored dS"). What remains toward cuDNN is a forward and backward whose softmax overlaps the next block's
+# graph, the GPU's time alone, which is what a training step sees while its GPU has queued work (RESULTS.md,
+# "Attention"). What remains toward cuDNN is a forward and backward whose softmax overlaps the next block's
 # products (FlashAttention-3's warp specialisation).
 
 # %%

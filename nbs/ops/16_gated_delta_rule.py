@@ -28,18 +28,20 @@
 # %%
 #| export
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pith_lit.ops.attention import INTERPRET, _dot_dtype
+
 # %% [markdown]
 # The checks run on the GPU when there is one (compiled kernels), otherwise on the CPU under the Triton
 # interpreter, which must be switched on in the environment before Triton is imported.
 
 # %%
+import os
 import time
 
 # %%
@@ -330,20 +332,13 @@ assert rel_err(o_ref, torch.cat(pieces, 1)) < 1e-14
 
 # %%
 #| export
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_PREC32 = "ieee" if INTERPRET else "tf32x3"  # the float32 products' input_precision
 
 
 def _precisions(dtype: torch.dtype) -> dict:
-    "Compile-time dot settings: DOT (operand dtype of the main products), PREC (theirs), PREC32 (float32 products)."
-    if dtype not in _TL_DTYPES:
-        raise ValueError(f"chunk_gated_delta_rule takes float32, bfloat16 or float16; got {dtype} "
-                         "(gated_delta_rule_reference computes in any dtype)")
-    if INTERPRET:
-        return dict(DOT=tl.float32, PREC="ieee", PREC32="ieee")
-    if dtype == torch.float32:
-        return dict(DOT=tl.float32, PREC="tf32x3", PREC32="tf32x3")
-    return dict(DOT=_TL_DTYPES[dtype], PREC="tf32", PREC32="tf32x3")
+    "Compile-time dot settings DOT (operand dtype of the main products) and PREC (theirs): ops/14's `_dot_dtype`."
+    dot, prec = _dot_dtype(dtype, "chunk_gated_delta_rule", "gated_delta_rule_reference")
+    return dict(DOT=dot, PREC=prec)
 
 
 @triton.jit
@@ -521,17 +516,19 @@ def _out_fwd_kernel(Qp, Kp, Gp, DOC, STATES, UN, Op,
 
 # %%
 #| export
-def _blocks(K: int, V: int, cuda: bool) -> tuple[int, int]:
-    "(BK, BV): the key tile (the whole padded head) and the value block."
-    BK, BVfull = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    return BK, (min(64, BVfull) if cuda else BVfull)
+def _consts(q, v, C: int, docs) -> dict:
+    """The compile-time constants of every kernel: head dims K, V, the key tile BK (the whole padded head), the value
+    block BV, C, HAS_DOC, DOT and PREC."""
+    K, V = q.shape[-1], v.shape[-1]
+    BV = max(16, triton.next_power_of_2(V))
+    return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=min(64, BV) if q.is_cuda else BV, C=C,
+                HAS_DOC=docs is not None, **_precisions(q.dtype))
 
 
 def _states(q, k, v, g, beta, s0, docs, C: int, want_final: bool, keep_t: bool):
     """Run the WY and state kernels: (W, states at chunk starts, U', T if keep_t, final state if want_final)."""
     (B, T, Hk, K), (Hv, V) = q.shape, v.shape[2:]
     NT = triton.cdiv(T, C)
-    BK, BV = _blocks(K, V, q.is_cuda)
     f32 = dict(dtype=torch.float32, device=q.device)
     W, U, UN = torch.empty(B, Hv, T, K, **f32), torch.empty(B, Hv, T, V, **f32), torch.empty(B, Hv, T, V, **f32)
     Tm = torch.empty(B, Hv, T, C, **f32) if keep_t else None
@@ -541,15 +538,13 @@ def _states(q, k, v, g, beta, s0, docs, C: int, want_final: bool, keep_t: bool):
         if want_final:
             s_fin.copy_(s0 if s0 is not None else torch.zeros_like(s_fin))
         return W, states, UN, Tm, s_fin
-    prec = _precisions(q.dtype)
-    docs_ = docs if docs is not None else g
-    common = dict(K=K, V=V, BK=BK, BV=BV, C=C, HAS_DOC=docs is not None, DOT=prec["DOT"], PREC=prec["PREC"])
+    docs_, common = docs if docs is not None else g, _consts(q, v, C, docs)
     _wy_kernel[(NT, B * Hv)](k, v, g, beta, docs_, W, U, Tm if keep_t else W, *q.stride()[:3], *v.stride()[:3],
-                             *g.stride(), T, Hv, Hv // Hk, LOG2C=int(math.log2(C)), STORE_T=keep_t,
-                             PREC32=prec["PREC32"], **common, num_warps=8)
-    _state_fwd_kernel[(B * Hv, triton.cdiv(V, BV))](
-        k, g, docs_, W, U, s0 if s0 is not None else g, states, UN, s_fin if want_final else g,
-        *q.stride()[:3], *g.stride(), T, NT, Hv, Hv // Hk, HAS_S0=s0 is not None, STORE_FIN=want_final, **common, num_warps=8)
+                             *g.stride(), T, Hv, Hv // Hk, LOG2C=int(math.log2(C)), STORE_T=keep_t, PREC32=_PREC32,
+                             **common, num_warps=8)
+    _state_fwd_kernel[(B * Hv, triton.cdiv(V, common["BV"]))](
+        k, g, docs_, W, U, s0 if s0 is not None else g, states, UN, s_fin if want_final else g, *q.stride()[:3],
+        *g.stride(), T, NT, Hv, Hv // Hk, HAS_S0=s0 is not None, STORE_FIN=want_final, **common, num_warps=8)
     return W, states, UN, Tm, s_fin
 
 
@@ -559,12 +554,10 @@ def _fwd(q, k, v, g, beta, s0, docs, scale: float, C: int, want_final: bool):
     _, states, UN, _, s_fin = _states(q, k, v, g, beta, s0, docs, C, want_final, keep_t=False)
     o = torch.empty(B, T, Hv, V, dtype=v.dtype, device=q.device)
     if B * T * Hv:
-        BK, BV = _blocks(K, V, q.is_cuda)
-        prec = _precisions(q.dtype)
-        _out_fwd_kernel[(triton.cdiv(T, C), B * Hv, triton.cdiv(V, BV))](
+        common = _consts(q, v, C, docs)
+        _out_fwd_kernel[(triton.cdiv(T, C), B * Hv, triton.cdiv(V, common["BV"]))](
             q, k, g, docs if docs is not None else g, states, UN, o, *q.stride()[:3], *g.stride(), *o.stride()[:3],
-            T, triton.cdiv(T, C), Hv, Hv // Hk, scale, K=K, V=V, BK=BK, BV=BV, C=C, HAS_DOC=docs is not None,
-            DOT=prec["DOT"], PREC=prec["PREC"], num_warps=8)
+            T, triton.cdiv(T, C), Hv, Hv // Hk, scale, **common, num_warps=8)
     return o, s_fin
 
 
@@ -776,7 +769,6 @@ def _bwd(q, k, v, g, beta, s0, docs, scale: float, C: int, do, dsfin, want_ds0: 
     None) and the final state's gradient (or None). dq, dk are summed over each GVA group; dg, dβ float32."""
     (B, T, Hk, K), (Hv, V) = q.shape, v.shape[2:]
     NT = triton.cdiv(T, C)
-    BK, BV = _blocks(K, V, q.is_cuda)
     f32 = dict(dtype=torch.float32, device=q.device)
     if do is None:
         do = torch.zeros(B, T, Hv, V, dtype=v.dtype, device=v.device)
@@ -786,22 +778,19 @@ def _bwd(q, k, v, g, beta, s0, docs, scale: float, C: int, do, dsfin, want_ds0: 
     ds0 = torch.empty(B, Hv, K, V, **f32) if want_ds0 else None
     dq, dk = torch.empty(B, T, Hv, K, **f32), torch.empty(B, T, Hv, K, **f32)
     dv, dg, dbeta = torch.empty(v.shape, dtype=v.dtype, device=v.device), torch.empty_like(g), torch.empty_like(beta)
-    prec = _precisions(q.dtype)
-    docs_ = docs if docs is not None else g
-    common = dict(K=K, V=V, BK=BK, BV=BV, C=C, HAS_DOC=docs is not None, DOT=prec["DOT"], PREC=prec["PREC"])
+    docs_, common = docs if docs is not None else g, _consts(q, v, C, docs)
     if B * T * Hv:
-        _state_bwd_kernel[(B * Hv, triton.cdiv(V, BV))](
+        _state_bwd_kernel[(B * Hv, triton.cdiv(V, common["BV"]))](
             q, k, g, docs_, W, do, dsfin if dsfin is not None else g, dstates, DUN,
             ds0 if want_ds0 else g, *q.stride()[:3], *g.stride(), *do.stride()[:3], T, NT, Hv, Hv // Hk, scale,
             HAS_DSFIN=dsfin is not None, STORE_DS0=want_ds0, **common, num_warps=8)
         _chunk_bwd_kernel[(NT, B * Hv)](
             q, k, v, g, beta, docs_, Tm, states, dstates, UN, DUN, do, dq, dk, dv, dg, dbeta,
             *q.stride()[:3], *v.stride()[:3], *g.stride(), *do.stride()[:3], *dv.stride()[:3], T, NT, Hv, Hv // Hk,
-            scale, PREC32=prec["PREC32"], **common, num_warps=8)
+            scale, PREC32=_PREC32, **common, num_warps=8)
     elif want_ds0:
         ds0.copy_(dsfin if dsfin is not None else torch.zeros_like(ds0))
-    G = Hv // Hk
-    dq, dk = (x.view(B, T, Hk, G, K).sum(3) for x in (dq, dk))
+    dq, dk = (x.view(B, T, Hk, Hv // Hk, K).sum(3) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta, ds0
 
 

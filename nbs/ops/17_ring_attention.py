@@ -87,15 +87,6 @@ def zigzag_shard(x: Tensor, cp: int, rank: int, dim: int = 1) -> Tensor:
     return torch.cat((chunks[a], chunks[b]), dim)
 
 
-def zigzag_unshard(pieces: list[Tensor], dim: int = 1) -> Tensor:
-    "The whole sequence from every rank's `zigzag_shard`, in rank order (the inverse, for checks and tools)."
-    cp = len(pieces)
-    chunks = [None] * (2 * cp)
-    for r, p in enumerate(pieces):
-        chunks[r], chunks[2 * cp - 1 - r] = p.chunk(2, dim)
-    return torch.cat(chunks, dim)
-
-
 def zigzag_index(n_local: int, cp: int, rank: int, device=None) -> Tensor:
     "(n_local,) int64: the places in the whole sequence of this rank's `n_local` tokens."
     c = n_local // 2
@@ -111,6 +102,15 @@ def zigzag_documents(positions: Tensor, cp: int, rank: int) -> Tensor | None:
     return (zigzag_index(positions.shape[1], cp, rank, positions.device) - positions).to(torch.int32).contiguous()
 
 # %%
+def zigzag_unshard(pieces: list[Tensor], dim: int = 1) -> Tensor:
+    "The whole sequence from every rank's `zigzag_shard`, in rank order (the inverse, for the checks)."
+    cp = len(pieces)
+    chunks = [None] * (2 * cp)
+    for r, p in enumerate(pieces):
+        chunks[r], chunks[2 * cp - 1 - r] = p.chunk(2, dim)
+    return torch.cat(chunks, dim)
+
+
 x = torch.arange(24).view(1, 24)
 pieces = [zigzag_shard(x, 3, r) for r in range(3)]
 print([p.tolist()[0] for p in pieces])
@@ -270,7 +270,7 @@ def split_kv(payload: Tensor, dk: int) -> tuple[Tensor, Tensor]:
     "The inverse of `kv_payload` for keys of width `dk`."
     return payload[..., :dk], payload[..., dk:]
 
-
+# %%
 def expand_bytes(tokens: int, heads: int, qk_head_dim: int, v_head_dim: int, kv_lora_rank: int, rope_dim: int,
                  bytes_per: int = 2) -> dict:
     "Bytes one ring step sends for `tokens` tokens: MLA's expanded keys and values against its latent payload."
@@ -278,7 +278,7 @@ def expand_bytes(tokens: int, heads: int, qk_head_dim: int, v_head_dim: int, kv_
     latent = tokens * (kv_lora_rank + rope_dim) * bytes_per
     return dict(expanded=expanded, latent=latent, ratio=expanded / latent)
 
-# %%
+
 for name, heads in (("DeepSeek-V2-Lite", 16), ("DeepSeek-V2", 128)):
     b = expand_bytes(16384, heads, 192, 128, 512, 64)
     print(f"{name}: 16K tokens per step send {b['expanded'] / 2**20:.0f} MiB expanded, {b['latent'] / 2**20:.0f} MiB "

@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['INTERPRET', 'LOG2E', 'CUDA_CONFIGS', 'FP32_CONFIG', 'DS_BUDGET', 'attention_mask', 'Mask', 'check_args',
-           'attention_reference', 'doc_ids', 'doc_positions', 'attention_fwd', 'ds_bytes', 'attention_bwd',
-           'FlashAttention', 'flash_attention', 'documents', 'causal_attention']
+           'attention_reference', 'doc_positions', 'attention_fwd', 'ds_bytes', 'attention_bwd', 'FlashAttention',
+           'flash_attention', 'documents', 'causal_attention']
 
 # %% ../../nbs/ops/14_attention.ipynb #e0784306
 import os
@@ -99,17 +99,6 @@ def attention_reference(q, k, v, sinks=None, *, causal=True, window=None, scale=
     return out, lse.to(torch.promote_types(q.dtype, torch.float32))
 
 # %% ../../nbs/ops/14_attention.ipynb #6c38fb0f
-def doc_ids(cu_seqlens: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    "(B, S) int32 document ids from `cu_seqlens` over the flattened B·S tokens (0 = c_0 ≤ c_1 ≤ … ≤ c_n = B·S)."
-    cu = torch.as_tensor(cu_seqlens).to(torch.int64)
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries; got shape {tuple(cu.shape)}")
-    if not cu.is_cuda and (cu[0] != 0 or cu[-1] != B * S or (cu.diff() < 0).any()):  # no sync on the GPU
-        raise ValueError(f"cu_seqlens must rise from 0 to B·S = {B * S}; got {cu.tolist()[:8]}...")
-    tokens = torch.arange(B * S, device=cu.device)
-    return (torch.searchsorted(cu, tokens, right=True) - 1).view(B, S).to(torch.int32)
-
-
 def doc_positions(doc: torch.Tensor) -> torch.Tensor:
     "(B, S) int64 positions from (B, S) document ids: 0 at each document start and at the start of each row."
     B, S = doc.shape
@@ -134,11 +123,10 @@ def _split_dim(d: int) -> tuple[int, int]:
     return (a, 0) if a == d else (a, max(16, triton.next_power_of_2(d - a)))
 
 
-def _dot_dtype(dtype: torch.dtype):
-    "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype`."
+def _dot_dtype(dtype: torch.dtype, op: str = "flash_attention", reference: str = "attention_reference"):
+    "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype` (`op` names the caller)."
     if dtype not in _TL_DTYPES:
-        raise ValueError(f"flash_attention takes float32, bfloat16 or float16; got {dtype} "
-                         "(attention_reference computes in any dtype)")
+        raise ValueError(f"{op} takes float32, bfloat16 or float16; got {dtype} ({reference} computes in any dtype)")
     if INTERPRET:
         return tl.float32, "ieee"
     return (tl.float32, "tf32x3") if dtype == torch.float32 else (_TL_DTYPES[dtype], "tf32")
@@ -240,16 +228,15 @@ def _block_range(r0, n_rows, n_cols, delta, window, RANGE, BLOCK_R: tl.constexpr
 def _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr):
     """A query-block program's document ids (its rows', and the keys' of its batch row) and its key loop bounds
-    (`_block_range`), shared by the forward and the dq kernels."""
+    (`_block_range`'s four), shared by the forward and the dq kernels."""
     qdoc = rows
     KDOCb = KDOC
     if HAS_DOC:
         qdoc = tl.load(QDOC + b.to(tl.int64) * Sq + rows, mask=rows < Sq, other=-2)
         KDOCb = KDOC + b.to(tl.int64) * Sk
-    start, int_lo, int_hi, hi = _block_range(pid_m * BLOCK_M, Sq, Sk, delta, window,
-                                             RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N,
-                                             True, CAUSAL, HAS_WINDOW, HAS_DOC)
-    return qdoc, KDOCb, start, int_lo, int_hi, hi
+    return qdoc, KDOCb, _block_range(pid_m * BLOCK_M, Sq, Sk, delta, window,
+                                     RANGES + (b * tl.num_programs(0) + pid_m) * 3, BLOCK_M, BLOCK_N, True, CAUSAL,
+                                     HAS_WINDOW, HAS_DOC)
 
 
 @triton.jit
@@ -345,8 +332,8 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
     qb = qa
     if DB > 0:
         qb = _tile(Qh, rows, stride_qm, stride_qd, Sq, DA, DQK, DB, True).to(DOT)
-    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
-                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, bounds = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M, BLOCK_N,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC)
     if HAS_SINK:
         m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + h).to(tl.float32) * _LOG2E
         l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
@@ -354,18 +341,11 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BDV], tl.float32)
-    for n0 in range(start, int_lo, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                   window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC,
-                                   DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                   window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC,
-                                   DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                                   window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC,
-                                   DOT, PREC)
+    for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+        for n0 in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, qa, qb, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                                       window, qk_scale, DA, DB, BDV, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW,
+                                       HAS_DOC, DOT, PREC)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
@@ -396,11 +376,12 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, -(-d * size // 16) * 16 // size - d)).contiguous()
 
 
-def _descs(t: torch.Tensor, rows: int, widths) -> list[TensorDescriptor | None]:
+def _descs(t: torch.Tensor | None, rows: int, widths) -> list[TensorDescriptor | None]:
     """Descriptors over the 4-D tensor t (its layout made TMA-ready), one per tile width (None for a width of 0, a
-    second tile the head dim does not need), each of `rows` rows."""
-    t = _tma_ready(t)
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w else None for w in widths]
+    second tile the head dim does not need, and for no tensor), each of `rows` rows."""
+    t = None if t is None else _tma_ready(t)
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, w]) if w and t is not None else None
+            for w in widths]
 
 
 def attention_fwd(q, k, v, sinks, m: Mask, scale: float, q_doc, k_doc, blocks=None):
@@ -515,21 +496,17 @@ def _attn_bwd_dq_kernel(Q, KA, KB, VD, DO, LSE, DELTA, DQ, QDOC, KDOC, RANGES,
     lse = tl.load(LSE + off, mask=rows < Sq, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     dd = tl.load(DELTA + off, mask=rows < Sq, other=0.0)
-    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
-                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, bounds = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M, BLOCK_N,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC)
     dqa = tl.zeros([BLOCK_M, DA], tl.float32)
     dqb = dqa
     if DB > 0:
         dqb = tl.zeros([BLOCK_M, DB], tl.float32)
-    for n0 in range(start, int_lo, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                             window, qk_scale, DA, DB, BDV, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
-                             window, qk_scale, DA, DB, BDV, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+    for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+        for n0 in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+            dqa, dqb = _dq_block(dqa, dqb, qa, qb, do, lse2, dd, rows, qdoc, KA, KB, VD, KDOCb, b, hk, n0, Sk, delta,
+                                 window, qk_scale, DA, DB, BDV, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW, HAS_DOC, DOT,
+                                 PREC)
     _store_split(DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh, rows, stride_gm, stride_gd, Sq, dqa,
                  dqb, scale, DQK, DA, DB)
 
@@ -603,9 +580,8 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, DST, K, V, LSE, DELTA, DK, DVv, QDOC, KDO
     if HAS_DOC:
         kdoc = tl.load(KDOC + b.to(tl.int64) * Sk + cols, mask=cols < Sk, other=-1)
         QDOCb = QDOC + b.to(tl.int64) * Sq
-    start, int_lo, int_hi, hi = _block_range(n0, Sk, Sq, delta, window,
-                                             RANGES + (b * tl.num_programs(0) + pid_n) * 3, BLOCK_N, BLOCK_M,
-                                             False, CAUSAL, HAS_WINDOW, HAS_DOC)
+    bounds = _block_range(n0, Sk, Sq, delta, window, RANGES + (b * tl.num_programs(0) + pid_n) * 3, BLOCK_N,
+                          BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_DOC)
     dka = tl.zeros([BLOCK_N, DA], tl.float32)
     dkb = dka
     if DB > 0:
@@ -615,18 +591,11 @@ def _attn_bwd_dkdv_kernel(QA, QB, DOD, DST, K, V, LSE, DELTA, DK, DVv, QDOC, KDO
         h = hk * GROUP + g
         LSEh = LSE + (b * HKV * GROUP + h).to(tl.int64) * Sq
         DDh = DELTA + (b * HKV * GROUP + h).to(tl.int64) * Sq
-        for m0 in range(start, int_lo, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
-                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, True,
-                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
-        for m0 in range(int_lo, int_hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
-                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, False,
-                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
-        for m0 in range(int_hi, hi, BLOCK_M):
-            dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb, b,
-                                       h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N, True,
-                                       CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
+        for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+            for m0 in range(bounds[phase], bounds[phase + 1], BLOCK_M):
+                dka, dkb, dv = _dkdv_block(dka, dkb, dv, ka, kb, v, cols, kdoc, QA, QB, DOD, DST, LSEh, DDh, QDOCb,
+                                           b, h, n0, m0, Sq, delta, window, qk_scale, DA, DB, BDV, BLOCK_M, BLOCK_N,
+                                           phase != 1, CAUSAL, HAS_WINDOW, HAS_DOC, STORE_DS, DOT, PREC)
     _store_split(DK + b.to(tl.int64) * stride_gkb + hk.to(tl.int64) * stride_gkh, cols, stride_gkn, stride_gkd, Sk,
                  dka, dkb, scale, DQK, DA, DB)
     _store_tile(DVv + b.to(tl.int64) * stride_gvb + hk.to(tl.int64) * stride_gvh, cols, stride_gvn, stride_gvd, Sk,
@@ -670,22 +639,17 @@ def _attn_bwd_dq_ds_kernel(DST, KA, KB, DQ, QDOC, KDOC, RANGES, stride_gb, strid
     h = bh % H
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
-    qdoc, KDOCb, start, int_lo, int_hi, hi = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES,
-                                                          BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOC)
+    qdoc, KDOCb, bounds = _query_block(rows, b, pid_m, Sq, Sk, delta, window, QDOC, KDOC, RANGES, BLOCK_M, BLOCK_N,
+                                       CAUSAL, HAS_WINDOW, HAS_DOC)
     dqa = tl.zeros([BLOCK_M, DA], tl.float32)
     dqb = dqa
     if DB > 0:
         dqb = tl.zeros([BLOCK_M, DB], tl.float32)
     hk = h // GROUP
-    for n0 in range(start, int_lo, BLOCK_N):
-        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
-                                BLOCK_M, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_lo, int_hi, BLOCK_N):
-        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
-                                BLOCK_M, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
-    for n0 in range(int_hi, hi, BLOCK_N):
-        dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA, DB,
-                                BLOCK_M, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
+    for phase in tl.static_range(3):  # masked, unmasked, masked blocks (`_block_range`)
+        for n0 in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+            dqa, dqb = _dq_ds_block(dqa, dqb, DST, KA, KB, KDOCb, rows, qdoc, b, h, hk, m0, n0, Sk, delta, window, DA,
+                                    DB, BLOCK_M, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW, HAS_DOC, DOT, PREC)
     _store_split(DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh, rows, stride_gm, stride_gd, Sq, dqa,
                  dqb, scale, DQK, DA, DB)
 
@@ -705,21 +669,14 @@ def ds_bytes(B: int, Hq: int, Sq: int, Sk: int, Dqk: int, Dv: int, itemsize: int
 
 
 def _ds_buffer(q: torch.Tensor, Sk: int, Dv: int, dot, budget: int | None) -> torch.Tensor | None:
-    """The dSᵀ buffer (`ds_bytes`) or None. Not initialised: the `dk, dv` kernel writes every tile the `dq` kernel
-    reads, which masks what lies outside the attention mask."""
+    """The dSᵀ buffer (`ds_bytes`) or None; rows padded to 16 bytes, so `_descs` addresses it in place. Not
+    initialised: the `dk, dv` kernel writes every tile the `dq` kernel reads, which masks what lies outside the mask."""
     B, Hq, Sq, Dqk = q.shape
     dtype = torch.float32 if dot == tl.float32 else q.dtype
     if not ds_bytes(B, Hq, Sq, Sk, Dqk, Dv, dtype.itemsize, budget):
         return None
     row = -(-Sq * dtype.itemsize // 16) * 16 // dtype.itemsize
     return torch.empty(B, Hq, Sk, row, dtype=dtype, device=q.device)[..., :Sq]
-
-
-def _ds_desc(dst: torch.Tensor | None, keys: int, queries: int):
-    "A descriptor of (keys, queries) tiles over the dSᵀ buffer, or None without one (dq recomputes)."
-    if dst is None:
-        return None
-    return TensorDescriptor(dst, list(dst.shape), list(dst.stride()), [1, 1, keys, queries])
 
 
 def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q_doc, k_doc, blocks=None,
@@ -746,7 +703,7 @@ def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q
         ranges = _doc_ranges(k_doc, q_doc, cfg.block_n) if q_doc is not None else lse
         _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
             *_descs(q, cfg.block_m, qk_widths), *_descs(dout, cfg.block_m, (consts["BDV"],)),
-            _ds_desc(dst, cfg.block_n, cfg.block_m), k, v, lse, delta_, dk, dv, *docs, ranges, *k.stride(),
+            *_descs(dst, cfg.block_n, (cfg.block_m,)), k, v, lse, delta_, dk, dv, *docs, ranges, *k.stride(),
             *v.stride(), *dk.stride(), *dv.stride(), Sq, Sk, Hkv, Hq // Hkv, *args, **consts, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, **flags, STORE_DS=dst is not None, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
@@ -766,7 +723,7 @@ def attention_bwd(q, k, v, sinks, out, lse, dout, dlse, m: Mask, scale: float, q
                 **consts, **tiles)
         else:
             _attn_bwd_dq_ds_kernel[grid](
-                _ds_desc(dst, cfg.block_n, cfg.block_m), *_descs(k, cfg.block_n, qk_widths), dq, *docs, ranges,
+                *_descs(dst, cfg.block_n, (cfg.block_m,)), *_descs(k, cfg.block_n, qk_widths), dq, *docs, ranges,
                 *dq.stride(), Sq, Sk, Hq, Hq // Hkv, args[0], args[1], scale, DQK=Dqk, DA=consts["DA"],
                 DB=consts["DB"], **tiles)
     elif B * Hq * Sq:  # no keys at all: nothing to attend to
@@ -793,10 +750,9 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, sinks, out, lse, q_doc, k_doc = ctx.saved_tensors
         if dout is None and dlse is None:
             return (None,) * 9
-        sinks_for_grad = sinks if ctx.needs_input_grad[3] else None
-        dq, dk, dv, dsinks = attention_bwd(q, k, v, sinks_for_grad, out, lse, dout, dlse, ctx.mask, ctx.scale, q_doc, k_doc,
-                                  ctx.blocks)
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        grads = attention_bwd(q, k, v, sinks if ctx.needs_input_grad[3] else None, out, lse, dout, dlse, ctx.mask,
+                              ctx.scale, q_doc, k_doc, ctx.blocks)
+        return *grads, None, None, None, None, None
 
 
 def flash_attention(q, k, v, sinks=None, *, causal=True, window=None, scale=None, q_doc=None, k_doc=None,

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .swiglu import choose_impl
+
 # %% ../../nbs/ops/13_cross_entropy.ipynb #4184ed6d
 def ce_rows_torch(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     "Per-row losses of `logits (c, V)`; overwrite `logits` with d(sum of losses)/d(logits). Plain PyTorch."
@@ -75,10 +77,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         for start in range(0, T, chunk_size):
             h_c, labels_c = h[start:start + chunk_size], labels[start:start + chunk_size]
             logits = h_c @ weight.t()
-            if impl == "triton":
-                loss += ce_rows_triton(logits, labels_c, ignore_index).sum()
-            else:
-                loss += ce_rows_torch(logits, labels_c, ignore_index).sum()
+            loss += (ce_rows_triton if impl == "triton" else ce_rows_torch)(logits, labels_c, ignore_index).sum()
             # logits now holds d(loss)/d(logits)
             if need_grad_h:
                 torch.mm(logits, weight, out=grad_h[start:start + chunk_size])
@@ -114,10 +113,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens (or None for {DEFAULT_CHUNK}); "
                          f"got {chunk_size}")
-    if impl is None:
-        impl = "triton" if h.is_cuda else "torch"
-    if impl not in ("triton", "torch"):
-        raise ValueError(f"impl must be 'triton', 'torch' or None (None picks Triton on CUDA), got {impl!r}")
+    impl = choose_impl(impl, h)
     grad_on = torch.is_grad_enabled()
     return LinearCrossEntropyFunction.apply(h.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index,
                                             chunk_size or DEFAULT_CHUNK, impl, grad_on and h.requires_grad,

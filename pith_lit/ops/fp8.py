@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .grouped_linear import WeightGradQueue
+from .grouped_linear import WeightGradQueue, _check_grouped, _deliver
 from .swiglu import swiglu, swiglu_grad_tiles, swiglu_tile
 
 # %% ../../nbs/ops/15_fp8.ipynb #c6f14391
@@ -616,25 +616,28 @@ def _wgrad(g_cols, x_cols, counts, dtype, rows):
     return fp8_grouped_wgrad(*g_cols, *x_cols, counts, dtype)
 
 
-def _triton_forward(x, w, counts, keep_cols, weight, rows):
+def _triton_forward(x, counts, keep_cols, weight, rows, act=None):
+    """One layer's output from `x` (or `act` of it, as in `quantize_act`) and what its weight gradient keeps: the
+    FP8 rows transposed (rows) or the column quantization (block)."""
     if rows:
-        a = quantize_rows(x, counts, trans=keep_cols)
+        a = quantize_rows(x, counts, act=act, trans=keep_cols)
         y = fp8_grouped_mm(a.q, a.s, *weight(False, quantize_weight_rows), counts, x.dtype)
         return y, ((a.qt, a.s) if keep_cols else ())
-    a = quantize_act(x, counts, rows=True, cols=keep_cols)
+    a = quantize_act(x, counts, rows=True, cols=keep_cols, act=act)
     y = fp8_grouped_mm(a.q, a.s, *weight(False, quantize_weight), counts, x.dtype)
     return y, ((a.qt, a.st) if keep_cols else ())
 
 
-def _triton_backward(dy, w, counts, saved, need_dx, need_dw, weight, rows):
+def _triton_backward(dy, w, counts, saved, need_dx, need_dw, weight, rows, act=None, dh=None):
+    "One layer's dX and dW's closure (or None) given `dy` (or `act` of it and `dh`, as in `quantize_act`)."
     if rows:                                   # dY ⊙ s_W by rows for dX; dY ⊙ s_X's columns per expert for dW
         qwt, sw = weight(True, quantize_weight_rows)
         sx = saved[1] if need_dw else None
-        g = quantize_rows(dy, counts, mult=sw, col_amax=need_dw, row_mult=sx)
+        g = quantize_rows(dy, counts, act=act, dh=dh, mult=sw, col_amax=need_dw, row_mult=sx)
         dx = fp8_grouped_mm(g.q, g.s, qwt, None, counts, dy.dtype) if need_dx else None
-        g_cols = _group_cols(dy, counts, g, sx) if need_dw else None
+        g_cols = _group_cols(dy, counts, g, sx, act, dh) if need_dw else None
     else:
-        g = quantize_act(dy, counts, rows=need_dx, cols=need_dw)
+        g = quantize_act(dy, counts, rows=need_dx, cols=need_dw, act=act, dh=dh)
         dx = fp8_grouped_mm(g.q, g.s, *weight(True, quantize_weight), counts, dy.dtype) if need_dx else None
         g_cols = (g.qt, g.st)
     wgrad = (lambda: _wgrad(g_cols, saved, counts, w.dtype, rows)) if need_dw else None
@@ -710,7 +713,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         keep = ctx.needs_input_grad[1]
         weight = weight or _own_weight(w)
         if impl == "triton":
-            y, saved = _triton_forward(x, w, counts, keep, weight, rows)
+            y, saved = _triton_forward(x, counts, keep, weight, rows)
         else:
             y, saved = _torch_forward(x, w, counts, keep, weight, rows)
         ctx.impl, ctx.queue, ctx.weight, ctx.rows = impl, wgrad_queue, weight, rows
@@ -735,17 +738,6 @@ def _own_weight(w: Tensor):
     return lambda transposed, quantize: quantize(w, transposed)
 
 
-def _deliver(queue: WeightGradQueue | None, param: Tensor | None, wgrad):
-    """A weight gradient for autograd to return: `wgrad()` now, or None when there is none (`wgrad` None) or it waits
-    in `queue`, as a closure that back-propagates it into `param` (the weight tensor the forward was given)."""
-    if wgrad is None:
-        return None
-    if queue is None:
-        return wgrad()
-    queue.push(lambda: torch.autograd.backward(param, wgrad()))
-    return None
-
-
 def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
                        impl: str | None = None, weight=None, scaling: str = "block") -> Tensor:
     """Per-expert linear in FP8 on grouped rows: `y[rows of e] ≈ x[rows of e] @ w[e]ᵀ` for `x (N, in)`,
@@ -763,36 +755,19 @@ SCALINGS = ("block", "rows")
 
 
 def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, scaling: str) -> str:
-    "Refuse what an FP8 expert layer cannot take, in one line; return the implementation to run."
-    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
-        raise ValueError(f"{name} wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
-                         f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
-    if counts.dtype != torch.int64:
-        raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
-    if impl not in (None, "triton", "torch"):
-        raise ValueError(f"impl must be 'triton', 'torch' or None (choose by device), got {impl!r}")
+    "Refuse what an FP8 expert layer cannot take, in one line (ops/12's checks and the scaling); return the impl."
+    impl = _check_grouped(name, x, w, counts, impl, ("triton", "torch"))
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
-    torch._assert_async(counts.sum() <= x.shape[0], f"{name}: counts must sum to at most the {x.shape[0]} rows of x")
-    return impl or ("triton" if x.is_cuda else "torch")
+    return impl
 
 # %% ../../nbs/ops/15_fp8.ipynb #bfe52a85
 class _Fp8SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, counts, wgrad_queue, weight1, weight2, rows):
         keep1, keep2 = ctx.needs_input_grad[1:3]
-        if rows:                               # the FP8 rows transposed are the weight gradients' B operands
-            a = quantize_rows(x, counts, trans=keep1)
-            gate_up = fp8_grouped_mm(a.q, a.s, *weight1(False, quantize_weight_rows), counts, x.dtype)
-            h = quantize_rows(gate_up, counts, act="swiglu", trans=keep2)
-            y = fp8_grouped_mm(h.q, h.s, *weight2(False, quantize_weight_rows), counts, x.dtype)
-            xs, hs = ((a.qt, a.s) if keep1 else ()), ((h.qt, h.s) if keep2 else ())
-        else:
-            a = quantize_act(x, counts, rows=True, cols=keep1)
-            gate_up = fp8_grouped_mm(a.q, a.s, *weight1(False, quantize_weight), counts, x.dtype)
-            h = quantize_act(gate_up, counts, rows=True, cols=keep2, act="swiglu")
-            y = fp8_grouped_mm(h.q, h.s, *weight2(False, quantize_weight), counts, x.dtype)
-            xs, hs = ((a.qt, a.st) if keep1 else ()), ((h.qt, h.st) if keep2 else ())
+        gate_up, xs = _triton_forward(x, counts, keep1, weight1, rows)
+        y, hs = _triton_forward(gate_up, counts, keep2, weight2, rows, act="swiglu")
         ctx.queue, ctx.weights, ctx.keep, ctx.rows = wgrad_queue, (weight1, weight2), (keep1, keep2), rows
         ctx.params = (w1, w2) if wgrad_queue is not None else (None, None)
         ctx.save_for_backward(w1, w2, counts, gate_up, *xs, *hs)
@@ -804,26 +779,10 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         (keep1, keep2), (weight1, weight2), need_dx, rows = ctx.keep, ctx.weights, ctx.needs_input_grad[0], ctx.rows
         xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
         dy = dy.contiguous()
-        if rows:
-            sx, sh = xs[1] if keep1 else None, hs[1] if keep2 else None
-            qw2t, sw2 = weight2(True, quantize_weight_rows)
-            g = quantize_rows(dy, counts, mult=sw2, col_amax=keep2, row_mult=sh)
-            dh = fp8_grouped_mm(g.q, g.s, qw2t, None, counts, dy.dtype)
-            g_cols = _group_cols(dy, counts, g, sh) if keep2 else None
-            qw1t, sw1 = weight1(True, quantize_weight_rows)
-            gg = quantize_rows(gate_up, counts, act="swiglu_grad", dh=dh, mult=sw1, col_amax=keep1, row_mult=sx)
-            dx = fp8_grouped_mm(gg.q, gg.s, qw1t, None, counts, dy.dtype) if need_dx else None
-            gg_cols = _group_cols(gate_up, counts, gg, sx, act="swiglu_grad", dh=dh) if keep1 else None
-        else:
-            g = quantize_act(dy, counts, rows=True, cols=keep2)
-            dh = fp8_grouped_mm(g.q, g.s, *weight2(True, quantize_weight), counts, dy.dtype)
-            gg = quantize_act(gate_up, counts, rows=need_dx, cols=keep1, act="swiglu_grad", dh=dh)
-            dx = fp8_grouped_mm(gg.q, gg.s, *weight1(True, quantize_weight), counts, dy.dtype) if need_dx else None
-            g_cols, gg_cols = (g.qt, g.st), (gg.qt, gg.st)
-        dw2 = _deliver(ctx.queue, ctx.params[1],
-                       (lambda: _wgrad(g_cols, hs, counts, w2.dtype, rows)) if keep2 else None)
-        dw1 = _deliver(ctx.queue, ctx.params[0],
-                       (lambda: _wgrad(gg_cols, xs, counts, w1.dtype, rows)) if keep1 else None)
+        dh, wgrad2 = _triton_backward(dy, w2, counts, hs, True, keep2, weight2, rows)
+        dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, need_dx, keep1, weight1, rows, "swiglu_grad", dh)
+        dw2 = _deliver(ctx.queue, ctx.params[1], wgrad2)
+        dw1 = _deliver(ctx.queue, ctx.params[0], wgrad1)
         return dx, dw1, dw2, None, None, None, None, None
 
 

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .swiglu import choose_impl
+
 # %% ../../nbs/ops/12_grouped_linear.ipynb #d0bbb732
 class WeightGradQueue:
     "Deferred weight-gradient work: `push(fn)` during backward, `drain()` runs and forgets it, in push order."
@@ -58,6 +60,17 @@ def _products_loop(bounds: list[int], w_t: bool = False):
     return fwd, dgrad, wgrad
 
 # %% ../../nbs/ops/12_grouped_linear.ipynb #1770f50d
+def _deliver(queue: WeightGradQueue | None, param: Tensor | None, wgrad):
+    """A weight gradient for autograd to return: `wgrad()` now, or None when there is none (`wgrad` None) or it waits
+    in `queue`, as a closure that back-propagates it into `param` (the weight tensor the forward was given)."""
+    if wgrad is None:
+        return None
+    if queue is None:
+        return wgrad()
+    queue.push(lambda: torch.autograd.backward(param, wgrad()))
+    return None
+
+
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, counts, wgrad_queue, use_grouped_mm):
@@ -76,31 +89,28 @@ class _GroupedLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         _, dgrad, wgrad = ctx.products
         dx = dgrad(dy, w) if ctx.needs_input_grad[0] else None
-        if not ctx.needs_input_grad[1]:
-            return dx, None, None, None, None
-        if ctx.queue is None:
-            return dx, wgrad(dy, x), None, None, None
-        w_in = ctx.param
-        def deferred():
-            torch.autograd.backward(w_in, wgrad(dy, x))
-        ctx.queue.push(deferred)
-        return dx, None, None, None, None
+        dw = _deliver(ctx.queue, ctx.param, (lambda: wgrad(dy, x)) if ctx.needs_input_grad[1] else None)
+        return dx, dw, None, None, None
 
 # %% ../../nbs/ops/12_grouped_linear.ipynb #3d89f8f3
+def _check_grouped(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, impls: tuple[str, str]) -> str:
+    "Refuse what an expert layer (this one, or ops/15's FP8 ones) cannot take, in one line; return the impl to run."
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
+        raise ValueError(f"{name} wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
+    if counts.dtype != torch.int64:
+        raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
+    impl = choose_impl(impl, x, impls)
+    torch._assert_async(counts.sum() <= x.shape[0], f"{name}: counts must sum to at most the {x.shape[0]} rows of x")
+    return impl
+
+
 def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
                    impl: str | None = None) -> Tensor:
     """Per-expert linear on grouped rows: `y[rows of e] = x[rows of e] @ w[e]ᵀ` for `x (N, in)`, `w (E, out, in)`,
     `counts (E,)` int64 with sum at most N: rows after the last group (a buffer sized by a bound) are neither
     read nor written, and their outputs and input gradients are left unspecified. With `wgrad_queue`, the weight
-    gradient is deferred to `wgrad_queue.drain()` (accumulated into `w.grad`). `impl`: "grouped_mm", "loop", or None (grouped_mm on CUDA, loop elsewhere)."""
-    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
-        raise ValueError(f"grouped_linear wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
-                         f"w {tuple(w.shape)}, counts {tuple(counts.shape)}")
-    if counts.dtype != torch.int64:
-        raise ValueError(f"counts must be int64 (rows per expert, from sort_by_expert), got {counts.dtype}")
-    if impl not in (None, "grouped_mm", "loop"):
-        raise ValueError(f"impl must be 'grouped_mm', 'loop' or None (choose by device), got {impl!r}")
-    torch._assert_async(counts.sum() <= x.shape[0],
-                        f"grouped_linear: counts must sum to at most the {x.shape[0]} rows of x")
-    use_grouped_mm = x.is_cuda if impl is None else impl == "grouped_mm"
+    gradient is deferred to `wgrad_queue.drain()` (accumulated into `w.grad`). `impl`: "grouped_mm", "loop", or
+    None (grouped_mm on CUDA, loop elsewhere)."""
+    use_grouped_mm = _check_grouped("grouped_linear", x, w, counts, impl, ("grouped_mm", "loop")) == "grouped_mm"
     return _GroupedLinear.apply(x, w, counts, wgrad_queue, use_grouped_mm)

@@ -9,6 +9,8 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
+from .swiglu import choose_impl
+
 # %% ../../nbs/ops/11_permute.ipynb #b39f61c8
 def sort_by_expert(ids: Tensor, num_experts: int, pad_to: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """Grouped order of the (token, expert) pairs in `ids (T, k)`.
@@ -99,19 +101,13 @@ class _GatherRows(torch.autograd.Function):
         return grad_x, None
 
 # %% ../../nbs/ops/11_permute.ipynb #4397efe3
-def _use_triton(x: Tensor, impl: str | None) -> bool:
-    if impl not in (None, "triton", "torch"):
-        raise ValueError(f"impl must be 'triton', 'torch' or None (choose by device), got {impl!r}")
-    return x.is_cuda if impl is None else impl == "triton"
-
-
 def gather_rows(x: Tensor, src_token: Tensor, impl: str | None = None) -> Tensor:
     """Permute: `out[n] = x[src_token[n]]` for `x (T, H)`, `src_token (N,)`; rows with `src_token = -1` are zero.
     Backward scatter-adds into (T, H) in fp32. `impl`: "triton", "torch", or None (Triton on CUDA)."""
     if x.dim() != 2 or src_token.dim() != 1 or src_token.dtype != torch.int64:
         raise ValueError(f"gather_rows wants x (T, H) and src_token (N,) int64, got x {tuple(x.shape)}, "
                          f"src_token {tuple(src_token.shape)} {src_token.dtype}")
-    if _use_triton(x, impl):
+    if choose_impl(impl, x) == "triton":
         return _GatherRows.apply(x, src_token)
     return gather_rows_torch(x, src_token)
 
@@ -192,6 +188,6 @@ def weighted_gather(y: Tensor, row_index: Tensor, weights: Tensor, impl: str | N
         raise ValueError(f"weighted_gather wants y (N, H), row_index (T, k) int64 and weights (T, k), got y "
                          f"{tuple(y.shape)}, row_index {tuple(row_index.shape)} {row_index.dtype}, weights "
                          f"{tuple(weights.shape)}")
-    if _use_triton(y, impl):
+    if choose_impl(impl, y) == "triton":
         return _WeightedGather.apply(y, row_index, weights)
     return weighted_gather_torch(y, row_index, weights)
