@@ -131,11 +131,11 @@ def _products_loop(bounds: list[int], w_t: bool = False):
 # `torch.autograd.backward(w, dW)`. Autograd carries it through whatever `w` is — the parameter itself, or a
 # view or cast of it, such as GPT-OSS's `(E, in, out)` weights passed as `.mT` — and accumulates it into the
 # leaf exactly as an immediate backward would, firing the same gradient hooks (which FSDP2 relies on).
-# `_deliver` makes that choice for this layer and for ops/15's FP8 layers.
+# `deliver_wgrad` makes that choice for this layer and for ops/15's FP8 layers.
 
 # %%
 #| export
-def _deliver(queue: WeightGradQueue | None, param: Tensor | None, wgrad):
+def deliver_wgrad(queue: WeightGradQueue | None, param: Tensor | None, wgrad):
     """A weight gradient for autograd to return: `wgrad()` now, or None when there is none (`wgrad` None) or it waits
     in `queue`, as a closure that back-propagates it into `param` (the weight tensor the forward was given)."""
     if wgrad is None:
@@ -164,12 +164,12 @@ class _GroupedLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         _, dgrad, wgrad = ctx.products
         dx = dgrad(dy, w) if ctx.needs_input_grad[0] else None
-        dw = _deliver(ctx.queue, ctx.param, (lambda: wgrad(dy, x)) if ctx.needs_input_grad[1] else None)
+        dw = deliver_wgrad(ctx.queue, ctx.param, (lambda: wgrad(dy, x)) if ctx.needs_input_grad[1] else None)
         return dx, dw, None, None, None
 
 # %%
 #| export
-def _check_grouped(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, impls: tuple[str, str]) -> str:
+def check_grouped(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, impls: tuple[str, str]) -> str:
     "Refuse what an expert layer (this one, or ops/15's FP8 ones) cannot take, in one line; return the impl to run."
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or counts.shape != (w.shape[0],):
         raise ValueError(f"{name} wants x (N, in), w (E, out, in), counts (E,), got x {tuple(x.shape)}, "
@@ -188,7 +188,7 @@ def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGrad
     read nor written, and their outputs and input gradients are left unspecified. With `wgrad_queue`, the weight
     gradient is deferred to `wgrad_queue.drain()` (accumulated into `w.grad`). `impl`: "grouped_mm", "loop", or
     None (grouped_mm on CUDA, loop elsewhere)."""
-    use_grouped_mm = _check_grouped("grouped_linear", x, w, counts, impl, ("grouped_mm", "loop")) == "grouped_mm"
+    use_grouped_mm = check_grouped("grouped_linear", x, w, counts, impl, ("grouped_mm", "loop")) == "grouped_mm"
     return _GroupedLinear.apply(x, w, counts, wgrad_queue, use_grouped_mm)
 
 # %% [markdown]

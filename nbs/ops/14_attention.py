@@ -273,7 +273,7 @@ def _split_dim(d: int) -> tuple[int, int]:
     return (a, 0) if a == d else (a, max(16, triton.next_power_of_2(d - a)))
 
 
-def _dot_dtype(dtype: torch.dtype, op: str = "flash_attention", reference: str = "attention_reference"):
+def dot_dtype(dtype: torch.dtype, op: str = "flash_attention", reference: str = "attention_reference"):
     "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype` (`op` names the caller)."
     if dtype not in _TL_DTYPES:
         raise ValueError(f"{op} takes float32, bfloat16 or float16; got {dtype} ({reference} computes in any dtype)")
@@ -596,7 +596,7 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
 #| export
 def _kernel_flags(q, m: Mask, q_doc) -> dict:
     "The compile-time flags shared by the kernels."
-    dot, prec = _dot_dtype(q.dtype)
+    dot, prec = dot_dtype(q.dtype)
     return dict(CAUSAL=m.causal, HAS_WINDOW=m.window is not None, HAS_DOC=q_doc is not None, DOT=dot, PREC=prec)
 
 
@@ -1322,7 +1322,7 @@ def flash_attention(q, k, v, sinks=None, *, causal=True, window=None, scale=None
     if not (q.is_cuda or INTERPRET):
         raise ValueError("flash_attention runs Triton kernels: give CUDA tensors, or set TRITON_INTERPRET=1 before "
                          "importing triton to run them on the CPU (attention_reference is the plain-torch version)")
-    _dot_dtype(q.dtype)
+    dot_dtype(q.dtype)
     if blocks is not None:
         _configs(q.shape[-1], v.shape[-1], q.is_cuda, blocks)
     return FlashAttention.apply(q, k, v, sinks, mask, scale, q_doc, k_doc, blocks)

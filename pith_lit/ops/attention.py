@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['INTERPRET', 'LOG2E', 'CUDA_CONFIGS', 'FP32_CONFIG', 'DS_BUDGET', 'attention_mask', 'Mask', 'check_args',
-           'attention_reference', 'doc_positions', 'attention_fwd', 'ds_bytes', 'attention_bwd', 'FlashAttention',
-           'flash_attention', 'documents', 'causal_attention']
+           'attention_reference', 'doc_positions', 'dot_dtype', 'attention_fwd', 'ds_bytes', 'attention_bwd',
+           'FlashAttention', 'flash_attention', 'documents', 'causal_attention']
 
 # %% ../../nbs/ops/14_attention.ipynb #e0784306
 import os
@@ -123,7 +123,7 @@ def _split_dim(d: int) -> tuple[int, int]:
     return (a, 0) if a == d else (a, max(16, triton.next_power_of_2(d - a)))
 
 
-def _dot_dtype(dtype: torch.dtype, op: str = "flash_attention", reference: str = "attention_reference"):
+def dot_dtype(dtype: torch.dtype, op: str = "flash_attention", reference: str = "attention_reference"):
     "(operand dtype, input_precision) of the kernels' tl.dot for inputs of `dtype` (`op` names the caller)."
     if dtype not in _TL_DTYPES:
         raise ValueError(f"{op} takes float32, bfloat16 or float16; got {dtype} ({reference} computes in any dtype)")
@@ -356,7 +356,7 @@ def _attn_fwd_kernel(Q, KA, KB, VD, SINKS, O, LSE, QDOC, KDOC, RANGES,
 # %% ../../nbs/ops/14_attention.ipynb #463eb2a7
 def _kernel_flags(q, m: Mask, q_doc) -> dict:
     "The compile-time flags shared by the kernels."
-    dot, prec = _dot_dtype(q.dtype)
+    dot, prec = dot_dtype(q.dtype)
     return dict(CAUSAL=m.causal, HAS_WINDOW=m.window is not None, HAS_DOC=q_doc is not None, DOT=dot, PREC=prec)
 
 
@@ -770,7 +770,7 @@ def flash_attention(q, k, v, sinks=None, *, causal=True, window=None, scale=None
     if not (q.is_cuda or INTERPRET):
         raise ValueError("flash_attention runs Triton kernels: give CUDA tensors, or set TRITON_INTERPRET=1 before "
                          "importing triton to run them on the CPU (attention_reference is the plain-torch version)")
-    _dot_dtype(q.dtype)
+    dot_dtype(q.dtype)
     if blocks is not None:
         _configs(q.shape[-1], v.shape[-1], q.is_cuda, blocks)
     return FlashAttention.apply(q, k, v, sinks, mask, scale, q_doc, k_doc, blocks)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .grouped_linear import WeightGradQueue, _check_grouped, _deliver
+from .grouped_linear import WeightGradQueue, check_grouped, deliver_wgrad
 from .swiglu import swiglu, swiglu_grad_tiles, swiglu_tile
 
 # %% ../../nbs/ops/15_fp8.ipynb #c6f14391
@@ -730,7 +730,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             dx, wgrad = _triton_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight, ctx.rows)
         else:
             dx, wgrad = _torch_backward(dy, w, counts, saved, need_dx, need_dw, ctx.weight, ctx.rows)
-        return dx, _deliver(ctx.queue, ctx.param, wgrad), None, None, None, None, None
+        return dx, deliver_wgrad(ctx.queue, ctx.param, wgrad), None, None, None, None, None
 
 
 def _own_weight(w: Tensor):
@@ -756,7 +756,7 @@ SCALINGS = ("block", "rows")
 
 def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | None, scaling: str) -> str:
     "Refuse what an FP8 expert layer cannot take, in one line (ops/12's checks and the scaling); return the impl."
-    impl = _check_grouped(name, x, w, counts, impl, ("triton", "torch"))
+    impl = check_grouped(name, x, w, counts, impl, ("triton", "torch"))
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     return impl
@@ -781,8 +781,8 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         dy = dy.contiguous()
         dh, wgrad2 = _triton_backward(dy, w2, counts, hs, True, keep2, weight2, rows)
         dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, need_dx, keep1, weight1, rows, "swiglu_grad", dh)
-        dw2 = _deliver(ctx.queue, ctx.params[1], wgrad2)
-        dw1 = _deliver(ctx.queue, ctx.params[0], wgrad1)
+        dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)
+        dw1 = deliver_wgrad(ctx.queue, ctx.params[0], wgrad1)
         return dx, dw1, dw2, None, None, None, None, None
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, _dot_dtype
+from .attention import INTERPRET, dot_dtype
 
 # %% ../../nbs/ops/16_gated_delta_rule.ipynb #c6d5f9f5
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -127,8 +127,8 @@ _PREC32 = "ieee" if INTERPRET else "tf32x3"  # the float32 products' input_preci
 
 
 def _precisions(dtype: torch.dtype) -> dict:
-    "Compile-time dot settings DOT (operand dtype of the main products) and PREC (theirs): ops/14's `_dot_dtype`."
-    dot, prec = _dot_dtype(dtype, "chunk_gated_delta_rule", "gated_delta_rule_reference")
+    "Compile-time dot settings DOT (operand dtype of the main products) and PREC (theirs): ops/14's `dot_dtype`."
+    dot, prec = dot_dtype(dtype, "chunk_gated_delta_rule", "gated_delta_rule_reference")
     return dict(DOT=dot, PREC=prec)
 
 
