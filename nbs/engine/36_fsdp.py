@@ -52,8 +52,8 @@
 # A unit whose mesh is one rank (a single GPU; experts at dp × cp = 1) has nothing to gather or to sum. If it also
 # computes in its own dtype, `fully_shard` would only add copies: each gather copies the weights into the gathered
 # buffer and each reduction copies the gradients through a one-rank reduce-scatter, a large part of a one-GPU step
-# (benchmarks/RESULTS.md, "Sharded data parallelism"). Such a unit is left as it is: its gradients are already the
-# sums and the optimizer steps it directly. With fp32 masters computing in bf16 the unit is wrapped on one rank
+# (benchmarks/RESULTS.md, "Optimizer and sharded data parallelism on one GPU"). Such a unit is left as it is:
+# its gradients are already the sums and the optimizer steps it directly. With fp32 masters computing in bf16 the unit is wrapped on one rank
 # too, since FSDP's gather is then the cast. Such a unit still frees its bf16 copy after each forward and casts
 # again in backward: keeping the copy for the whole step is a little faster but holds a bf16 copy of every weight,
 # and memory is what fp32 masters are chosen for (the same section). Checkpoints see the same names and global
@@ -150,8 +150,9 @@ def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
 #
 # A unit whose mesh is this rank alone (one GPU, or experts at dp × cp = 1) has nothing to sum with anyone, but
 # FSDP's reduction still copies every gradient into a flat buffer, through a one-rank reduce-scatter and back
-# (its cost is in benchmarks/RESULTS.md, "Sharded data parallelism"). `_hand_over` gives such a unit its
-# accumulated gradient as the sharded one instead, without a copy (with one rank the shard is the whole tensor).
+# (its cost is in benchmarks/RESULTS.md, "Optimizer and sharded data parallelism on one GPU"). `_hand_over` gives
+# such a unit its accumulated gradient as the sharded one instead, without a copy (with one rank the shard is the
+# whole tensor).
 
 # %%
 #| export

@@ -748,7 +748,7 @@ class Reporter:
             self.say(f"step {rec['step']}: the CUDA caching allocator ran out of cached blocks {rec['alloc_retries']} "
                      "time(s) on some rank (each time it frees its cache and synchronises, stalling every rank); "
                      f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch "
-                     "(benchmarks/RESULTS.md, 'The allocator')")
+                     "(benchmarks/RESULTS.md, 'Throughput on two H200s: expert parallelism and DualPipeV')")
 
     def _memory(self) -> dict:
         if self.dev.type != "cuda":

@@ -54,10 +54,6 @@ class Workload:
         "Tokens of one micro-batch on one rank (a cp rank holds 1/cp of each sequence)."
         return self.micro_batch * self.seq_len // self.cp
 
-    def describe(self) -> str:
-        return (f"pp {self.pp} × dp_replicate {self.dp_replicate} × dp {self.dp} × cp {self.cp} × ep {self.ep}, "
-                f"micro-batch {self.micro_batch} × {self.micro_batches}, recompute {self.recompute}")
-
 # %% ../../nbs/engine/37_planner.ipynb #96fbda6c
 @dataclass
 class LayerBytes:
