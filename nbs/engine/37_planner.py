@@ -606,25 +606,11 @@ def _stage_keys(model_layers: list[str], w: Workload, pp_rank: int) -> list[list
 def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
     """The predicted peak allocated memory of pipeline rank `pp_rank` under `w` for model config `c`, whose FSDP
     units on that rank are `units` (`rank_units`)."""
-    keys = [str(i) for i in range(c.num_hidden_layers)]
-    stages = _stage_keys(keys, w, pp_rank)
-    head = head_bytes(c, w)
-    walk = _Walk(c, w, units, head, stages)
+    stages = _stage_keys([str(i) for i in range(c.num_hidden_layers)], w, pp_rank)
+    walk = _Walk(c, w, units, head_bytes(c, w), stages)
     b, T, H = w.compute_bytes, w.tokens, c.hidden_size
     walk.note("start of the step")
-    if not w.pipelined:
-        for m in range(w.micro_batches):
-            walk.embed(+1)
-            for key in stages[0]:
-                walk.layer_forward(key, m)
-            walk.loss_forward(m)
-            walk.loss_backward(m)
-            for key in reversed(stages[0]):
-                walk.layer_backward(key, m, False)
-            walk.embed(-1)
-        walk.end_of_step()
-        return walk.best
-    last = 2 * w.pp - 1
+    last = 2 * w.pp - 1 if w.pipelined else 0   # the plain loop: one stage, both the first and the last
 
     def buffer(sign):   # a stage input received from the neighbour, kept until the stage's backward
         walk.buffers += sign * b * T * H
@@ -641,7 +627,9 @@ def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
         steps += [lambda key=key: walk.layer_backward(key, m, zb) for key in reversed(stages[p])]
         return steps + ([lambda: walk.embed(-1)] if stage == 0 else [lambda: buffer(-1)])
 
-    for action in dualpipev_schedule(pp_rank, w.pp, w.micro_batches):
+    schedule = (dualpipev_schedule(pp_rank, w.pp, w.micro_batches) if w.pipelined else
+                [a for m in range(w.micro_batches) for a in (("F", 0, m), ("B", 0, m, False))])
+    for action in schedule:
         match action:
             case ("F", p, m):
                 for step in forward(p, m):
