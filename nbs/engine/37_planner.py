@@ -494,12 +494,10 @@ class _Walk:
 
     def __init__(self, c, w: Workload, units: list[Unit], head: dict, stages: list[list[str]]):
         self.c, self.w, self.head = c, w, head
-        b, T = w.compute_bytes, w.tokens
         self.units = {u.name: u for u in units}
         self.layer_units = {}
         for u in units:
             self.layer_units.setdefault(u.layer, []).append(u)
-        self.stages = stages
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
         # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
@@ -508,7 +506,7 @@ class _Walk:
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.acts = self.deferred = self.buffers = 0.0
-        self.T, self.b = T, b
+        self.T = w.tokens
         self.best = Peak(0.0, "", {})
 
     def _unit_bytes(self) -> tuple[float, float]:
@@ -527,9 +525,8 @@ class _Walk:
     def note(self, where: str, transient: float = 0.0) -> None:
         gathered, grads = self._unit_bytes()
         parts = {"parameters and optimizer states": self.static, "FP8 weight copies": self.fp8,
-                 "gathered weights": gathered,
-                 "gradients": grads, "activations": self.acts, "deferred for W": self.deferred,
-                 "pipeline buffers": self.buffers, "transient": transient}
+                 "gathered weights": gathered, "gradients": grads, "activations": self.acts,
+                 "deferred for W": self.deferred, "pipeline buffers": self.buffers, "transient": transient}
         total = sum(parts.values())
         if total > self.best.total:
             self.best = Peak(total, where, parts)
