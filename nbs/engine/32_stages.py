@@ -551,8 +551,8 @@ print("overlapped == forward then backward, bitwise")
 # layer (the `counts` step of a dispatcher whose sizes travel to the host) drifts against the backward: the
 # check below gives the local dispatcher such a step, which does nothing, and a part of the exchanges lose their
 # partner: in a chunk of six MoE layers, 8 of the 24 exchanges. The sync-free dispatcher, which exchanges nothing
-# before dispatch, asks for no such step (`counts_step` is False); see benchmarks/RESULTS.md for what it did on
-# two H200s.
+# before dispatch, asks for no such step (`counts_step` is False); its effect on two H200s is in
+# benchmarks/RESULTS.md, "Sync-free dispatch".
 
 # %%
 class CountsFirst(LocalDispatcher):
