@@ -70,14 +70,14 @@ def packed_positions(B: int, S: int, seed: int) -> Tensor:
     return torch.stack(rows)
 
 
-def reference_step(model, batches, loss_scale, aux=None) -> tuple[Tensor, Tensor]:
+def reference_step(model, batches, loss_scale, aux=None, dispatcher=None) -> tuple[Tensor, Tensor]:
     """Plain autograd, one micro-batch (ids, labels[, positions]) after the other: (summed loss, summed
-    load-balance terms); fills `.grad`."""
+    load-balance terms); fills `.grad`. `dispatcher`: the layers' (default: one rank holds every expert)."""
     loss_sum, aux_sum = 0.0, 0.0
+    dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(model.config.routed_experts)
     for ids, labels, *pos in batches:
         positions = pos[0] if pos else torch.arange(ids.shape[1], device=ids.device)
-        h, routings = run_layers(model.model.layers.values(), model.prolog(ids), positions,
-                                 LocalDispatcher(model.config.routed_experts))
+        h, routings = run_layers(model.model.layers.values(), model.prolog(ids), positions, dispatcher)
         loss = head_loss(model, h, labels)
         terms = sum(aux(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None) if aux else 0.0
         (loss * loss_scale + terms).backward()
@@ -261,6 +261,24 @@ def record_timeline(path: str, M: int, ep: int = 1, device: torch.device = torch
         Path(path).write_text(json.dumps({"P": pp, "M": M, "events": events[::ep]}))
 
 # %% ../nbs/engine/39_testing.ipynb #424fb6f0
+def _step_batches(step: int, M: int, shards: int, S: int, documents: bool, device) -> list:
+    "Step `step`'s micro-batches (ids, labels, positions) of rows of `S` tokens, one list per batch shard."
+    return [[(x.to(device), y.to(device),
+              (packed_positions(2, S, 1000 * step + 10 * s + i) if documents else torch.arange(S)).to(device))
+             for i, (x, y) in enumerate(micro_batches(M, 64, 1000 * step + 10 * s, (2, S)))]
+            for s in range(shards)]
+
+
+def _same_grads(model, ref, what: str) -> float:
+    "Asserts each gathered gradient of `model` equals `ref`'s to 1e-10 relative; the largest difference."
+    ref_grads, worst = {n: p.grad for n, p in ref.named_parameters()}, 0.0
+    for name, p in model.named_parameters():
+        err = max_rel_err(whole(p.grad), ref_grads[name])
+        assert err <= 1e-10, f"{what}: gradient of {name} differs by {err:.2e}"
+        worst = max(worst, err)
+    return worst
+
+
 def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, family: str = "qwen3_moe", M: int = 4,
                overlap: bool = False, steps: int = 2, device: torch.device = torch.device("cpu"),
                optimizer: str = "adamw", cp: int = 1, documents: bool = False) -> str:
@@ -289,10 +307,7 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
             f"{optimizer}{' documents' if documents else ''}")
     worst = 0.0
     for step in range(steps):
-        data = [[(x.to(device), y.to(device),
-                  (packed_positions(2, S, 1000 * step + 10 * s + i) if documents else torch.arange(S)).to(device))
-                 for i, (x, y) in enumerate(micro_batches(M, 64, 1000 * step + 10 * s, (2, S)))]
-                for s in range(shards)]
+        data = _step_batches(step, M, shards, S, documents, device)
         scale = 1 / (M * shards * 16)
         ref_loss, _ = reference_step(ref, sum(data, []), scale, aux)
         mine = [tuple(zigzag_shard(t, cp, mesh.cp.rank(), t.dim() - 1) for t in batch)
@@ -301,20 +316,10 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
         if pipe is not None:
             loss, _ = pipe.step(mine, scale)
         else:
-            loss = torch.zeros((), dtype=torch.float64, device=device)
-            for ids, labels, positions in mine:
-                h, routings = run_layers(model.model.layers.values(), model.prolog(ids), positions, dispatcher)
-                ce = head_loss(model, h, labels)
-                terms = sum(aux(k, r) for k, r in zip(model.model.layers.keys(), routings) if r is not None) if aux else 0
-                (ce * scale + terms).backward()
-                loss += ce.detach().double()
+            loss, _ = reference_step(model, mine, scale, aux, dispatcher)
         reduce_gradients(model)
         dist.all_reduce(loss, group=mesh.dense)   # the data ranks and the context ranks hold different tokens
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-        for name, p in model.named_parameters():
-            err = max_rel_err(whole(p.grad), ref_grads[name])
-            assert err <= 1e-10, f"{what} step {step}: gradient of {name} differs by {err:.2e}"
-            worst = max(worst, err)
+        worst = max(worst, _same_grads(model, ref, f"{what} step {step}"))
         if mesh.pp.rank() == 0:
             assert max_rel_err(loss, ref_loss) <= 1e-12, f"{what} step {step}: loss {loss.item()} vs {ref_loss.item()}"
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)

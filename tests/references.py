@@ -22,3 +22,57 @@ def doc_ids(cu_seqlens: torch.Tensor, B: int, S: int) -> torch.Tensor:
         raise ValueError(f"cu_seqlens must rise from 0 to B·S = {B * S}; got {cu.tolist()[:8]}...")
     tokens = torch.arange(B * S, device=cu.device)
     return (torch.searchsorted(cu, tokens, right=True) - 1).view(B, S).to(torch.int32)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    "Sum of cross-entropy over the non-ignored tokens, in fp32: `logits (T, V)`, `labels (T,)`."
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+
+
+def unit_duration(action, rank: int = 0) -> float:
+    "DualPipeV's idealised costs, the same on every rank: F 1, B 2 (1 with zero bubble, then W 1), F&B 3."
+    match action:
+        case ("F", *_): return 1.0
+        case ("B", _, _, zb): return 1.0 if zb else 2.0
+        case ("W", *_): return 1.0
+        case ("FB", *_): return 3.0
+
+
+def check_across_ranks(rank: int, world_size: int, init_method: str, seed: int = 0):
+    """Worker for a multi-process check of `LoadBalance(level='global', group=...)` against one process (gloo):
+    each rank's loss, gradient (`coef · E · f / T`, so it exposes `f`) and statistics equal those of one process
+    that sees all ranks' shares of each micro-batch, and a deferred one gives the same gradients and, settled,
+    the same value."""
+    import torch.distributed as dist
+    from pith_lit.train.load_balance import LoadBalance
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    T, E, k, coef, micro_batches, layers = 6, 8, 2, 0.1, 3, (3, 5)
+    g = torch.Generator().manual_seed(seed)   # the same data on every rank: all ranks' shares of all steps
+    logits = torch.randn(micro_batches, len(layers), world_size, T, E, dtype=torch.float64, generator=g)
+    logits[..., 0] += 2.0                     # an unbalanced router, so f is not uniform
+    mine, ref = LoadBalance(E, coef, "global", group=dist.group.WORLD), LoadBalance(E, coef, "global")
+    lazy = LoadBalance(E, coef, "global", group=dist.group.WORLD, deferred=True)
+    value = 0.0
+    for m in range(micro_batches):
+        for l, key in enumerate(layers):
+            probs = logits[m, l].softmax(-1)                      # (world, T, E)
+            ids = probs.topk(k, -1).indices
+            p_mine = probs[rank].clone().requires_grad_()
+            out = mine.loss(key, p_mine, ids[rank])
+            out.backward()
+            p_all = probs.reshape(-1, E).clone().requires_grad_()
+            out_ref = ref.loss(key, p_all, ids.reshape(-1, k))
+            out_ref.backward()
+            f_mine, f_ref = p_mine.grad[0] * T / (coef * E), p_all.grad[0] * world_size * T / (coef * E)
+            assert torch.allclose(f_mine, f_ref, rtol=1e-12, atol=0), (rank, m, key, f_mine, f_ref)
+            total = out.detach().clone()
+            dist.all_reduce(total)                # P of the whole micro-batch is the mean of the ranks' P
+            assert torch.allclose(total / world_size, out_ref, rtol=1e-12), (rank, m, key)
+            p_lazy = probs[rank].clone().requires_grad_()
+            lazy.loss(key, p_lazy, ids[rank]).backward()          # waits for its all-reduce here
+            assert torch.allclose(p_lazy.grad, p_mine.grad, rtol=1e-12, atol=0), (rank, m, key)
+            value += out.item()
+    assert abs(lazy.settle().item() - value) < 1e-12, (rank, value)
+    s_mine, s_ref = mine.stats(), ref.stats()
+    assert s_mine.keys() == s_ref.keys() and all(abs(s_mine[x] - s_ref[x]) < 1e-12 for x in s_ref), (s_mine, s_ref)
+    dist.destroy_process_group()

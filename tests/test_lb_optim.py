@@ -12,8 +12,8 @@ from torch import nn
 
 from conftest import ROOT, subprocess_env
 from pith_lit.train.load_balance import LoadBalance
-from pith_lit.train.optim import (build_optimizer, count_tokens, lr_at,
-                                  token_loss_sum)
+from pith_lit.train.optim import build_optimizer, count_tokens, lr_at
+from references import token_loss_sum
 
 
 # ---------------------------------------------------------------- load balance
@@ -104,7 +104,8 @@ def test_load_balance_errors():
 def test_global_all_reduce_two_gloo_processes(tmp_path):
     "Two ranks' running-global f, loss and stats equal one process that sees both ranks' shares (gloo)."
     code = ("import sys, torch.multiprocessing as mp\n"
-            "from pith_lit.train.load_balance import check_across_ranks\n"
+            "sys.path.insert(0, 'tests')\n"
+            "from references import check_across_ranks\n"
             "mp.spawn(check_across_ranks, args=(2, sys.argv[1], 3), nprocs=2)\n")
     proc = subprocess.run([sys.executable, "-c", code, f"file://{tmp_path}/init"], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import ROOT, subprocess_env
-from pith_lit.engine.dualpipev import DualPipeV, dualpipev_schedule, simulate, split_model, unit_duration
+from pith_lit.engine.dualpipev import DualPipeV, dualpipev_schedule, simulate, split_model
+from references import unit_duration
 from pith_lit.engine.mesh import stage_layers
 from pith_lit.models.protocol import head_loss
 from pith_lit.testing import aux_fn as _aux_fn, compare, micro_batches as _micro_batches, reference_step, tiny_model

@@ -116,7 +116,8 @@ def _use(*tensors) -> None:
 # allocations. The pair buffers (T·k rows, or ep·T·k with the sync-free dispatcher) and their gradients are the
 # largest tensors of a layer; made in the communication steps, they filled a second pool of 37 GiB on an H200
 # while the compute stream's pool ran out, and the allocator freed its cache and synchronised about ten times a
-# step. Made in stage 3 they share the compute stream's pool (benchmarks/RESULTS.md, "The allocator").
+# step. Made in stage 3 they share the compute stream's pool (benchmarks/RESULTS.md,
+# "Throughput on two H200s: expert parallelism and DualPipeV").
 
 # %%
 #| export
@@ -373,7 +374,7 @@ assert kept["none"] > kept["attention"] > kept["layer"]
 # the host, so a forward layer has one more COMM step, `counts`, just before `dispatch`: the counts exchange is
 # queued, the driver switches, the other micro-batch queues a compute step, and only then does `dispatch` block
 # the host on the sizes, while the GPU still has that compute step to run. (That step is one expert backward, and
-# on two H200s it was not enough: the host block still drained the GPU's queue. `SyncFreeEPDispatcher`
+# on two H200s that is not enough: the host block still drains the GPU's queue. `SyncFreeEPDispatcher`
 # never blocks and asks for no `counts` step, so the two tasks switch in lock step; see `uncovered` below,
 # engine/31_ep and benchmarks/RESULTS.md.)
 # On a GPU, COMPUTE steps run on `streams.compute` (the stream that
@@ -446,6 +447,7 @@ def run_steps(streams: Streams, *tasks, trace: list | None = None) -> None:
         streams.compute.wait_stream(streams.comm)
 
 
+# %%
 EXCHANGES = ("dispatch", "combine", "combine_backward", "dispatch_backward")   # the steps that move rows
 
 
@@ -549,8 +551,8 @@ print("overlapped == forward then backward, bitwise")
 # layer (the `counts` step of a dispatcher whose sizes travel to the host) drifts against the backward: the
 # check below gives the local dispatcher such a step, which does nothing, and a part of the exchanges lose their
 # partner: in a chunk of six MoE layers, 8 of the 24 exchanges. The sync-free dispatcher, which exchanges nothing
-# before dispatch, asks for no such step (`counts_step` is False); see benchmarks/RESULTS.md for what it did on
-# two H200s.
+# before dispatch, asks for no such step (`counts_step` is False); its effect on two H200s is in
+# benchmarks/RESULTS.md, "Sync-free dispatch".
 
 # %%
 class CountsFirst(LocalDispatcher):

@@ -394,19 +394,11 @@ def bubble_fraction(events: list[list[tuple]]) -> float:
 # %% [markdown]
 # Every schedule from 1 to 8 ranks with 2P to 3P+1 micro-batches passes. For the ideal picture take the units of
 # the DualPipe paper: F = 1, B = 2 (input gradient 1 + weight gradient 1), so a zero-bubble B costs 1 and its W 1,
-# and an F&B pair costs 3.
+# and an F&B pair costs 3: `unit_duration`, in `tests/references.py` (shared with the tests).
 
 # %%
-#| export
-def unit_duration(action, rank: int = 0) -> float:
-    "Idealised costs, the same on every rank: F 1, B 2 (1 with zero bubble, then W 1), F&B 3."
-    match action:
-        case ("F", *_): return 1.0
-        case ("B", _, _, zb): return 1.0 if zb else 2.0
-        case ("W", *_): return 1.0
-        case ("FB", *_): return 3.0
+from tests.references import unit_duration
 
-# %%
 for P in range(1, 9):
     for M in range(2 * P, 3 * P + 2):
         simulate(P, M, unit_duration)

@@ -52,8 +52,8 @@
 # A unit whose mesh is one rank (a single GPU; experts at dp × cp = 1) has nothing to gather or to sum. If it also
 # computes in its own dtype, `fully_shard` would only add copies: each gather copies the weights into the gathered
 # buffer and each reduction copies the gradients through a one-rank reduce-scatter, a large part of a one-GPU step
-# (benchmarks/RESULTS.md, "Sharded data parallelism"). Such a unit is left as it is: its gradients are already the
-# sums and the optimizer steps it directly. With fp32 masters computing in bf16 the unit is wrapped on one rank
+# (benchmarks/RESULTS.md, "Optimizer and sharded data parallelism on one GPU"). Such a unit is left as it is:
+# its gradients are already the sums and the optimizer steps it directly. With fp32 masters computing in bf16 the unit is wrapped on one rank
 # too, since FSDP's gather is then the cast. Such a unit still frees its bf16 copy after each forward and casts
 # again in backward: keeping the copy for the whole step is a little faster but holds a bf16 copy of every weight,
 # and memory is what fp32 masters are chosen for (the same section). Checkpoints see the same names and global
@@ -150,18 +150,23 @@ def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
 #
 # A unit whose mesh is this rank alone (one GPU, or experts at dp × cp = 1) has nothing to sum with anyone, but
 # FSDP's reduction still copies every gradient into a flat buffer, through a one-rank reduce-scatter and back
-# (its cost is in benchmarks/RESULTS.md, "Sharded data parallelism"). `_hand_over` gives such a unit its
-# accumulated gradient as the sharded one instead, without a copy (with one rank the shard is the whole tensor).
+# (its cost is in benchmarks/RESULTS.md, "Optimizer and sharded data parallelism on one GPU"). `_hand_over` gives
+# such a unit its accumulated gradient as the sharded one instead, without a copy (with one rank the shard is the
+# whole tensor).
 
 # %%
 #| export
+def _last_backward(model: FSDPModule, last: bool) -> None:
+    "Whether the next backward reduces the gradients, frees the gathered weights and ends the step."
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last)
+    model.set_is_last_backward(last)
+
+
 def begin_step(model: nn.Module) -> None:
     "Before a step's first forward: accumulate gradients unreduced and keep weights gathered after backward."
-    if not isinstance(model, FSDPModule):
-        return
-    model.set_requires_gradient_sync(False)
-    model.set_reshard_after_backward(False)
-    model.set_is_last_backward(False)
+    if isinstance(model, FSDPModule):
+        _last_backward(model, False)
 
 
 def _param_groups(state) -> list:
@@ -193,9 +198,7 @@ def reduce_gradients(model: nn.Module) -> None:
     "After a step's last backward and W: reduce-scatter every unit's gradients once and free the gathered weights."
     if not isinstance(model, FSDPModule):
         return
-    model.set_requires_gradient_sync(True)
-    model.set_reshard_after_backward(True)
-    model.set_is_last_backward(True)
+    _last_backward(model, True)
     state = model._get_fsdp_state()
     for st in state._state_ctx.all_states:
         for group in _param_groups(st):

@@ -95,10 +95,6 @@ class Workload:
         "Tokens of one micro-batch on one rank (a cp rank holds 1/cp of each sequence)."
         return self.micro_batch * self.seq_len // self.cp
 
-    def describe(self) -> str:
-        return (f"pp {self.pp} × dp_replicate {self.dp_replicate} × dp {self.dp} × cp {self.cp} × ep {self.ep}, "
-                f"micro-batch {self.micro_batch} × {self.micro_batches}, recompute {self.recompute}")
-
 # %% [markdown]
 # ## Activations, per token and layer
 #
@@ -241,8 +237,8 @@ def layer_bytes(c, i: int, w: Workload) -> LayerBytes:
 # %% [markdown]
 # **Checked against the H200.** `benchmarks/layer_probe.py` runs short cuts of the four bench models one layer at a
 # time and reads how many bytes the allocator holds after each layer's forward (benchmarks/RESULTS.md, "The
-# planner"). The formulas above against those measurements, for a layer past the first (the first layer of each
-# cut kept 4–6% less than the others, its stage-1 outputs; the model counts every layer like the later ones):
+# planner's accuracy"). The formulas above against those measurements, for a layer past the first (the first layer
+# of each cut kept 4–6% less than the others, its stage-1 outputs; the model counts every layer like the later ones):
 
 # %% [markdown]
 # The bench configs are TOML files of train/40's schema; this notebook comes before the config, so it reads their
@@ -429,6 +425,10 @@ def meta_tiny():
     with torch.device("meta"):
         return qwen3_moe.Qwen3MoeForCausalLM(tiny)
 
+def describe(w: Workload) -> str:
+    return (f"pp {w.pp} × dp_replicate {w.dp_replicate} × dp {w.dp} × cp {w.cp} × ep {w.ep}, "
+            f"micro-batch {w.micro_batch} × {w.micro_batches}, recompute {w.recompute}")
+
 for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=2), dict(pp=2, ep=2)):
     w = Workload(**sizes, pipelined=sizes.get("pp", 1) > 1, micro_batches=4, param_bytes=4)
     for rank in range(4):
@@ -448,7 +448,7 @@ for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=
         if rank == 0:   # FSDP pads every shard to the first rank's size
             assert local == sum(u.shard for u in units), (sizes, rank, local, sum(u.shard for u in units))
         assert wrapped == sum(u.wrapped for u in units), (sizes, wrapped)
-    print(f"{w.describe()}: rank 0 holds {local} elements in {wrapped} FSDP units, as predicted")
+    print(f"{describe(w)}: rank 0 holds {local} elements in {wrapped} FSDP units, as predicted")
 
 # %% [markdown]
 # ## Following one step
@@ -494,12 +494,10 @@ class _Walk:
 
     def __init__(self, c, w: Workload, units: list[Unit], head: dict, stages: list[list[str]]):
         self.c, self.w, self.head = c, w, head
-        b, T = w.compute_bytes, w.tokens
         self.units = {u.name: u for u in units}
         self.layer_units = {}
         for u in units:
             self.layer_units.setdefault(u.layer, []).append(u)
-        self.stages = stages
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
         # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
@@ -508,7 +506,7 @@ class _Walk:
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.acts = self.deferred = self.buffers = 0.0
-        self.T, self.b = T, b
+        self.T = w.tokens
         self.best = Peak(0.0, "", {})
 
     def _unit_bytes(self) -> tuple[float, float]:
@@ -527,9 +525,8 @@ class _Walk:
     def note(self, where: str, transient: float = 0.0) -> None:
         gathered, grads = self._unit_bytes()
         parts = {"parameters and optimizer states": self.static, "FP8 weight copies": self.fp8,
-                 "gathered weights": gathered,
-                 "gradients": grads, "activations": self.acts, "deferred for W": self.deferred,
-                 "pipeline buffers": self.buffers, "transient": transient}
+                 "gathered weights": gathered, "gradients": grads, "activations": self.acts,
+                 "deferred for W": self.deferred, "pipeline buffers": self.buffers, "transient": transient}
         total = sum(parts.values())
         if total > self.best.total:
             self.best = Peak(total, where, parts)
@@ -606,25 +603,11 @@ def _stage_keys(model_layers: list[str], w: Workload, pp_rank: int) -> list[list
 def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
     """The predicted peak allocated memory of pipeline rank `pp_rank` under `w` for model config `c`, whose FSDP
     units on that rank are `units` (`rank_units`)."""
-    keys = [str(i) for i in range(c.num_hidden_layers)]
-    stages = _stage_keys(keys, w, pp_rank)
-    head = head_bytes(c, w)
-    walk = _Walk(c, w, units, head, stages)
+    stages = _stage_keys([str(i) for i in range(c.num_hidden_layers)], w, pp_rank)
+    walk = _Walk(c, w, units, head_bytes(c, w), stages)
     b, T, H = w.compute_bytes, w.tokens, c.hidden_size
     walk.note("start of the step")
-    if not w.pipelined:
-        for m in range(w.micro_batches):
-            walk.embed(+1)
-            for key in stages[0]:
-                walk.layer_forward(key, m)
-            walk.loss_forward(m)
-            walk.loss_backward(m)
-            for key in reversed(stages[0]):
-                walk.layer_backward(key, m, False)
-            walk.embed(-1)
-        walk.end_of_step()
-        return walk.best
-    last = 2 * w.pp - 1
+    last = 2 * w.pp - 1 if w.pipelined else 0   # the plain loop: one stage, both the first and the last
 
     def buffer(sign):   # a stage input received from the neighbour, kept until the stage's backward
         walk.buffers += sign * b * T * H
@@ -641,7 +624,9 @@ def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
         steps += [lambda key=key: walk.layer_backward(key, m, zb) for key in reversed(stages[p])]
         return steps + ([lambda: walk.embed(-1)] if stage == 0 else [lambda: buffer(-1)])
 
-    for action in dualpipev_schedule(pp_rank, w.pp, w.micro_batches):
+    schedule = (dualpipev_schedule(pp_rank, w.pp, w.micro_batches) if w.pipelined else
+                [a for m in range(w.micro_batches) for a in (("F", 0, m), ("B", 0, m, False))])
+    for action in schedule:
         match action:
             case ("F", p, m):
                 for step in forward(p, m):
@@ -716,8 +701,8 @@ def estimate(c, make_model, w: Workload, states=lambda name, p: 2, cache: dict |
 # %% [markdown]
 # ## Examples
 #
-# The bench configs as `benchmarks/RESULTS.md` ran them on one H200 ("The planner" there compares each with its
-# measured peak), and the real Qwen3-30B-A3B in the paper's eight-GPU layout, pp 2 × ep 4, where rank 0 also holds
+# The bench configs as `benchmarks/RESULTS.md` ran them on one H200 ("The planner's accuracy" there compares each
+# with its measured peak), and the real Qwen3-30B-A3B in the paper's eight-GPU layout, pp 2 × ep 4, where rank 0 also holds
 # the embedding and the head:
 
 # %%
@@ -736,12 +721,12 @@ c = config_model("qwen3-30b-a3b")
 w = Workload(pp=2, ep=4, micro_batch=1, seq_len=4096, micro_batches=8, param_bytes=4, pipelined=True, compile=True)
 e = estimate(c, meta_of(c), w)
 for r, p in enumerate(e.peaks):
-    print(f"Qwen3-30B-A3B, {w.describe()}, pipeline rank {r}: {p.gib():.1f} GiB at the {p.where}")
+    print(f"Qwen3-30B-A3B, {describe(w)}, pipeline rank {r}: {p.gib():.1f} GiB at the {p.where}")
 assert e.peaks[0].total > e.peaks[1].total   # rank 0 holds the embedding and the head
 
 # %% [markdown]
 # The Qwen3 bench with and without `train.fp8` (row scales), one and four micro-batches per step, against the peaks
-# the H200 measured (benchmarks/RESULTS.md, "FP8: both layouts of each expert weight from one pass"). FP8 adds the
+# the H200 measured (benchmarks/RESULTS.md, "The planner's accuracy"). FP8 adds the
 # weights' two copies and keeps the experts' saved inputs in FP8 instead of bf16, in column layouts sized for the
 # most 128-row tiles a micro-batch's rows can need (E − 1 spare tiles a layer, 45 MB at Qwen3's width).
 

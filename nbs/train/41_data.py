@@ -166,29 +166,21 @@ def stdlib_corpus(max_bytes: int = STDLIB_BYTES) -> tuple[list[Path], list[str]]
     for folder, subdirs, files in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__")]
         found += [(Path(folder) / f).relative_to(root).as_posix() for f in files if f.endswith(".py")]
-    candidates = [root / name for name in sorted(found)]
     paths, texts, total = [], [], 0
-    for p in candidates:
+    for p in (root / name for name in sorted(found)):
         raw = p.read_bytes()
         if total + len(raw) > max_bytes:
             break
-        if not _is_utf8(raw):
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:   # a file in another encoding: left out
             continue
         paths.append(p)
-        texts.append(raw.decode("utf-8"))
         total += len(raw)
     if not paths:
         raise MissingFile(f"no standard library sources under {root} (max_bytes={max_bytes}); this Python "
                                 "ships without them: tokenize your own text with python -m pith_lit.tokenize")
     return paths, texts
-
-
-def _is_utf8(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 # %%
 t0 = time.perf_counter()

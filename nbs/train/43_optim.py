@@ -22,12 +22,13 @@
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 # %%
 import copy
+
+import torch.nn.functional as F
 
 import matplotlib.pyplot as plt
 
@@ -399,15 +400,11 @@ for bad, msg in [(dict(kw, schedule="linear"), "unknown schedule"),
 # tokens in the whole global batch**, counted before the step (sum `count_tokens` over the step's micro-batches,
 # all-reduce over the data-parallel ranks). The micro-batch losses then add up to the global mean, and the
 # gradients accumulate to the full-batch gradient exactly — which requires the gradient reduction over ranks
-# to be a *sum*, not a mean. The sum is formed in fp32 whatever the logits' dtype.
+# to be a *sum*, not a mean. The check sums token losses in fp32 with `token_loss_sum` (in `tests/references.py`,
+# shared with the tests).
 
 # %%
 #| export
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    "Sum of cross-entropy over the non-ignored tokens, in fp32: `logits (T, V)`, `labels (T,)`."
-    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
-
-
 def count_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Number of labels that are not `ignore_index` (an int64 tensor, ready to sum and all-reduce)."
     return (labels != ignore_index).sum()
@@ -418,6 +415,8 @@ def count_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
 # accumulate to the same gradients and loss as one micro-batch of all four; the per-micro-batch mean does not.
 
 # %%
+from tests.references import token_loss_sum
+
 def lm(seed, V=16, d=8):
     torch.manual_seed(seed)
     m = nn.Sequential(nn.Embedding(V, d), nn.Linear(d, V))

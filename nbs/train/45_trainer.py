@@ -748,7 +748,7 @@ class Reporter:
             self.say(f"step {rec['step']}: the CUDA caching allocator ran out of cached blocks {rec['alloc_retries']} "
                      "time(s) on some rank (each time it frees its cache and synchronises, stalling every rank); "
                      f"peak allocated here {rec['peak_mem_gb']:.1f} GiB. Lower train.micro_batch "
-                     "(benchmarks/RESULTS.md, 'The allocator')")
+                     "(benchmarks/RESULTS.md, 'Throughput on two H200s: expert parallelism and DualPipeV')")
 
     def _memory(self) -> dict:
         if self.dev.type != "cuda":
@@ -835,18 +835,16 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
     run = build_run(cfg)
     end, history, stopped, sample = cfg.train.steps if until is None else min(until, cfg.train.steps), [], False, ""
     try:
-        if not _planned(run, end, tqdm.write if run.rank == 0 and not quiet else lambda s: None):
-            return {"history": [], "start": run.start, "end": run.start, "stopped": False, "sample": "",
-                    "model": run.model}
-        report = Reporter(run, end, quiet)
-        try:
-            report.say(_opening(run, end))
-            history, stopped = _loop(run, report, end)
-            report.close()
-            sample = _sample(run, report) if history and not stopped else ""
-            report.say(_closing(run))
-        finally:
-            report.close()
+        if _planned(run, end, tqdm.write if run.rank == 0 and not quiet else lambda s: None):
+            report = Reporter(run, end, quiet)
+            try:
+                report.say(_opening(run, end))
+                history, stopped = _loop(run, report, end)
+                report.close()
+                sample = _sample(run, report) if history and not stopped else ""
+                report.say(_closing(run))
+            finally:
+                report.close()
     finally:
         if run.started_group:
             dist.destroy_process_group()

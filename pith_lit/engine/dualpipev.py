@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['COMPUTE_ACTIONS', 'StagePart', 'split_model', 'dualpipev_schedule', 'action_kind', 'simulate', 'bubble_fraction',
-           'unit_duration', 'StageRun', 'Timeline', 'DualPipeV']
+           'StageRun', 'Timeline', 'DualPipeV']
 
 # %% ../../nbs/engine/33_dualpipev.ipynb #8af9037b
 import time
@@ -277,15 +277,6 @@ def bubble_fraction(events: list[list[tuple]]) -> float:
     t1 = max(e[3] for ev in events for e in ev)
     busy = sum(e[3] - e[2] for ev in events for e in ev if e[0] != "comm")
     return 1 - busy / (len(events) * (t1 - t0))
-
-# %% ../../nbs/engine/33_dualpipev.ipynb #0ea56476
-def unit_duration(action, rank: int = 0) -> float:
-    "Idealised costs, the same on every rank: F 1, B 2 (1 with zero bubble, then W 1), F&B 3."
-    match action:
-        case ("F", *_): return 1.0
-        case ("B", _, _, zb): return 1.0 if zb else 2.0
-        case ("W", *_): return 1.0
-        case ("FB", *_): return 3.0
 
 # %% ../../nbs/engine/33_dualpipev.ipynb #302d672f
 class StageRun:

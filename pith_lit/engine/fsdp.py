@@ -69,13 +69,17 @@ def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     return units
 
 # %% ../../nbs/engine/36_fsdp.ipynb #a75136ef
+def _last_backward(model: FSDPModule, last: bool) -> None:
+    "Whether the next backward reduces the gradients, frees the gathered weights and ends the step."
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last)
+    model.set_is_last_backward(last)
+
+
 def begin_step(model: nn.Module) -> None:
     "Before a step's first forward: accumulate gradients unreduced and keep weights gathered after backward."
-    if not isinstance(model, FSDPModule):
-        return
-    model.set_requires_gradient_sync(False)
-    model.set_reshard_after_backward(False)
-    model.set_is_last_backward(False)
+    if isinstance(model, FSDPModule):
+        _last_backward(model, False)
 
 
 def _param_groups(state) -> list:
@@ -107,9 +111,7 @@ def reduce_gradients(model: nn.Module) -> None:
     "After a step's last backward and W: reduce-scatter every unit's gradients once and free the gathered weights."
     if not isinstance(model, FSDPModule):
         return
-    model.set_requires_gradient_sync(True)
-    model.set_reshard_after_backward(True)
-    model.set_is_last_backward(True)
+    _last_backward(model, True)
     state = model._get_fsdp_state()
     for st in state._state_ctx.all_states:
         for group in _param_groups(st):

@@ -54,10 +54,6 @@ class Workload:
         "Tokens of one micro-batch on one rank (a cp rank holds 1/cp of each sequence)."
         return self.micro_batch * self.seq_len // self.cp
 
-    def describe(self) -> str:
-        return (f"pp {self.pp} × dp_replicate {self.dp_replicate} × dp {self.dp} × cp {self.cp} × ep {self.ep}, "
-                f"micro-batch {self.micro_batch} × {self.micro_batches}, recompute {self.recompute}")
-
 # %% ../../nbs/engine/37_planner.ipynb #96fbda6c
 @dataclass
 class LayerBytes:
@@ -242,12 +238,10 @@ class _Walk:
 
     def __init__(self, c, w: Workload, units: list[Unit], head: dict, stages: list[list[str]]):
         self.c, self.w, self.head = c, w, head
-        b, T = w.compute_bytes, w.tokens
         self.units = {u.name: u for u in units}
         self.layer_units = {}
         for u in units:
             self.layer_units.setdefault(u.layer, []).append(u)
-        self.stages = stages
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
         # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
@@ -256,7 +250,7 @@ class _Walk:
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.acts = self.deferred = self.buffers = 0.0
-        self.T, self.b = T, b
+        self.T = w.tokens
         self.best = Peak(0.0, "", {})
 
     def _unit_bytes(self) -> tuple[float, float]:
@@ -275,9 +269,8 @@ class _Walk:
     def note(self, where: str, transient: float = 0.0) -> None:
         gathered, grads = self._unit_bytes()
         parts = {"parameters and optimizer states": self.static, "FP8 weight copies": self.fp8,
-                 "gathered weights": gathered,
-                 "gradients": grads, "activations": self.acts, "deferred for W": self.deferred,
-                 "pipeline buffers": self.buffers, "transient": transient}
+                 "gathered weights": gathered, "gradients": grads, "activations": self.acts,
+                 "deferred for W": self.deferred, "pipeline buffers": self.buffers, "transient": transient}
         total = sum(parts.values())
         if total > self.best.total:
             self.best = Peak(total, where, parts)
@@ -354,25 +347,11 @@ def _stage_keys(model_layers: list[str], w: Workload, pp_rank: int) -> list[list
 def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
     """The predicted peak allocated memory of pipeline rank `pp_rank` under `w` for model config `c`, whose FSDP
     units on that rank are `units` (`rank_units`)."""
-    keys = [str(i) for i in range(c.num_hidden_layers)]
-    stages = _stage_keys(keys, w, pp_rank)
-    head = head_bytes(c, w)
-    walk = _Walk(c, w, units, head, stages)
+    stages = _stage_keys([str(i) for i in range(c.num_hidden_layers)], w, pp_rank)
+    walk = _Walk(c, w, units, head_bytes(c, w), stages)
     b, T, H = w.compute_bytes, w.tokens, c.hidden_size
     walk.note("start of the step")
-    if not w.pipelined:
-        for m in range(w.micro_batches):
-            walk.embed(+1)
-            for key in stages[0]:
-                walk.layer_forward(key, m)
-            walk.loss_forward(m)
-            walk.loss_backward(m)
-            for key in reversed(stages[0]):
-                walk.layer_backward(key, m, False)
-            walk.embed(-1)
-        walk.end_of_step()
-        return walk.best
-    last = 2 * w.pp - 1
+    last = 2 * w.pp - 1 if w.pipelined else 0   # the plain loop: one stage, both the first and the last
 
     def buffer(sign):   # a stage input received from the neighbour, kept until the stage's backward
         walk.buffers += sign * b * T * H
@@ -389,7 +368,9 @@ def rank_peak(c, units: list[Unit], w: Workload, pp_rank: int = 0) -> Peak:
         steps += [lambda key=key: walk.layer_backward(key, m, zb) for key in reversed(stages[p])]
         return steps + ([lambda: walk.embed(-1)] if stage == 0 else [lambda: buffer(-1)])
 
-    for action in dualpipev_schedule(pp_rank, w.pp, w.micro_batches):
+    schedule = (dualpipev_schedule(pp_rank, w.pp, w.micro_batches) if w.pipelined else
+                [a for m in range(w.micro_batches) for a in (("F", 0, m), ("B", 0, m, False))])
+    for action in schedule:
         match action:
             case ("F", p, m):
                 for step in forward(p, m):

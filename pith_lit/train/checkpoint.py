@@ -179,10 +179,8 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
     mine = sorted(tmp.glob(f"__{rank}_*.distcp"))  # the shard files DCP wrote for this rank
     if rng is not None:
         mine.append(_rng_file(tmp, rank))
-        with open(mine[-1], "wb") as f:
-            torch.save(rng, f)
-            f.flush()
-            os.fsync(f.fileno())
+        torch.save(rng, mine[-1])
+        _fsync(mine[-1])
     # each rank hashes its own files; gathering the results also waits until every rank's files are on disk
     files = {name: entry for part in _gathered(_digests(mine)) for name, entry in part.items()}
     if rank == 0:
@@ -194,10 +192,8 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
         meta["files"] = dict(sorted(files.items()))
         meta = json.loads(json.dumps(meta))  # as it reads back (tuples become lists), so that its hash matches
         meta["meta_sha256"] = _meta_hash(meta)
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        _fsync(tmp / "meta.json")
         _fsync(tmp)
         tmp.rename(final)
         _fsync(ckpt)

@@ -55,7 +55,7 @@ class ParallelConfig:
     pp_stage_layers: list | Literal["auto"] = cfg(
         [], "at pp > 1, the layers of each of the 2·pp stages, e.g. [3, 4, 3, 2] (stage 0 and the last, on rank 0 "
             "with the embedding and the head, may have 0); [] = even; \"auto\" = the cut that the layers' and the "
-            "head's times, measured at start-up, simulate as fastest (engine/37), for a rank 0 whose embedding, "
+            "head's times, measured at start-up, simulate as fastest (engine/38), for a rank 0 whose embedding, "
             "head and loss cost time besides its layers")
     ep_sync_free: bool = cfg(False, "at ep > 1, size the all-to-alls by bounds instead of exchanging counts: no "
                                     "host synchronisation per layer (faster where the host limits the step), but "
