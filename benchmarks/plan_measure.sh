@@ -82,7 +82,7 @@ configs)
       gptoss_*) config $name $G train.compile=true train.micro_batch=2 train.global_batch=2 log.profile_step=4 \
                   log.profile_host=false
                 [ -f /tmp/cfg_$name/trace-rank0.json ] && \
-                  python3 -m pith_lit.engine.overlap /tmp/cfg_$name/trace-rank0.json > "$OUT/${name}_kernels.txt" ;;
+                  python3 benchmarks/overlap.py /tmp/cfg_$name/trace-rank0.json > "$OUT/${name}_kernels.txt" ;;
       q35_c2) config $name $N train.compile=true ;;
       *) echo "unknown config $name" ;;
     esac

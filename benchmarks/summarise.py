@@ -14,7 +14,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from pith_lit.engine.overlap import overlap_report, peer_report
+from overlap import overlap_report, peer_report
 
 
 def summarise(run: Path) -> dict:

@@ -12,7 +12,7 @@
 # one-path change); RESULTS.md names the commit of each.
 #
 # Every run writes runs/two_gpus/<name>/{metrics.jsonl,trace-rank*.json} and runs/two_gpus/logs/<name>.log. Each
-# multi-GPU run records one step with torch.profiler (GPU kernels only), and `python -m pith_lit.engine.overlap`
+# multi-GPU run records one step with torch.profiler (GPU kernels only), and `python benchmarks/overlap.py`
 # reports its hidden and exposed communication. After each run, $OUT/two_gpus.tgz is refreshed with everything but
 # the traces. The last thing printed is a table (also in $OUT/summary.json) made by benchmarks/summarise.py.
 set -u
@@ -32,9 +32,9 @@ DB="$D $COMMON"
 report() {  # NAME: the communication report of each rank's trace, and of both together (waiting and transfer)
   for r in 0 1; do
     [ -f runs/two_gpus/$1/trace-rank$r.json ] && \
-      python3 -m pith_lit.engine.overlap runs/two_gpus/$1/trace-rank$r.json > "$LOGS/$1.overlap$r.txt"
+      python3 benchmarks/overlap.py runs/two_gpus/$1/trace-rank$r.json > "$LOGS/$1.overlap$r.txt"
   done
-  [ -f runs/two_gpus/$1/trace-rank1.json ] && python3 -m pith_lit.engine.overlap --peers \
+  [ -f runs/two_gpus/$1/trace-rank1.json ] && python3 benchmarks/overlap.py --peers \
     runs/two_gpus/$1/trace-rank0.json runs/two_gpus/$1/trace-rank1.json > "$LOGS/$1.peers.txt"
 }
 keep() { tar czf "$OUT/two_gpus.tgz" --exclude 'trace-*' runs/two_gpus; }

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from conftest import ROOT, subprocess_env
-from pith_lit.engine.overlap import overlap_report
+from benchmarks.overlap import overlap_report
 
 
 def test_report_matches_a_brute_force_count():
@@ -30,7 +30,7 @@ def test_command_line(tmp_path):
         {"ph": "X", "cat": "gpu_user_annotation", "name": "F0+B1", "ts": 0, "dur": 120}]}
     path = tmp_path / "trace_rank0.json"
     path.write_text(json.dumps(trace))
-    proc = subprocess.run([sys.executable, "-m", "pith_lit.engine.overlap", str(path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "benchmarks/overlap.py", str(path)], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "F0+B1" in proc.stdout and "60.0%" in proc.stdout

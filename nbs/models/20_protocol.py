@@ -458,12 +458,13 @@ print("experts 2..3 built on meta and initialised alone == the same experts of t
 # - `RoutedLayer`: stages 3 and 5 of a decoder layer whose routed experts are `self.mlp.experts`: stage 3 runs
 #   them, stage 5 adds the reduced rows to the residual. A family's `DecoderLayer` subclasses it and writes its
 #   own `__init__` and `stage1`;
-# - `CausalLM`: the model class of the protocol. It holds `config`, the family's inner `model` (with
-#   `embed_tokens`, the `layers` under their absolute keys, and the final `norm`) and the `lm_head`, tied to the
-#   embedding when `config.tie_word_embeddings`; it calls the family's `init_weights()` once built, and gives
-#   `prolog`, `epilog`, `forward` (the five stages on one rank, `LocalDispatcher` over `config.routed_experts`)
-#   and `num_params`. A family's `...ForCausalLM` subclasses it once, passing its inner model, and writes
-#   `init_weights`, `reference_forward`, `active_matmul_params` and `flops_per_token`.
+# - `CausalLM`: the model class of the protocol. It holds `config`, the inner `model` (a `DecoderStack`:
+#   `embed_tokens`, the `layers` under their absolute keys, and the final `norm`, transformers' tree) and the
+#   `lm_head`, tied to the embedding when `config.tie_word_embeddings`; it calls the family's `init_weights()`
+#   once built, and gives `prolog`, `epilog`, `forward` (the five stages on one rank, `LocalDispatcher` over
+#   `config.routed_experts`) and `num_params`. A family's `...ForCausalLM` subclasses it once, passing how to build
+#   its layer `i` and its final norm, and writes `init_weights`, `reference_forward`, `active_matmul_params` and
+#   `flops_per_token`.
 
 # %%
 #| export
@@ -523,11 +524,21 @@ class RoutedLayer(nn.Module):
         return h + y.view(h.shape)
 
 
-class CausalLM(nn.Module):
-    "A family's model class: `config`, the inner `model` (embed_tokens, layers, norm), `lm_head`, the five stages."
-    def __init__(self, config, model: nn.Module):
+class DecoderStack(nn.Module):
+    "Transformers' inner model: `embed_tokens`, `layers` keyed by absolute index (`layer(i)` builds one), `norm`."
+    def __init__(self, c, layer, norm: nn.Module):
         super().__init__()
-        self.config, self.model = config, model
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleDict({str(i): layer(i) for i in range(c.num_hidden_layers)})
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    """A family's model class: `config`, the inner `model` (a `DecoderStack` of the family's `layer(i)` and final
+    `norm`), `lm_head`, the five stages."""
+    def __init__(self, config, layer, norm: nn.Module):
+        super().__init__()
+        self.config, self.model = config, DecoderStack(config, layer, norm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -597,17 +597,10 @@ class DecoderLayer(RoutedLayer):
 
 # %%
 #| export
-class GptOssModel(nn.Module):
-    def __init__(self, c: Config, options: Options):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
 class GptOssForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__(config, GptOssModel(config, options))
+        super().__init__(config, lambda i: DecoderLayer(config, i, options),
+                         RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):

@@ -191,7 +191,7 @@ class LogConfig:
     tensorboard: bool = cfg(True, "write TensorBoard event files to run.dir")
     sample_tokens: int = cfg(64, "length of the greedy sample printed at the end (0 disables)", ge=0)
     profile_step: int = cfg(0, "step (counted from 1) to record with torch.profiler into run.dir/trace-rank<R>.json, "
-                            "for `python -m pith_lit.engine.overlap` (0 disables)", ge=0)
+                            "for `python benchmarks/overlap.py` (0 disables)", ge=0)
     profile_host: bool = cfg(True, "record host-side operators too (their ranges give the per-slot rows of the "
                                    "report); false records GPU kernels only, so the profiler does not slow the "
                                    "host that feeds the GPU (CUDA only)")

@@ -3,9 +3,8 @@
 # %% auto #0
 __all__ = ['YARN_KEYS', 'Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE', 'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME',
            'HF_READ_PAST', 'FP32_NORM_GAIN', 'Config', 'RMSNorm', 'yarn_mscale', 'rope_frequencies', 'rope_cos_sin',
-           'apply_rope', 'Attention', 'Router', 'SparseMoE', 'DecoderLayer', 'DeepseekV2Model', 'DeepseekV2ForCausalLM',
-           'tiny_config', 'from_hf', 'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width',
-           'router_one_hot']
+           'apply_rope', 'Attention', 'Router', 'SparseMoE', 'DecoderLayer', 'DeepseekV2ForCausalLM', 'tiny_config',
+           'from_hf', 'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #731259be
 import math
@@ -263,17 +262,10 @@ class DecoderLayer(RoutedLayer):
         return h, x, self.mlp.gate(x)
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #16c7d60f
-class DeepseekV2Model(nn.Module):
-    def __init__(self, c: Config, options: Options):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
 class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__(config, DeepseekV2Model(config, options))
+        super().__init__(config, lambda i: DecoderLayer(config, i, options),
+                         RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):

@@ -4,8 +4,8 @@
 __all__ = ['LAYER_TYPES', 'ROPE_KEYS', 'SINK_PAD', 'Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE',
            'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME', 'HF_READ_PAST', 'FP32_NORM_GAIN', 'Config', 'RMSNorm',
            'yarn_inv_freq', 'rope_cos_sin', 'apply_rope', 'sink_attention', 'sink_attention_reference', 'Experts',
-           'Attention', 'Router', 'MLP', 'DecoderLayer', 'GptOssModel', 'GptOssForCausalLM', 'tiny_config', 'from_hf',
-           'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
+           'Attention', 'Router', 'MLP', 'DecoderLayer', 'GptOssForCausalLM', 'tiny_config', 'from_hf', 'to_hf',
+           'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #649fc001
 import math
@@ -263,17 +263,10 @@ class DecoderLayer(RoutedLayer):
         return h, x, self.mlp.router(x)
 
 # %% ../../nbs/models/23_gpt_oss.ipynb #0c4901bd
-class GptOssModel(nn.Module):
-    def __init__(self, c: Config, options: Options):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
 class GptOssForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
-        super().__init__(config, GptOssModel(config, options))
+        super().__init__(config, lambda i: DecoderLayer(config, i, options),
+                         RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):

@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['cfg', 'Options', 'Routing', 'LocalPlan', 'LocalDispatcher', 'run_layers', 'local', 'head_loss', 'compute_dtype',
-           'SeededInit', 'init_shared', 'projection', 'MLP', 'Experts', 'route_ids', 'RoutedLayer', 'CausalLM',
-           'norm_bytes', 'mlp_bytes', 'router_bytes', 'hf_or', 'hf_rope']
+           'SeededInit', 'init_shared', 'projection', 'MLP', 'Experts', 'route_ids', 'RoutedLayer', 'DecoderStack',
+           'CausalLM', 'norm_bytes', 'mlp_bytes', 'router_bytes', 'hf_or', 'hf_rope']
 
 # %% ../../nbs/models/20_protocol.ipynb #7a36d413
 import hashlib
@@ -239,11 +239,21 @@ class RoutedLayer(nn.Module):
         return h + y.view(h.shape)
 
 
-class CausalLM(nn.Module):
-    "A family's model class: `config`, the inner `model` (embed_tokens, layers, norm), `lm_head`, the five stages."
-    def __init__(self, config, model: nn.Module):
+class DecoderStack(nn.Module):
+    "Transformers' inner model: `embed_tokens`, `layers` keyed by absolute index (`layer(i)` builds one), `norm`."
+    def __init__(self, c, layer, norm: nn.Module):
         super().__init__()
-        self.config, self.model = config, model
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleDict({str(i): layer(i) for i in range(c.num_hidden_layers)})
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    """A family's model class: `config`, the inner `model` (a `DecoderStack` of the family's `layer(i)` and final
+    `norm`), `lm_head`, the five stages."""
+    def __init__(self, config, layer, norm: nn.Module):
+        super().__init__()
+        self.config, self.model = config, DecoderStack(config, layer, norm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -4,8 +4,8 @@
 __all__ = ['LAYER_TYPES', 'ROPE_KEYS', 'GDR_CHUNK', 'Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE',
            'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME', 'HF_READ_PAST', 'FP32_NORM_GAIN', 'Config', 'RMSNorm',
            'GatedRMSNorm', 'rope_cos_sin', 'apply_rope', 'Attention', 'GatedDeltaNet', 'Router', 'SparseMoeBlock',
-           'DecoderLayer', 'Qwen3_5MoeTextModel', 'Qwen3_5MoeForCausalLM', 'tiny_config', 'from_hf', 'to_hf',
-           'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
+           'DecoderLayer', 'Qwen3_5MoeForCausalLM', 'tiny_config', 'from_hf', 'to_hf', 'kept_by_part',
+           'kernel_attention_shape', 'expert_width', 'router_one_hot']
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #2f0e74f7
 import math
@@ -289,20 +289,13 @@ class DecoderLayer(RoutedLayer):
 GDR_CHUNK = 64   # the chunk of the gated delta rule's chunked form (ops/16's default), for the FLOP count
 
 
-class Qwen3_5MoeTextModel(nn.Module):
-    def __init__(self, c: Config, options: Options):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, options) for i in range(c.num_hidden_layers)})
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
 class Qwen3_5MoeForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
         if options.cp_group is not None:
             raise ValueError("Qwen3.5-MoE has no context-parallel form: its linear attention carries a recurrent "
                              "state along the sequence; build it with Options(cp_group=None) (parallel.cp = 1)")
-        super().__init__(config, Qwen3_5MoeTextModel(config, options))
+        super().__init__(config, lambda i: DecoderLayer(config, i, options),
+                         RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):

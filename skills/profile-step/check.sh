@@ -31,12 +31,12 @@ fi
 "${launch[@]}" "${args[@]}" > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; fail "training failed"; }
 traces=("$out"/run/trace-rank*.json)
 [ -f "${traces[0]}" ] || fail "no trace written to $out/run (log.profile_step did not record)"
-"$py" -m pith_lit.engine.overlap "${traces[@]}" --top 10 > "$out/report.txt" 2>&1 ||
+"$py" benchmarks/overlap.py "${traces[@]}" --top 10 > "$out/report.txt" 2>&1 ||
   { cat "$out/report.txt"; fail "the report failed"; }
 cat "$out/report.txt"
 "$py" - "$gpu" "${traces[@]}" <<'PY' || fail "the trace or the report is missing what a step does (above)"
 import json, sys
-from pith_lit.engine.overlap import overlap_report
+from benchmarks.overlap import overlap_report
 gpu, paths = sys.argv[1] == "1", sys.argv[2:]
 for path in paths:
     trace = json.load(open(path))
