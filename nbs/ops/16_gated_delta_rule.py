@@ -1035,7 +1035,7 @@ gen = torch.Generator().manual_seed(40)
 x, w = torch.randn(2, 63, 12, generator=gen), torch.randn(12, 4, generator=gen)
 y_hf = hf.causal_conv1d_fn(x.transpose(1, 2), w, None, activation="silu").transpose(1, 2)
 assert rel_err(causal_conv1d(x, w), y_hf) < 1e-6
-y = causal_conv1d(x, w, DOCS)
+y = causal_conv1d(x, w, DOCS.cpu())   # DOCS was made on the default device, CUDA on a GPU
 for r, lens_r in enumerate([[1, 15, 16, 3, 1, 1, 20, 2, 4], [40, 1, 22]]):
     pieces = [F.silu(F.conv1d(p.T[None], w[:, None], padding=3, groups=12)[0, :, :p.shape[0]].T)
               for p in x[r].split(lens_r)]
