@@ -446,8 +446,7 @@ print("experts 2..3 built on meta and initialised alone == the same experts of t
 # The four families differ in attention, router and norms; the rest of a model is the same code, written once
 # here:
 #
-# - `projection(in, out, bias)`: the one constructor of the dense projections (attention, dense and shared MLPs),
-#   the place a change of their precision would go;
+# - `projection(in, out, bias)`: the one constructor of the dense projections (attention, dense and shared MLPs);
 # - `MLP`: the dense SwiGLU MLP, `down_proj(silu(gate_proj(x)) · up_proj(x))` under transformers' names;
 # - `Experts`: E SwiGLU experts as stacked `gate_up_proj (E, 2I, H)` and `down_proj (E, H, I)`, computed by
 #   ops/18's `expert_mlp` on rows grouped by expert; with an FP8 scaling (`Options.fp8`) it keeps the step's FP8

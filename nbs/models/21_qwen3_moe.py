@@ -155,7 +155,7 @@ cs1, cs2 = rope_cos_sin(torch.arange(5), 8, 1e6, xr.dtype), rope_cos_sin(torch.a
 assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 
 # %% [markdown]
-# ## The projections FP8 will replace
+# ## The projections and the experts
 #
 # Every matrix a token's activations pass through in bulk is made by the constructors models/20 gives every family,
 # and nowhere else: `projection` builds the attention (and dense `MLP`) projections, `Experts` holds the routed

@@ -257,13 +257,12 @@ assert att == 1.0 and abs(yarn_mscale(40, 0.707) ** 2 - 1.5896) < 1e-4
 print(f"YaRN keeps {low + 1} of 32 frequencies, interpolates {32 - high}, blends {high - low - 1}")
 
 # %% [markdown]
-# ## The projections FP8 will replace
+# ## The projections and the experts
 #
 # Every matrix a token's activations pass through in bulk is made by the constructors models/20 gives every family,
-# and nowhere else: `projection` builds the attention and dense `MLP` projections (shared experts included),
-# `Experts` holds the routed experts'
-# stacked weights, and its `forward` is their only use. Switching precision is a change to these, not a patch
-# elsewhere. The router and the output head stay in the model's dtype.
+# and nowhere else: `projection` builds the attention and dense `MLP` projections (shared experts included), `Experts`
+# holds the routed experts' stacked weights, and its `forward` is their only use. Switching precision is a change to
+# these, not a patch elsewhere. The router and the output head stay in the model's dtype.
 #
 # The experts' weights are stacked 3-D tensors with transformers' names and layouts: `gate_up_proj` (E, 2I, H),
 # the gate in the first I rows and the up projection in the last I, and `down_proj` (E, H, I). Stage 3 receives

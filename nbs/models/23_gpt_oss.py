@@ -377,7 +377,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         for a, b in zip(g, g_ref): assert torch.allclose(a.double().cpu(), b, rtol=0, atol=tol), (a.cpu() - b).abs().max()
 
 # %% [markdown]
-# ## The projections FP8 will replace
+# ## The projections and the experts
 #
 # Every matrix a token's activations pass through in bulk is made in one place: `projection` (models/20, the
 # constructor of every family's dense projections) builds the attention projections, `Experts` holds the routed

@@ -225,15 +225,14 @@ cs1, cs2 = rope_cos_sin(torch.arange(5), 4, 1e6, xr.dtype), rope_cos_sin(torch.a
 assert torch.equal(apply_rope(xr, *cs1), apply_rope(xr, *cs2))
 
 # %% [markdown]
-# ## The projections FP8 will replace
+# ## The projections and the experts
 #
-# Every dense projection is made by `projection` and the routed experts are `Experts`, models/20's constructors,
-# as in Qwen3-MoE: stacked
-# weights with transformers' names and layouts, `gate_up_proj` (E, 2I, H) (gate rows first) and `down_proj`
-# (E, H, I), run on rows grouped by expert through `expert_mlp` (ops/experts: `grouped_linear` and `swiglu`, or FP8
-# when built with `Options.fp8`, `train.fp8`; ops/12, ops/10, ops/15). The shared
-# expert is models/20's plain SwiGLU `MLP` of three projections. The router, the shared expert's gate and the output head
-# stay in the model's dtype.
+# Every dense projection is made by `projection` and the routed experts are `Experts`, models/20's constructors, as in
+# Qwen3-MoE: stacked weights with transformers' names and layouts, `gate_up_proj` (E, 2I, H) (gate rows first) and
+# `down_proj` (E, H, I), run on rows grouped by expert through `expert_mlp` (ops/experts: `grouped_linear` and
+# `swiglu`, or FP8 when built with `Options.fp8`, `train.fp8`; ops/12, ops/10, ops/15). The shared expert is
+# models/20's plain SwiGLU `MLP` of three projections. The router, the shared expert's gate and the output head stay
+# in the model's dtype.
 
 # %% [markdown]
 # ## Gated full attention
