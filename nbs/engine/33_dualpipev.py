@@ -53,7 +53,6 @@ from pith_lit.engine.stages import (COMPUTE, LayerRun, Streams, backward_layers,
 from pith_lit.ops.grouped_linear import WeightGradQueue
 
 # %%
-import matplotlib.pyplot as plt
 import torch.nn.functional as F
 
 from pith_lit.models.protocol import LocalDispatcher, head_loss, run_layers
@@ -392,7 +391,7 @@ def bubble_fraction(events: list[list[tuple]]) -> float:
     return 1 - busy / (len(events) * (t1 - t0))
 
 # %% [markdown]
-# Every schedule from 1 to 8 ranks with 2P to 3P+1 micro-batches passes. For the ideal picture take the units of
+# Every schedule from 1 to 8 ranks with 2P to 3P+1 micro-batches passes. For the ideal case take the units of
 # the DualPipe paper: F = 1, B = 2 (input gradient 1 + weight gradient 1), so a zero-bubble B costs 1 and its W 1,
 # and an F&B pair costs 3: `unit_duration`, in `tests/references.py` (shared with the tests).
 

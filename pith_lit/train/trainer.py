@@ -50,7 +50,8 @@ def model_options(cfg: Config, mesh: Mesh | None) -> Options:
     """The run's `Options`: FP8 experts under `train.fp8`, the ring over `mesh.cp` at cp > 1, `train.route`;
     without a mesh no ring (a model on the meta device, for the planner)."""
     t = cfg.train
-    return Options(fp8=t.fp8_scaling if t.fp8 else None, cp_group=mesh and ring_group(mesh.cp), route=t.route)
+    return Options(fp8=t.fp8_scaling if t.fp8 else None, cp_group=None if mesh is None else ring_group(mesh.cp),
+                   route=t.route)
 
 # %% ../../nbs/train/45_trainer.ipynb #4022aab6
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12}  # dense bf16 peaks by GPU name
