@@ -17,7 +17,7 @@ def timed(name, fn):
         timing[name] = timing.get(name, 0) + time.perf_counter() - t
         return r
     return w
-for name in ("_forward_backward", "reduce_gradients", "clip_sharded_grads", "all_reduce_grads", "clip_grads"):
+for name in ("_forward_backward", "reduce_gradients", "grad_norm"):
     if hasattr(T, name):
         setattr(T, name, timed(name, getattr(T, name)))
 run.optimizer.step = timed("optimizer.step", run.optimizer.step)

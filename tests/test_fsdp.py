@@ -37,23 +37,22 @@ def test_fsdp_against_one_process(n, pp, dpr, dp, ep, overlap, families):
     fsdp_check(n, (pp, dpr, dp, ep), *(["--overlap"] if overlap else []), families=families)
 
 
-def test_clip_sharded_grads_one_process():
-    "Plain tensors in one process (no group): the norm by hand in float64, clipping to the limit, nothing below it."
+def test_grad_norm_and_clip_factor_one_process():
+    "Plain tensors in one process (no group): the norm by hand in float64, the factor to the limit, 1 below it."
     import math
     import torch
-    from pith_lit.engine.fsdp import clip_sharded_grads
+    from pith_lit.engine.fsdp import clip_factor, grad_norm
     torch.manual_seed(3)
     ps = [torch.zeros(s, requires_grad=True) for s in ((4,), (3, 3), (1, 2, 5))] + [torch.zeros(2, requires_grad=True)]
     for p in ps[:3]:
         p.grad = 3 * torch.randn(p.shape)   # the last parameter has no gradient and is skipped
     orig = [p.grad.clone() for p in ps[:3]]
     total = math.sqrt(sum((g.double() ** 2).sum().item() for g in orig))
-    assert clip_sharded_grads(ps, 0.0).item() == pytest.approx(total, rel=1e-6)
-    assert all(torch.equal(p.grad, g) for p, g in zip(ps, orig))
-    assert clip_sharded_grads(ps, 0.25).item() == pytest.approx(total, rel=1e-6)
-    assert all(torch.allclose(p.grad, g * 0.25 / total, rtol=1e-5) for p, g in zip(ps, orig))
-    clip_sharded_grads(ps, 100.0)
-    assert all(torch.allclose(p.grad, g * 0.25 / total, rtol=1e-5) for p, g in zip(ps, orig))
+    norm = grad_norm(ps)
+    assert norm.item() == pytest.approx(total, rel=1e-6)
+    assert all(torch.equal(p.grad, g) for p, g in zip(ps, orig))   # the gradients are left as they are
+    assert clip_factor(norm, 0.25).item() == pytest.approx(0.25 / total, rel=1e-6)
+    assert clip_factor(norm, 100.0).item() == 1.0 and clip_factor(norm, 0.0) is None
 
 
 @pytest.mark.parametrize("n,pp,dpr,dp,ep", [(2, 1, 1, 2, 1), (2, 1, 1, 1, 2), (2, 2, 1, 1, 1), (4, 1, 1, 2, 2)])

@@ -73,6 +73,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from pith_lit.engine.mesh import Mesh
+from pith_lit.ops.adamw import sum_squares
 
 # %% [markdown]
 # ## Sharding a model
@@ -213,7 +214,11 @@ def reduce_gradients(model: nn.Module) -> None:
 #
 # Each rank holds distinct rows of every gradient it has, except that HSDP replicas hold the same rows. So the
 # squared norm of the whole model's gradient is the sum over all ranks of their local squared norms, divided by
-# the number of replicas. Clipping multiplies the local shards in place.
+# the number of replicas. Clipping to `max_norm` multiplies every gradient by
+# `c = min(1, max_norm / (‖g‖ + 1e-6))`. The local squared norms are ops/19's `sum_squares` (one pass over the
+# gradients); `clip_factor` gives `c` as a 0-d tensor on the gradients' device and the
+# optimizer applies it inside its update (ops/19 `AdamW.step(grad_scale=c)`), so the gradients are read once for
+# the norm and once for the update, never rewritten.
 
 # %%
 #| export
@@ -226,19 +231,35 @@ def _local_grads(params) -> list[torch.Tensor]:
     return [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in params if p.grad is not None]
 
 
-def clip_sharded_grads(params, max_norm: float, replicas: int = 1) -> torch.Tensor:
-    """The whole model's gradient norm from this rank's (sharded) gradients, summed over the default group; clip
-    in place when `max_norm > 0`. `replicas`: ranks holding the same shard (HSDP's dp_replicate)."""
+def grad_norm(params, replicas: int = 1, reduce: bool = True) -> torch.Tensor:
+    """The whole model's gradient norm (fp32, or wider for wider gradients) from this rank's (sharded) gradients of
+    `params`, summed over the default group when one is up and `reduce`. `replicas`: ranks holding the same shard
+    (HSDP's dp_replicate)."""
     grads = _local_grads(params)
-    dev = grads[0].device if grads else torch.device("cpu")
-    wide = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32
-    sq = torch.stack(torch._foreach_norm(grads)).to(wide).pow(2).sum() if grads else torch.zeros((), device=dev)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    sq = sum_squares(grads) if grads else torch.zeros(())
+    if reduce and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
-    norm = (sq / replicas).sqrt()
-    if max_norm > 0 and grads:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-    return norm
+    return (sq / replicas).sqrt()
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    "What multiplies every gradient to clip gradients of norm `norm` to `max_norm`; None when `max_norm` is 0 (off)."
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else None
+
+# %% [markdown]
+# Check, in one process: the norm against float64 by hand over gradients of three shapes (a parameter without a
+# gradient is skipped); the factor brings that norm to the limit, is 1 below it, and is None with clipping off.
+
+# %%
+gen = torch.Generator().manual_seed(3)
+ps = [torch.zeros(s, requires_grad=True) for s in ((4,), (3, 3), (1, 2, 5), (2,))]
+for p in ps[:3]:
+    p.grad = 3 * torch.randn(p.shape, generator=gen)
+by_hand = sum((p.grad.double() ** 2).sum() for p in ps[:3]).sqrt()
+norm = grad_norm(ps)
+assert abs(norm.item() / by_hand.item() - 1) < 1e-6 and norm.dtype == torch.float32
+assert abs((clip_factor(norm, 0.25) * by_hand).item() - 0.25) < 1e-6
+assert clip_factor(norm, 1e3).item() == 1.0 and clip_factor(norm, 0.0) is None
 
 # %% [markdown]
 # ## Check: one rank, against the unsharded model

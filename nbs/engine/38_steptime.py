@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pith_lit.engine.dualpipev import simulate
+from pith_lit.engine.fsdp import clip_factor, grad_norm
 from pith_lit.engine.mesh import stage_layers
 from pith_lit.engine.planner import Unit, Workload, is_moe, ranks_per_token
 from pith_lit.engine.stages import LayerRun
@@ -154,8 +155,8 @@ def _time_layer(layer: nn.Module, key: str, x, positions, dispatcher, device, re
 # %% [markdown]
 # The optimizer is the run's, given as `optimizer(module)`: an optimizer over a module's parameters that require
 # gradients (train/45 `optimizer_for` passes train/43's `build_optimizer` with the config's settings; this engine
-# notebook does not import the trainer's). The gradients are random; the clipping is engine/36's
-# `clip_sharded_grads` without its all-reduce.
+# notebook does not import the trainer's). The gradients are random; the clipping is engine/36's `grad_norm` (without
+# its all-reduce: every rank times its own layers) and `clip_factor`, handed to the optimizer's update.
 
 # %%
 #| export
@@ -169,13 +170,10 @@ def _time_optimizer(module: nn.Module, optimizer, device, reps: int) -> float:
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    grads = [p.grad for p in params]
     opt = optimizer(module)
 
     def clip_and_step():
-        norm = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum().sqrt()
-        torch._foreach_mul_(grads, (1 / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-        opt.step()
+        opt.step(grad_scale=clip_factor(grad_norm(params, reduce=False), 1.0))
 
     return _time(clip_and_step, device, reps)
 
@@ -252,6 +250,7 @@ import pith_lit.ops.fp8 as fp8
 from pith_lit.engine.planner import rank_units
 from pith_lit.models import qwen3_moe
 from pith_lit.models.protocol import LocalDispatcher, Options
+from pith_lit.ops.adamw import AdamW
 
 tiny = qwen3_moe.Config(vocab_size=96, hidden_size=32, moe_intermediate_size=24, intermediate_size=40,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -261,7 +260,7 @@ def meta_tiny(fp8=None):
     with torch.device("meta"):
         return qwen3_moe.Qwen3MoeForCausalLM(tiny, Options(fp8=fp8))
 
-adamw = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], fused=True)
+adamw = lambda m: AdamW([p for p in m.parameters() if p.requires_grad])
 w = Workload(micro_batch=2, seq_len=16, compute_bytes=4, param_bytes=4)
 forwards = []
 torch_forward = fp8._torch_forward

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from pith_lit.engine.dualpipev import DualPipeV, split_model
 from pith_lit.engine.ep import EPDispatcher, SyncFreeEPDispatcher, all_reduce_grads, is_expert_param, shard_experts
-from pith_lit.engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model, whole
+from pith_lit.engine.fsdp import begin_step, clip_factor, grad_norm, reduce_gradients, shard_model, whole
 from pith_lit.engine.mesh import build_mesh, init_distributed, run_ranked
 from pith_lit.models.family import family as model_family
 from pith_lit.models.protocol import LocalDispatcher, Options, Routing, head_loss, run_layers
@@ -357,8 +357,10 @@ def record_timeline(path: str, M: int, ep: int = 1, device: torch.device = torch
 # `fsdp_check` trains the tiny model for a few AdamW steps (gradient clipping included) on a (pp, dp_replicate, dp,
 # ep) mesh with FSDP2 (engine/36), and a single-process copy on the whole batch beside it. After every step's
 # `reduce_gradients`, each sharded gradient, gathered to its full shape (`full_tensor`, all experts included), must
-# equal the reference's, the clipped norm must equal the reference's, and after the last step so must every parameter:
-# that covers the sums over the two meshes, HSDP's replicas, the experts' placement and the optimizer on DTensors. The
+# equal the reference's, the gradient norm must equal the reference's, and after the last step so must every
+# parameter: that covers the sums over the two meshes, HSDP's replicas, the experts' placement and the optimizer on
+# DTensors, with the clipping folded into its update (engine/36 `clip_factor`), where the reference clips its
+# gradients in place (`clip_grad_norm_`) before an unclipped update. The
 # check runs in float64 (to 1e-10 relative): AdamW divides each gradient by its own magnitude, so in float32 the
 # rounding of a different summation order (1e-7) grows to 1e-4 in a parameter whose gradient is near AdamW's epsilon
 # after one step, which would hide a real error of that size. With pp > 1 (or `overlap`) the step runs through
@@ -388,7 +390,7 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
                overlap: bool = False, steps: int = 2, device: torch.device = torch.device("cpu"),
                optimizer: str = "adamw", cp: int = 1, documents: bool = False) -> str:
     """Worker: FSDP2 training steps against a single-process reference (see above); returns this rank's line.
-    `optimizer`: "adamw" (torch's) or "muon" (train/43's, which gathers whole matrices of sharded parameters).
+    `optimizer`: train/43's "adamw" (ops/19) or "muon" (which gathers whole matrices of sharded parameters).
     `cp`: context-parallel ranks, each given its zigzag chunks of the sequences (ops/17); `documents`: packed
     documents (`packed_positions`) in every row."""
     mesh = build_mesh(pp, dp, cp, ep, device.type, 120, dp_replicate=dp_replicate)
@@ -400,11 +402,8 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
     shard_model(model, mesh)
     aux = aux_fn(4) if cp == 1 else None   # E·Σ f·P of a micro-batch is not a sum over its pieces
     S = 8 * max(2, cp)
-    if optimizer == "muon":   # the harness checks every layer; the optimizer is train/43's
-        from pith_lit.train.optim import build_optimizer
-        make = lambda m: build_optimizer(m, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, kind="muon")
-    else:
-        make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    from pith_lit.train.optim import build_optimizer   # the harness checks every layer; the optimizer is train/43's
+    make = lambda m: build_optimizer(m, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, kind=optimizer)
     opt, ref_opt = make(model), make(ref)
     loss_fn = (lambda h, labels: head_loss(model, h, labels)) if mesh.pp.rank() == 0 else None
     pipe = DualPipeV(parts, mesh.pp, dispatcher, loss_fn, aux, device) if pipelined else None
@@ -427,10 +426,10 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
         worst = max(worst, _same_grads(model, ref, f"{what} step {step}"))
         if mesh.pp.rank() == 0:
             assert max_rel_err(loss, ref_loss) <= 1e-12, f"{what} step {step}: loss {loss.item()} vs {ref_loss.item()}"
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        norm = clip_sharded_grads(list(model.parameters()), 1.0, dp_replicate)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)   # in place, before the update
+        norm = grad_norm(list(model.parameters()), dp_replicate)
         assert max_rel_err(norm, ref_norm) <= 1e-10, f"{what} step {step}: gradient norm {norm} vs {ref_norm}"
-        opt.step(), ref_opt.step()
+        opt.step(grad_scale=clip_factor(norm, 1.0)), ref_opt.step()   # inside the update
         opt.zero_grad(), ref_opt.zero_grad()
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():

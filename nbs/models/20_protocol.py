@@ -250,6 +250,36 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 # %% [markdown]
+# ## The rotary angles, computed once per layer call
+#
+# Every family rotates queries and keys by angles `position × frequency`. Left inside a compiled stage 1, the cos and
+# sin of those angles are fused by the compiler into each kernel that reads them, so they are recomputed for every
+# head of q and k, forward and backward: transcendental functions on ~10⁸ elements a layer, which made those kernels
+# several times slower than their memory traffic on the H200 (RESULTS.md, "Step anatomy"). `cos_sin` is an operator of
+# its own (`torch.library.custom_op`), which the compiler calls instead of fusing: the tables, `positions.shape +
+# inv_freq.shape`, are computed once per call, and the rotations read them. No gradient flows into positions or
+# frequencies, so it needs no backward.
+
+# %%
+#| export
+@torch.library.custom_op("pith_lit::cos_sin", mutates_args=())
+def cos_sin(positions: Tensor, inv_freq: Tensor, factor: float) -> tuple[Tensor, Tensor]:
+    "cos and sin of `positions[..., None] × inv_freq`, times `factor`, in `inv_freq`'s dtype."
+    angles = positions.to(inv_freq.dtype)[..., None] * inv_freq
+    return angles.cos() * factor, angles.sin() * factor
+
+
+@cos_sin.register_fake
+def _(positions, inv_freq, factor):
+    shape = (*positions.shape, *inv_freq.shape)
+    return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
+
+# %%
+pos, freq = torch.arange(50).view(2, 25), 0.3 ** torch.arange(4, dtype=torch.float64)
+c, s = cos_sin(pos, freq, 0.5)
+assert torch.equal(c, (pos[..., None] * freq).cos() * 0.5) and torch.equal(s, (pos[..., None] * freq).sin() * 0.5)
+
+# %% [markdown]
 # ## Check: five stages equal a plain loop over experts
 #
 # A toy layer shows the protocol in its smallest form: stage 1 is a softmax top-k router (no attention),

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
-                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
+from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, cos_sin,
+                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids,
+                                      router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
 
@@ -126,9 +127,8 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dt
     "cos and sin of the rotation angles, shape `positions.shape + (head_dim,)`, cast to `dtype`."
     ct = compute_dtype(dtype)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=ct) / head_dim)
-    angles = positions.to(ct)[..., None] * inv_freq
-    angles = torch.cat((angles, angles), -1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = cos_sin(positions, inv_freq, 1.0)   # models/20: once per call, not per head
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

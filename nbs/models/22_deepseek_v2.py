@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or,
-                                      hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids, router_bytes)
+from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, cos_sin,
+                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids,
+                                      router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import ring_attention
 
@@ -210,8 +211,7 @@ def rope_frequencies(dim: int, theta: float, scaling: dict, max_positions: int, 
 
 def rope_cos_sin(positions: Tensor, inv_freq: Tensor, attention_factor: float) -> tuple[Tensor, Tensor]:
     "cos and sin of the angles, shape `positions.shape + (dim/2,)`, in `inv_freq`'s dtype, times the factor."
-    angles = positions.to(inv_freq.dtype)[..., None] * inv_freq
-    return angles.cos() * attention_factor, angles.sin() * attention_factor
+    return cos_sin(positions, inv_freq, attention_factor)   # models/20: once per call, not per head
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

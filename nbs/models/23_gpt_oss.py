@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (CausalLM, Options, Routing, RoutedLayer, cfg, compute_dtype, hf_or, hf_rope,
-                                      init_shared, local, norm_bytes, projection, route_ids, router_bytes)
+from pith_lit.models.protocol import (CausalLM, Options, Routing, RoutedLayer, cfg, compute_dtype, cos_sin, hf_or,
+                                      hf_rope, init_shared, local, norm_bytes, projection, route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
 from pith_lit.ops.experts import Fp8Weights, expert_linear
@@ -210,8 +210,8 @@ def rope_cos_sin(positions: Tensor, head_dim: int, rope: dict, dtype: torch.dtyp
     "cos and sin of the rotation angles times YaRN's attention factor, shape `positions.shape + (head_dim/2,)`."
     ct = compute_dtype(dtype)
     inv_freq, scale = yarn_inv_freq(head_dim, rope, ct, positions.device)
-    angles = positions.to(ct)[..., None] * inv_freq
-    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+    cos, sin = cos_sin(positions, inv_freq, scale)   # models/20: once per call, not per head
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -20,7 +20,8 @@
 # - the **step**, which is also the data position, because the dataset is a pure function of the step;
 # - every **random stream** a step may draw from: torch's CPU generator, the current CUDA device's
 #   generator, numpy's and Python's `random`, per rank;
-# - a small `meta.json` with the step, the installed pith_lit's version, the world size, and the model's *signature*:
+# - a small `meta.json` with the step, the installed pith_lit's version ("not installed" when it runs from a checkout
+#   on `PYTHONPATH`), the world size, and the model's *signature*:
 #   its config (`model_type` and every field) and a hash of its parameter names and shapes, so that
 #   `load` can refuse a checkpoint of another model before touching anything.
 #
@@ -44,7 +45,7 @@ import random
 import shutil
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -314,6 +315,14 @@ def _state(model, optimizer, extra: dict) -> dict:
 
 # %%
 #| export
+def _version() -> str:
+    "The installed pith_lit's version, for meta.json; \"not installed\" when it runs from a checkout on PYTHONPATH."
+    try:
+        return version("pith_lit")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def _need_model_type(model_config: dict):
     if "model_type" not in model_config:
         raise ValueError(f"model_config has no 'model_type' (keys: {sorted(model_config)}); pass the whole "
@@ -345,7 +354,7 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
     files = {name: entry for part in _gathered(_digests(mine)) for name, entry in part.items()}
     if rank == 0:
         files.update(_digests(sorted(p for p in tmp.iterdir() if p.name not in files)))  # .metadata, any other
-        meta = {"step": step, "pith_lit_version": version("pith_lit"), "world_size": _world_size(), "layout": layout,
+        meta = {"step": step, "pith_lit_version": _version(), "world_size": _world_size(), "layout": layout,
                 "model_config": model_config, "params_sha256": params_hash(shapes)}
         if rng is None:
             meta["weights_only"] = True

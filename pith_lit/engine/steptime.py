@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .dualpipev import simulate
+from .fsdp import clip_factor, grad_norm
 from .mesh import stage_layers
 from .planner import Unit, Workload, is_moe, ranks_per_token
 from .stages import LayerRun
@@ -120,13 +121,10 @@ def _time_optimizer(module: nn.Module, optimizer, device, reps: int) -> float:
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    grads = [p.grad for p in params]
     opt = optimizer(module)
 
     def clip_and_step():
-        norm = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum().sqrt()
-        torch._foreach_mul_(grads, (1 / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-        opt.step()
+        opt.step(grad_scale=clip_factor(grad_norm(params, reduce=False), 1.0))
 
     return _time(clip_and_step, device, reps)
 

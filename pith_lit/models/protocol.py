@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['cfg', 'Options', 'Routing', 'LocalPlan', 'LocalDispatcher', 'run_layers', 'local', 'head_loss', 'compute_dtype',
-           'SeededInit', 'init_shared', 'projection', 'MLP', 'Experts', 'route_ids', 'RoutedLayer', 'DecoderStack',
-           'CausalLM', 'norm_bytes', 'mlp_bytes', 'router_bytes', 'hf_or', 'hf_rope']
+           'cos_sin', 'SeededInit', 'init_shared', 'projection', 'MLP', 'Experts', 'route_ids', 'RoutedLayer',
+           'DecoderStack', 'CausalLM', 'norm_bytes', 'mlp_bytes', 'router_bytes', 'hf_or', 'hf_rope']
 
 # %% ../../nbs/models/20_protocol.ipynb #7a36d413
 import hashlib
@@ -126,6 +126,19 @@ def head_loss(model, h: Tensor, labels: Tensor, ignore_index: int = -100) -> Ten
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     "float32 for bf16/fp16/fp32 tensors, float64 for float64 ones: where norms, RoPE, routers and losses compute."
     return torch.promote_types(dtype, torch.float32)
+
+# %% ../../nbs/models/20_protocol.ipynb #3aa47834
+@torch.library.custom_op("pith_lit::cos_sin", mutates_args=())
+def cos_sin(positions: Tensor, inv_freq: Tensor, factor: float) -> tuple[Tensor, Tensor]:
+    "cos and sin of `positions[..., None] × inv_freq`, times `factor`, in `inv_freq`'s dtype."
+    angles = positions.to(inv_freq.dtype)[..., None] * inv_freq
+    return angles.cos() * factor, angles.sin() * factor
+
+
+@cos_sin.register_fake
+def _(positions, inv_freq, factor):
+    shape = (*positions.shape, *inv_freq.shape)
+    return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
 
 # %% ../../nbs/models/20_protocol.ipynb #1bd0e3af
 class SeededInit:

@@ -12,7 +12,7 @@ import random
 import shutil
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -154,6 +154,14 @@ def _state(model, optimizer, extra: dict) -> dict:
     return state
 
 # %% ../../nbs/train/44_checkpoint.ipynb #9348d157
+def _version() -> str:
+    "The installed pith_lit's version, for meta.json; \"not installed\" when it runs from a checkout on PYTHONPATH."
+    try:
+        return version("pith_lit")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def _need_model_type(model_config: dict):
     if "model_type" not in model_config:
         raise ValueError(f"model_config has no 'model_type' (keys: {sorted(model_config)}); pass the whole "
@@ -185,7 +193,7 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
     files = {name: entry for part in _gathered(_digests(mine)) for name, entry in part.items()}
     if rank == 0:
         files.update(_digests(sorted(p for p in tmp.iterdir() if p.name not in files)))  # .metadata, any other
-        meta = {"step": step, "pith_lit_version": version("pith_lit"), "world_size": _world_size(), "layout": layout,
+        meta = {"step": step, "pith_lit_version": _version(), "world_size": _world_size(), "layout": layout,
                 "model_config": model_config, "params_sha256": params_hash(shapes)}
         if rng is None:
             meta["weights_only"] = True

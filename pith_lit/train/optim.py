@@ -10,12 +10,14 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..ops.adamw import AdamW, local
+
 # %% ../../nbs/train/43_optim.ipynb #3f34e9ff
 def build_optimizer(model, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float, kind: str = "adamw", momentum: float = 0.95) -> torch.optim.Optimizer:
-    """AdamW over `model.named_parameters()`: weight decay on parameters with ≥ 2 dimensions, none on 1-D ones (norm
-    gains, biases); fused on CUDA and CPU. `kind="muon"`: `Muon` (below) for the matrices `muon_param` selects,
-    AdamW for the rest, with the same decay rule."""
+    """AdamW (ops/19) over `model.named_parameters()`: weight decay on parameters with ≥ 2 dimensions, none on 1-D
+    ones (norm gains, biases). `kind="muon"`: `Muon` (below) for the matrices `muon_param` selects, AdamW for the
+    rest, with the same decay rule."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if kind == "muon":
         mats = [p for n, p in named if muon_param(n, p)]
@@ -31,8 +33,7 @@ def build_optimizer(model, lr: float, weight_decay: float, betas: tuple[float, f
         (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    fused = {p.device.type for p in decay + no_decay} <= {"cuda", "cpu"}
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    return AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 # %% ../../nbs/train/43_optim.ipynb #9ce25c54
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -64,51 +65,29 @@ def _whole_matrices(t: Tensor):
         mesh, t.placements).to_local()
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(AdamW):
     """Muon for the groups marked `muon=True` (matrices: momentum, Nesterov, Newton–Schulz, update scaled by
-    0.2·√max(out, in)), AdamW for the others; decoupled weight decay for both. State per parameter:
+    0.2·√max(out, in)), AdamW (ops/19) for the others; decoupled weight decay for both. State per parameter:
     `momentum_buffer`, or AdamW's `step`, `exp_avg`, `exp_avg_sq`."""
 
     def __init__(self, groups, lr: float, momentum: float = 0.95, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, ns_steps: int = 5):
-        super().__init__(groups, dict(lr=lr, momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      ns_steps=ns_steps, muon=False))
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                         ns_steps=ns_steps, muon=False)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:   # torch's optimizer protocol (DCP calls step to create empty states)
-            with torch.enable_grad():
-                loss = closure()
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    (self._muon if g["muon"] else self._adamw)(p, g)
-        return loss
-
-    def _muon(self, p, g):
+    def update(self, p, g: dict, grad_scale: Tensor | None) -> None:
+        if not g["muon"]:
+            return super().update(p, g, grad_scale)
         state, grad = self.state[p], p.grad
+        if grad_scale is not None:
+            local(grad).mul_(grad_scale.to(grad.dtype))   # clipping, on this rank's shard
         buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
         buf.mul_(g["momentum"]).add_(grad)
         update = grad.add(buf, alpha=g["momentum"])          # Nesterov
         full, mine = _whole_matrices(update)
         out = orthogonalize(full, g["ns_steps"]) * (0.2 * max(full.shape[-2:]) ** 0.5)
-        local = mine(out)
         p.mul_(1 - g["lr"] * g["weight_decay"])
-        (p.to_local() if isinstance(p, DTensor) else p).add_(local, alpha=-g["lr"])
-
-    def _adamw(self, p, g):
-        state, grad, (b1, b2) = self.state[p], p.grad, g["betas"]
-        if not state:
-            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                         exp_avg_sq=torch.zeros_like(p))
-        state["step"] += 1
-        t = state["step"].item()
-        state["exp_avg"].lerp_(grad, 1 - b1)
-        state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        p.mul_(1 - g["lr"] * g["weight_decay"])
-        denom = (state["exp_avg_sq"].sqrt() / (1 - b2 ** t) ** 0.5).add_(g["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-g["lr"] / (1 - b1 ** t))
+        local(p).add_(mine(out), alpha=-g["lr"])
 
 
 def muon_param(name: str, p: Tensor) -> bool:

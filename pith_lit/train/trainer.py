@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..engine.dualpipev import DualPipeV, split_model
 from ..engine.ep import EPDispatcher, SyncFreeEPDispatcher, is_expert_param, shard_experts
-from ..engine.fsdp import begin_step, clip_sharded_grads, reduce_gradients, shard_model, whole
+from ..engine.fsdp import begin_step, clip_factor, grad_norm, reduce_gradients, shard_model, whole
 from ..engine.mesh import Mesh, build_mesh, init_distributed, launch_env
 from ..engine.planner import GiB, Estimate, estimate
 from ..engine.stages import recompute_layers
@@ -359,8 +359,8 @@ def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     ce_sum, aux_sum, n_tokens = _forward_backward(run, step)
-    grad_norm = clip_sharded_grads(list(run.model.parameters()), t.grad_clip, run.mesh.replicate.size())
-    run.optimizer.step()
+    norm = grad_norm(list(run.model.parameters()), run.mesh.replicate.size())
+    run.optimizer.step(grad_scale=clip_factor(norm, t.grad_clip))   # clipping inside the update (ops/19)
     run.optimizer.zero_grad(set_to_none=True)
     if t.fp8:
         drop_fp8_copies(run.model)   # the weights moved: the next step quantizes them again (ops/18)
@@ -372,7 +372,7 @@ def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
         [sum(balance), len(balance), float(stop is not None and stop.set)], dtype=torch.float64, device=run.device)])
     _sum(stats, dist.group.WORLD)
     return {"step": step + 1, "loss": (stats[0] / n_tokens.double()).item(), "lb_loss": stats[1].item(),
-            "balance": (stats[2] / stats[3]).item(), "lr": lr, "grad_norm": float(grad_norm),
+            "balance": (stats[2] / stats[3]).item(), "lr": lr, "grad_norm": float(norm),
             "stop": stats[4].item() > 0}
 
 # %% ../../nbs/train/45_trainer.ipynb #6264e30d
