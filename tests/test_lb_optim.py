@@ -114,6 +114,31 @@ def test_global_all_reduce_two_gloo_processes(tmp_path):
 
 # ---------------------------------------------------------------- optimizer
 
+REGROUP = """
+import sys, torch, torch.distributed as dist
+from pith_lit.train.optim import _regroup
+dist.init_process_group("gloo")
+r, n = dist.get_rank(), dist.get_world_size()
+for E, shape, dim in ((5, (7, 3), 1), (3, (4, 6), 2), (2, (5, 2), 1)):   # uneven rows, uneven and empty shares
+    x = torch.arange(E * shape[0] * shape[1], dtype=torch.float64).view(E, *shape)
+    part = x.chunk(n, dim)[r] if r < len(x.chunk(n, dim)) else x.narrow(dim, 0, 0)
+    whole, back = _regroup(part.contiguous(), dim, x.shape[dim], dist.group.WORLD)
+    assert torch.equal(whole, x.tensor_split(n)[r]), (r, E, whole.shape)
+    assert torch.equal(back(whole * 2), part * 2), (r, E)
+print("ok", r)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_muon_regroups_experts_across_ranks(n):
+    """Muon's regrouping of a stack split along a matrix dim (FSDP's rows of the experts) into whole matrices of each
+    rank's share of the experts, and back: against slicing the whole stack, on n gloo processes."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                           "--no-python", sys.executable, "-c", REGROUP],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.count("ok") == n, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_decay_groups_by_dimension():
     model = nn.Sequential(nn.Embedding(7, 6), nn.Linear(6, 6), nn.RMSNorm(6), nn.Linear(6, 3, bias=False))
     model[2].weight.requires_grad_(False)   # frozen parameters stay out of the optimizer

@@ -302,8 +302,9 @@ else:
 #   written on the H200, DESIGN.md): each gather writes the weights in the compute dtype (an experts unit is gathered
 #   in every backward and in the first forward), each backward adds the unit's gradient into its fp32 accumulator.
 # - **Pipeline transfers** of activations between ranks are small beside these (0.4% of a two-GPU step,
-#   benchmarks/RESULTS.md) and are left out, and so is Muon's all-gather of each sharded matrix's momentum (the
-#   size of one FSDP gather of it, train/43).
+#   benchmarks/RESULTS.md) and are left out, and so are Muon's exchanges of momentum (an all-gather of each
+#   sharded single matrix, the size of one FSDP gather of it; two all-to-alls of a 1/ranks share for the experts,
+#   train/43).
 
 # %%
 #| export
@@ -331,9 +332,10 @@ class Link:
 #    DualPipeV schedule of engine/33 simulated with each stage's sums, the embedding on the first stage and the
 #    head on the last;
 # 3. the optimizer step, from the profile's step over whole layers: AdamW's time follows the elements a rank holds
-#    (its experts, its FSDP shard, in its dtype); Muon orthogonalises whole matrices on every rank of a shard group
-#    (train/43), so its time follows the experts a rank holds and not its shard. The root (embedding, norm, head)
-#    steps with AdamW under either;
+#    (its experts, its FSDP shard, in its dtype); Muon divides the routed experts' whole matrices among the ranks of
+#    a shard group and orthogonalises every other matrix whole on each of them (train/43), so its time follows a
+#    rank's share of the experts, and the whole of the other matrices. The root (embedding, norm, head) steps with
+#    AdamW under either;
 # 4. FSDP's copies and exposed collectives (the link model above).
 
 # %%
@@ -414,6 +416,8 @@ def _optimizer_seconds(c, w: Workload, profile: Profile, units: list[Unit]) -> f
         held = 1 / w.ep if u.experts else 1.0   # the profile's layer holds every expert
         if w.optimizer == "adamw" or u.layer is None:
             held *= u.shard / u.numel * w.param_bytes / profile.param_bytes
+        elif u.experts:   # Muon: the shard group's ranks divide the experts' whole matrices among them (train/43)
+            held *= u.shard / u.numel
         total += profile.optimizer_ms[part] * held / 1e3
     return total
 
@@ -462,7 +466,7 @@ def step_time(c, w: Workload, profile: Profile, units: list[Unit] | None = None,
 # %% [markdown]
 # **Check: the optimizer in the step.** On one rank the step's optimizer part is the profile's times of every part of
 # the model, added by hand here, and the step without the units is that much shorter (no FSDP unit is wrapped: fp32
-# throughout). At dp 2 AdamW steps half of every unit; the same times read as Muon's halve only the root.
+# throughout). At dp 2 AdamW steps half of every unit; the same times read as Muon's halve the root and the experts.
 
 # %%
 units = rank_units(meta_tiny(), w)
@@ -478,7 +482,8 @@ half = step_time(tiny, w2, prof, rank_units(meta_tiny(), w2)).parts["optimizer"]
 muon = step_time(tiny, replace(w2, optimizer="muon"), replace(prof, optimizer="muon"),
                  rank_units(meta_tiny(), w2)).parts["optimizer"]
 assert abs(half / t.parts["optimizer"] - 0.5) < 0.01, half / t.parts["optimizer"]
-assert abs(muon - (by_hand - prof.optimizer_ms["root"] / 2) / 1e3) < 1e-9, (muon, by_hand)
+experts = sum(prof.optimizer_ms.get(f"{layer_kind(tiny, i)} experts", 0.0) for i in range(tiny.num_hidden_layers))
+assert abs(muon - (by_hand - prof.optimizer_ms["root"] / 2 - experts / 2) / 1e3) < 1e-9, (muon, by_hand)
 
 # %% [markdown]
 # ## Cutting the pipeline from measured times

@@ -277,6 +277,8 @@ def _optimizer_seconds(c, w: Workload, profile: Profile, units: list[Unit]) -> f
         held = 1 / w.ep if u.experts else 1.0   # the profile's layer holds every expert
         if w.optimizer == "adamw" or u.layer is None:
             held *= u.shard / u.numel * w.param_bytes / profile.param_bytes
+        elif u.experts:   # Muon: the shard group's ranks divide the experts' whole matrices among them (train/43)
+            held *= u.shard / u.numel
         total += profile.optimizer_ms[part] * held / 1e3
     return total
 

@@ -7,8 +7,9 @@ __all__ = ['NS_COEFFS', 'build_optimizer', 'orthogonalize', 'Muon', 'muon_param'
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..ops.adamw import AdamW, local
 
@@ -54,12 +55,47 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     return (x.mT if wide else x).to(m.dtype)
 
 
+def _regroup(x: Tensor, dim: int, size: int, group):
+    """`x`, this rank's part of a stack of matrices whose matrix dim `dim` (of `size` in all) is split over `group` as
+    FSDP splits (`torch.chunk`) -> (whole matrices of this rank's share of the stack's first dim, how to give back
+    this rank's part of a result of that shape): one all-to-all each way."""
+    n, r = group.size(), dist.get_rank(group)
+    rows = [len(c) for c in torch.arange(size).chunk(n)]
+    rows += [0] * (n - len(rows))
+    if x.shape[dim] != rows[r]:
+        raise ValueError(f"Muon: rank {r} holds {x.shape[dim]} of {size} along dim {dim}, expected {rows[r]}")
+    share = [len(c) for c in torch.arange(x.shape[0]).tensor_split(n)]
+    slab = lambda e, k: math.prod(x.shape[1:dim]) * rows[k] * math.prod(x.shape[dim + 1:]) * e   # elements
+    shape = lambda e, k: (e, *x.shape[1:dim], rows[k], *x.shape[dim + 1:])
+
+    def swap(flat: Tensor, send: list[int], recv: list[int]) -> Tensor:
+        out = flat.new_empty(sum(recv))
+        dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
+        return out
+
+    mine = [slab(share[r], k) for k in range(n)]   # from each rank: its rows of this rank's share
+    got = swap(x.reshape(-1), [slab(share[j], r) for j in range(n)], mine)
+    whole = torch.cat([p.view(shape(share[r], k)) for k, p in enumerate(got.split(mine))], dim)
+
+    def back(out: Tensor) -> Tensor:
+        flat = torch.cat([p.reshape(-1) for p in out.split(rows, dim)])
+        return swap(flat, mine, [slab(share[j], r) for j in range(n)]).view(x.shape)
+
+    return whole, back
+
+
 def _whole_matrices(t: Tensor):
-    "(the local tensor of `t` gathered along every mesh dimension but `ep`, how to give back this rank's rows)."
+    """(a local tensor of whole matrices of `t`, how to give back this rank's part of a result of that shape). A
+    stack of matrices (`t.dim() > 2`) keeps its split along the leading dims; one of its rows or columns is
+    regrouped by experts (`_regroup`). A single matrix is gathered whole."""
     if not isinstance(t, DTensor):
         return t, lambda full: full
-    mesh, names = t.device_mesh, t.device_mesh.mesh_dim_names or ()
-    keep = [pl if i < len(names) and names[i] == "ep" else Replicate() for i, pl in enumerate(t.placements)]
+    mesh, lead = t.device_mesh, t.dim() - 2
+    split = [i for i, pl in enumerate(t.placements) if isinstance(pl, Shard) and pl.dim >= lead]
+    if lead and len(split) == 1:
+        dim = t.placements[split[0]].dim
+        return _regroup(t.to_local(), dim, t.shape[dim], mesh.get_group(split[0]))
+    keep = [pl if not isinstance(pl, Shard) or pl.dim < lead else Replicate() for pl in t.placements]
     full = t.redistribute(mesh, keep).to_local()
     return full, lambda out: DTensor.from_local(out, mesh, keep, run_check=False).redistribute(
         mesh, t.placements).to_local()
