@@ -73,7 +73,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from pith_lit.engine.mesh import Mesh
-from pith_lit.ops.adamw import sum_squares
+from pith_lit.ops.adamw import local, sum_squares
 
 # %% [markdown]
 # ## Sharding a model
@@ -227,15 +227,11 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _local_grads(params) -> list[torch.Tensor]:
-    return [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in params if p.grad is not None]
-
-
 def grad_norm(params, replicas: int = 1, reduce: bool = True) -> torch.Tensor:
     """The whole model's gradient norm (fp32, or wider for wider gradients) from this rank's (sharded) gradients of
     `params`, summed over the default group when one is up and `reduce`. `replicas`: ranks holding the same shard
     (HSDP's dp_replicate)."""
-    grads = _local_grads(params)
+    grads = [local(p.grad) for p in params if p.grad is not None]
     sq = sum_squares(grads) if grads else torch.zeros(())
     if reduce and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)

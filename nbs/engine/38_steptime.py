@@ -171,11 +171,7 @@ def _time_optimizer(module: nn.Module, optimizer, device, reps: int) -> float:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opt = optimizer(module)
-
-    def clip_and_step():
-        opt.step(grad_scale=clip_factor(grad_norm(params, reduce=False), 1.0))
-
-    return _time(clip_and_step, device, reps)
+    return _time(lambda: opt.step(grad_scale=clip_factor(grad_norm(params, reduce=False), 1.0)), device, reps)
 
 
 def _time_layer_optimizer(layer: nn.Module, key: str, optimizer, device, dtype, reps: int) -> dict:

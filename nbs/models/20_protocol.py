@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
+from pith_lit.ops.adamw import local   # this rank's block of a DTensor: the stacked experts under ep with FSDP
 from pith_lit.ops.experts import Fp8Weights, expert_mlp
 from pith_lit.ops.permute import gather_rows, sort_by_expert, weighted_gather
 
@@ -228,10 +228,6 @@ def run_layers(layers, h: Tensor, positions: Tensor, dispatcher) -> tuple[Tensor
     return h, routings
 
 
-def local(w: Tensor) -> Tensor:
-    """This rank's block of a parameter: under expert parallelism with sharded data parallelism (engine/36) the
-    stacked experts are DTensors divided along the expert axis, and an expert module computes on its local block."""
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def head_loss(model, h: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
@@ -273,6 +269,14 @@ def cos_sin(positions: Tensor, inv_freq: Tensor, factor: float) -> tuple[Tensor,
 def _(positions, inv_freq, factor):
     shape = (*positions.shape, *inv_freq.shape)
     return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
+
+
+def rope_cos_sin(positions: Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin in the rotate-half layout (Qwen3, Qwen3.5): channels i and i + dim/2 at angle
+    `position · θ^(-2i/dim)`; shape `positions.shape + (dim,)`, computed in `compute_dtype`, cast to `dtype`."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=compute_dtype(dtype)) / dim)
+    cos, sin = cos_sin(positions, inv_freq, 1.0)
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
 
 # %%
 pos, freq = torch.arange(50).view(2, 25), 0.3 ** torch.arange(4, dtype=torch.float64)

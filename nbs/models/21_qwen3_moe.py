@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, cos_sin,
-                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids,
-                                      router_bytes)
+from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype,
+                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, rope_cos_sin,
+                                      route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import kv_payload, ring_attention, split_kv
 
@@ -119,18 +119,11 @@ assert out_bf16.dtype == torch.bfloat16 and torch.allclose(out_bf16.double(), re
 # Channel pair i of a head (channels i and i + d/2, the "rotate-half" layout of Hugging Face's Qwen3) is rotated
 # by the angle `position · θ^(-2i/d)`. Positions are an explicit argument, (S,) or (B, S), because context
 # parallelism gives each rank pieces of a sequence that are not contiguous. The angles are computed in float32
-# from the positions on every call: no table to keep in sync with the dtype or device of the model.
+# from the positions on every call: no table to keep in sync with the dtype or device of the model. The tables of
+# cos and sin are models/20's `rope_cos_sin` (Qwen3.5 uses the same layout).
 
 # %%
 #| export
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    "cos and sin of the rotation angles, shape `positions.shape + (head_dim,)`, cast to `dtype`."
-    ct = compute_dtype(dtype)
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=ct) / head_dim)
-    cos, sin = cos_sin(positions, inv_freq, 1.0)   # models/20: once per call, not per head
-    return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     "Rotate `x` (B, heads, S, head_dim) by angles for (S,) or (B, S) positions."
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads

@@ -209,11 +209,6 @@ def rope_frequencies(dim: int, theta: float, scaling: dict, max_positions: int, 
     return inv_freq, yarn_mscale(factor)
 
 
-def rope_cos_sin(positions: Tensor, inv_freq: Tensor, attention_factor: float) -> tuple[Tensor, Tensor]:
-    "cos and sin of the angles, shape `positions.shape + (dim/2,)`, in `inv_freq`'s dtype, times the factor."
-    return cos_sin(positions, inv_freq, attention_factor)   # models/20: once per call, not per head
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     "Rotate adjacent channel pairs of `x` (B, heads, S, d) by angles for (S,) or (B, S) positions."
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
@@ -230,14 +225,14 @@ xr, pr = torch.randn(2, 3, 5, 8, dtype=torch.float64), torch.arange(5) * 7
 f, _ = rope_frequencies(8, 10_000.0, {}, 4096, torch.float64)
 rot = torch.polar(torch.ones(5, 4, dtype=torch.float64), pr[:, None].double() * f)
 ref = torch.view_as_real(torch.view_as_complex(xr.unflatten(-1, (4, 2)).contiguous()) * rot).flatten(-2)
-assert torch.allclose(apply_rope(xr, *rope_cos_sin(pr, f, 1.0)), ref, rtol=0, atol=1e-14)
+assert torch.allclose(apply_rope(xr, *cos_sin(pr, f, 1.0)), ref, rtol=0, atol=1e-14)
 q1, k1 = torch.randn(2, 1, 1, 8, dtype=torch.float64)
 def rotated_dot(pq, pk):
-    return (apply_rope(q1, *rope_cos_sin(torch.tensor([pq]), f, 1.0))
-            * apply_rope(k1, *rope_cos_sin(torch.tensor([pk]), f, 1.0))).sum()
+    return (apply_rope(q1, *cos_sin(torch.tensor([pq]), f, 1.0))
+            * apply_rope(k1, *cos_sin(torch.tensor([pk]), f, 1.0))).sum()
 assert torch.allclose(rotated_dot(7, 3), rotated_dot(107, 103))  # same distance, same product
 assert not torch.allclose(rotated_dot(7, 3), rotated_dot(7, 4))
-assert torch.equal(apply_rope(xr, *rope_cos_sin(pr, f, 1.0)), apply_rope(xr, *rope_cos_sin(pr.expand(2, 5), f, 1.0)))
+assert torch.equal(apply_rope(xr, *cos_sin(pr, f, 1.0)), apply_rope(xr, *cos_sin(pr.expand(2, 5), f, 1.0)))
 
 # %% [markdown]
 # YaRN with DeepSeek-V2-Lite's settings (d = 64, θ = 10⁴, factor 40 over 4096 positions): the fastest
@@ -331,7 +326,7 @@ class Attention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
         inv_freq, factor = rope_frequencies(self.rope, self.rope_theta, self.rope_scaling, self.max_positions,
                                             compute_dtype(x.dtype), x.device)
-        cos, sin = rope_cos_sin(positions, inv_freq, factor)
+        cos, sin = cos_sin(positions, inv_freq, factor)
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), -1)
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)   # one rotated key for all heads
         payload = torch.cat((self.kv_a_layernorm(latent), k_rope), -1)   # what the ring passes
@@ -368,7 +363,7 @@ with torch.no_grad():
     c_kv, k_r = attn.kv_a_layernorm(ckv[..., :10]), ckv[..., 10:]
     f, fac = rope_frequencies(4, ca.rope_theta, ca.rope_scaling, ca.max_position_embeddings, torch.float64)
     assert fac == yarn_mscale(4.0, 1.0) / yarn_mscale(4.0, 0.5) and fac != 1.0
-    cos, sin = rope_cos_sin(pa, f, fac)
+    cos, sin = cos_sin(pa, f, fac)
     k_r = apply_rope(k_r.unsqueeze(1), cos, sin)[:, 0]                         # (B, S, 4), shared by the heads
     W = attn.kv_b_proj.weight.view(2, 11, 10)                                  # per head: 6 key rows, 5 value rows
     mask = torch.ones(S, S, dtype=torch.bool).triu(1)

@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, cos_sin,
-                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids,
-                                      router_bytes)
+from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype,
+                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, rope_cos_sin,
+                                      route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, documents
 from pith_lit.ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
@@ -190,18 +190,11 @@ assert torch.allclose(RMSNorm(6, 1e-6)(xn), xn / xn.pow(2).mean(-1, keepdim=True
 # `position · θ^(-2i/rotary_dim)`. The other channels pass unchanged. transformers builds Qwen3.5's angles as
 # multimodal RoPE (separate temporal, height and width positions interleaved over the pairs); text has the
 # same position in all three, which is this plain form. Positions are an explicit argument, (S,) or (B, S);
-# the angles are computed from them on every call, in float32 (float64 for a float64 model).
+# the angles are computed from them on every call, in float32 (float64 for a float64 model), by models/20's
+# `rope_cos_sin` over the first `rotary_dim` channels.
 
 # %%
 #| export
-def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    "cos and sin of the rotation angles, shape `positions.shape + (rotary_dim,)`, cast to `dtype`."
-    ct = compute_dtype(dtype)
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=ct) / rotary_dim)
-    cos, sin = cos_sin(positions, inv_freq, 1.0)   # models/20: once per call, not per head
-    return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     "Rotate the first cos.shape[-1] channels of `x` (B, heads, S, head_dim) for (S,) or (B, S) positions."
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads

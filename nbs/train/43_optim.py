@@ -22,10 +22,10 @@
 import math
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from pith_lit.engine.ep import all_to_all
 from pith_lit.ops.adamw import AdamW, local
 
 # %%
@@ -107,6 +107,7 @@ assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 # the bf16 forward pass); plain bf16 loses most of its updates to rounding.
 
 # %%
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -192,7 +193,7 @@ def _regroup(x: Tensor, dim: int, size: int, group):
     """`x`, this rank's part of a stack of matrices whose matrix dim `dim` (of `size` in all) is split over `group` as
     FSDP splits (`torch.chunk`) -> (whole matrices of this rank's share of the stack's first dim, how to give back
     this rank's part of a result of that shape): one all-to-all each way."""
-    n, r = group.size(), dist.get_rank(group)
+    n, r = group.size(), group.rank()
     rows = [len(c) for c in torch.arange(size).chunk(n)]
     rows += [0] * (n - len(rows))
     if x.shape[dim] != rows[r]:
@@ -201,18 +202,13 @@ def _regroup(x: Tensor, dim: int, size: int, group):
     slab = lambda e, k: math.prod(x.shape[1:dim]) * rows[k] * math.prod(x.shape[dim + 1:]) * e   # elements
     shape = lambda e, k: (e, *x.shape[1:dim], rows[k], *x.shape[dim + 1:])
 
-    def swap(flat: Tensor, send: list[int], recv: list[int]) -> Tensor:
-        out = flat.new_empty(sum(recv))
-        dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
-        return out
-
     mine = [slab(share[r], k) for k in range(n)]   # from each rank: its rows of this rank's share
-    got = swap(x.reshape(-1), [slab(share[j], r) for j in range(n)], mine)
+    got = all_to_all(x.reshape(-1), [slab(share[j], r) for j in range(n)], mine, group)   # engine/31
     whole = torch.cat([p.view(shape(share[r], k)) for k, p in enumerate(got.split(mine))], dim)
 
     def back(out: Tensor) -> Tensor:
         flat = torch.cat([p.reshape(-1) for p in out.split(rows, dim)])
-        return swap(flat, mine, [slab(share[j], r) for j in range(n)]).view(x.shape)
+        return all_to_all(flat, mine, [slab(share[j], r) for j in range(n)], group).view(x.shape)
 
     return whole, back
 

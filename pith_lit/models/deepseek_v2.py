@@ -2,9 +2,9 @@
 
 # %% auto #0
 __all__ = ['YARN_KEYS', 'Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE', 'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME',
-           'HF_READ_PAST', 'FP32_NORM_GAIN', 'Config', 'RMSNorm', 'yarn_mscale', 'rope_frequencies', 'rope_cos_sin',
-           'apply_rope', 'Attention', 'Router', 'SparseMoE', 'DecoderLayer', 'DeepseekV2ForCausalLM', 'tiny_config',
-           'from_hf', 'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
+           'HF_READ_PAST', 'FP32_NORM_GAIN', 'Config', 'RMSNorm', 'yarn_mscale', 'rope_frequencies', 'apply_rope',
+           'Attention', 'Router', 'SparseMoE', 'DecoderLayer', 'DeepseekV2ForCausalLM', 'tiny_config', 'from_hf',
+           'to_hf', 'kept_by_part', 'kernel_attention_shape', 'expert_width', 'router_one_hot']
 
 # %% ../../nbs/models/22_deepseek_v2.ipynb #731259be
 import math
@@ -140,11 +140,6 @@ def rope_frequencies(dim: int, theta: float, scaling: dict, max_positions: int, 
     return inv_freq, yarn_mscale(factor)
 
 
-def rope_cos_sin(positions: Tensor, inv_freq: Tensor, attention_factor: float) -> tuple[Tensor, Tensor]:
-    "cos and sin of the angles, shape `positions.shape + (dim/2,)`, in `inv_freq`'s dtype, times the factor."
-    return cos_sin(positions, inv_freq, attention_factor)   # models/20: once per call, not per head
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     "Rotate adjacent channel pairs of `x` (B, heads, S, d) by angles for (S,) or (B, S) positions."
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
@@ -191,7 +186,7 @@ class Attention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
         inv_freq, factor = rope_frequencies(self.rope, self.rope_theta, self.rope_scaling, self.max_positions,
                                             compute_dtype(x.dtype), x.device)
-        cos, sin = rope_cos_sin(positions, inv_freq, factor)
+        cos, sin = cos_sin(positions, inv_freq, factor)
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), -1)
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)   # one rotated key for all heads
         payload = torch.cat((self.kv_a_layernorm(latent), k_rope), -1)   # what the ring passes

@@ -3,9 +3,9 @@
 # %% auto #0
 __all__ = ['LAYER_TYPES', 'ROPE_KEYS', 'GDR_CHUNK', 'Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE',
            'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME', 'HF_READ_PAST', 'FP32_NORM_GAIN', 'Config', 'RMSNorm',
-           'GatedRMSNorm', 'rope_cos_sin', 'apply_rope', 'Attention', 'GatedDeltaNet', 'Router', 'SparseMoeBlock',
-           'DecoderLayer', 'Qwen3_5MoeForCausalLM', 'tiny_config', 'from_hf', 'to_hf', 'kept_by_part',
-           'kernel_attention_shape', 'expert_width', 'router_one_hot']
+           'GatedRMSNorm', 'apply_rope', 'Attention', 'GatedDeltaNet', 'Router', 'SparseMoeBlock', 'DecoderLayer',
+           'Qwen3_5MoeForCausalLM', 'tiny_config', 'from_hf', 'to_hf', 'kept_by_part', 'kernel_attention_shape',
+           'expert_width', 'router_one_hot']
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #2f0e74f7
 import math
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, cos_sin,
-                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids,
-                                      router_bytes)
+from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype,
+                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, rope_cos_sin,
+                                      route_ids, router_bytes)
 from ..ops.attention import attention_mask, documents
 from ..ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
@@ -120,14 +120,6 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(x, z, self.weight, self.eps)
 
 # %% ../../nbs/models/24_qwen3_5_moe.ipynb #7cf8ec24
-def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    "cos and sin of the rotation angles, shape `positions.shape + (rotary_dim,)`, cast to `dtype`."
-    ct = compute_dtype(dtype)
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=ct) / rotary_dim)
-    cos, sin = cos_sin(positions, inv_freq, 1.0)   # models/20: once per call, not per head
-    return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     "Rotate the first cos.shape[-1] channels of `x` (B, heads, S, head_dim) for (S,) or (B, S) positions."
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads

@@ -2,9 +2,9 @@
 
 # %% auto #0
 __all__ = ['Model', 'HF_MODEL_TYPES', 'HF_EXPERTS_ONE_BY_ONE', 'HF_READ_EXPERTS_ONE_BY_ONE', 'HF_RENAME', 'HF_READ_PAST',
-           'FP32_NORM_GAIN', 'Config', 'RMSNorm', 'rope_cos_sin', 'apply_rope', 'Attention', 'Router', 'SparseMoE',
-           'DecoderLayer', 'Qwen3MoeForCausalLM', 'tiny_config', 'from_hf', 'to_hf', 'kept_by_part',
-           'kernel_attention_shape', 'expert_width', 'router_one_hot']
+           'FP32_NORM_GAIN', 'Config', 'RMSNorm', 'apply_rope', 'Attention', 'Router', 'SparseMoE', 'DecoderLayer',
+           'Qwen3MoeForCausalLM', 'tiny_config', 'from_hf', 'to_hf', 'kept_by_part', 'kernel_attention_shape',
+           'expert_width', 'router_one_hot']
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #018f2b14
 from dataclasses import asdict, dataclass
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, cos_sin,
-                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids,
-                                      router_bytes)
+from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype,
+                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, rope_cos_sin,
+                                      route_ids, router_bytes)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
 
@@ -79,14 +79,6 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 # %% ../../nbs/models/21_qwen3_moe.ipynb #83545832
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    "cos and sin of the rotation angles, shape `positions.shape + (head_dim,)`, cast to `dtype`."
-    ct = compute_dtype(dtype)
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=ct) / head_dim)
-    cos, sin = cos_sin(positions, inv_freq, 1.0)   # models/20: once per call, not per head
-    return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     "Rotate `x` (B, heads, S, head_dim) by angles for (S,) or (B, S) positions."
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads

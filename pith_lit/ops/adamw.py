@@ -27,8 +27,7 @@ def adamw_torch(p, g, m, v, *, step: int, lr: float, weight_decay: float, betas:
     denom = (vf.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
     pf.addcdiv_(mf, denom, value=-lr / (1 - b1 ** step))
     for dst, src in ((p, pf), (m, mf), (v, vf)):
-        if dst is not src:
-            dst.copy_(src)
+        dst.copy_(src)   # nothing to do where they are the same tensor
 
 # %% ../../nbs/ops/19_adamw.ipynb #0684bea9
 @triton.jit
@@ -138,9 +137,7 @@ class AdamW(torch.optim.Optimizer):
         if not state:
             state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
                          exp_avg_sq=torch.zeros_like(p))
-        if state["step"].device.type != "cpu":   # a state saved by PyTorch's fused AdamW keeps it on the GPU
-            state["step"] = state["step"].cpu()
-        state["step"] += 1
+        state["step"] = state["step"].cpu() + 1   # PyTorch's fused AdamW saves it on the GPU
         adamw_update(local(p), local(p.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]),
                      step=int(state["step"]), lr=float(group["lr"]), weight_decay=group["weight_decay"],
                      betas=group["betas"], eps=group["eps"], grad_scale=grad_scale)

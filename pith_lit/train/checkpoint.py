@@ -154,12 +154,10 @@ def _state(model, optimizer, extra: dict) -> dict:
     return state
 
 # %% ../../nbs/train/44_checkpoint.ipynb #9348d157
-def _version() -> str:
-    "The installed pith_lit's version, for meta.json; \"not installed\" when it runs from a checkout on PYTHONPATH."
-    try:
-        return version("pith_lit")
-    except PackageNotFoundError:
-        return "not installed"
+try:   # the installed pith_lit's version, for meta.json
+    VERSION = version("pith_lit")
+except PackageNotFoundError:   # run from a checkout on PYTHONPATH
+    VERSION = "not installed"
 
 
 def _need_model_type(model_config: dict):
@@ -193,7 +191,7 @@ def _write(run_dir, step: int, state: dict, shapes: dict, model_config: dict, ke
     files = {name: entry for part in _gathered(_digests(mine)) for name, entry in part.items()}
     if rank == 0:
         files.update(_digests(sorted(p for p in tmp.iterdir() if p.name not in files)))  # .metadata, any other
-        meta = {"step": step, "pith_lit_version": _version(), "world_size": _world_size(), "layout": layout,
+        meta = {"step": step, "pith_lit_version": VERSION, "world_size": _world_size(), "layout": layout,
                 "model_config": model_config, "params_sha256": params_hash(shapes)}
         if rng is None:
             meta["weights_only"] = True

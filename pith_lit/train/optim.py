@@ -7,10 +7,10 @@ __all__ = ['NS_COEFFS', 'build_optimizer', 'orthogonalize', 'Muon', 'muon_param'
 import math
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..engine.ep import all_to_all
 from ..ops.adamw import AdamW, local
 
 # %% ../../nbs/train/43_optim.ipynb #3f34e9ff
@@ -59,7 +59,7 @@ def _regroup(x: Tensor, dim: int, size: int, group):
     """`x`, this rank's part of a stack of matrices whose matrix dim `dim` (of `size` in all) is split over `group` as
     FSDP splits (`torch.chunk`) -> (whole matrices of this rank's share of the stack's first dim, how to give back
     this rank's part of a result of that shape): one all-to-all each way."""
-    n, r = group.size(), dist.get_rank(group)
+    n, r = group.size(), group.rank()
     rows = [len(c) for c in torch.arange(size).chunk(n)]
     rows += [0] * (n - len(rows))
     if x.shape[dim] != rows[r]:
@@ -68,18 +68,13 @@ def _regroup(x: Tensor, dim: int, size: int, group):
     slab = lambda e, k: math.prod(x.shape[1:dim]) * rows[k] * math.prod(x.shape[dim + 1:]) * e   # elements
     shape = lambda e, k: (e, *x.shape[1:dim], rows[k], *x.shape[dim + 1:])
 
-    def swap(flat: Tensor, send: list[int], recv: list[int]) -> Tensor:
-        out = flat.new_empty(sum(recv))
-        dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
-        return out
-
     mine = [slab(share[r], k) for k in range(n)]   # from each rank: its rows of this rank's share
-    got = swap(x.reshape(-1), [slab(share[j], r) for j in range(n)], mine)
+    got = all_to_all(x.reshape(-1), [slab(share[j], r) for j in range(n)], mine, group)   # engine/31
     whole = torch.cat([p.view(shape(share[r], k)) for k, p in enumerate(got.split(mine))], dim)
 
     def back(out: Tensor) -> Tensor:
         flat = torch.cat([p.reshape(-1) for p in out.split(rows, dim)])
-        return swap(flat, mine, [slab(share[j], r) for j in range(n)]).view(x.shape)
+        return all_to_all(flat, mine, [slab(share[j], r) for j in range(n)], group).view(x.shape)
 
     return whole, back
 
