@@ -283,7 +283,7 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
                overlap: bool = False, steps: int = 2, device: torch.device = torch.device("cpu"),
                optimizer: str = "adamw", cp: int = 1, documents: bool = False) -> str:
     """Worker: FSDP2 training steps against a single-process reference (see above); returns this rank's line.
-    `optimizer`: train/43's "adamw" (ops/19) or "muon" (which gathers whole matrices of sharded parameters).
+    `optimizer`: train/43's "adamw" (ops/19) or "muon" (which orthogonalises whole matrices of sharded parameters).
     `cp`: context-parallel ranks, each given its zigzag chunks of the sequences (ops/17); `documents`: packed
     documents (`packed_positions`) in every row."""
     mesh = build_mesh(pp, dp, cp, ep, device.type, 120, dp_replicate=dp_replicate)

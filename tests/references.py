@@ -76,3 +76,24 @@ def check_across_ranks(rank: int, world_size: int, init_method: str, seed: int =
     s_mine, s_ref = mine.stats(), ref.stats()
     assert s_mine.keys() == s_ref.keys() and all(abs(s_mine[x] - s_ref[x]) < 1e-12 for x in s_ref), (s_mine, s_ref)
     dist.destroy_process_group()
+
+
+def bf16_errors(model_class, cfg, seed: int, device="cuda") -> tuple[list[str], list[float], list[float]]:
+    """Relative errors against the fp32 model of the bf16 logits and then of every gradient (parameter names in
+    the same order), for the five-stage forward and for the plain sequential one (`reference_forward`), with two
+    packed documents per row: models/24's GPU check and benchmarks/decay_grad_error.py."""
+    rel_err = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+    torch.manual_seed(seed)
+    ref_model = model_class(cfg).to(device)
+    bf_model = model_class(cfg).to(device).bfloat16()
+    bf_model.load_state_dict(ref_model.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), device=device)
+    pos = torch.cat([torch.arange(100), torch.arange(156)]).expand(4, 256).to(device)
+    ref = ref_model.reference_forward(ids, pos)
+    g_ref = torch.autograd.grad(ref.square().mean(), list(ref_model.parameters()))
+    errs = {}
+    for name, fwd in (("five", lambda: bf_model(ids, pos)[0]), ("plain", lambda: bf_model.reference_forward(ids, pos))):
+        out = fwd()
+        g = torch.autograd.grad(out.float().square().mean(), list(bf_model.parameters()))
+        errs[name] = [rel_err(out, ref)] + [rel_err(a, b) for a, b in zip(g, g_ref)]
+    return [n for n, _ in bf_model.named_parameters()], errs["five"], errs["plain"]

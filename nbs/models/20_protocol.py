@@ -228,8 +228,6 @@ def run_layers(layers, h: Tensor, positions: Tensor, dispatcher) -> tuple[Tensor
     return h, routings
 
 
-
-
 def head_loss(model, h: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
     """Summed token cross-entropy (fp32, or fp64 for a float64 model) of the model's final norm and head on
     `h (B, S, H)` against `labels (B, S)`."""
@@ -250,11 +248,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 #
 # Every family rotates queries and keys by angles `position × frequency`. Left inside a compiled stage 1, the cos and
 # sin of those angles are fused by the compiler into each kernel that reads them, so they are recomputed for every
-# head of q and k, forward and backward: transcendental functions on ~10⁸ elements a layer, which made those kernels
-# several times slower than their memory traffic on the H200 (RESULTS.md, "Step anatomy"). `cos_sin` is an operator of
-# its own (`torch.library.custom_op`), which the compiler calls instead of fusing: the tables, `positions.shape +
-# inv_freq.shape`, are computed once per call, and the rotations read them. No gradient flows into positions or
-# frequencies, so it needs no backward.
+# head of q and k, forward and backward: transcendental functions on ~10⁸ elements a layer, which keep those kernels
+# several times longer than their memory traffic needs on the H200 (RESULTS.md, "The step's anatomy"). `cos_sin` is
+# an operator of its own (`torch.library.custom_op`), which the compiler calls instead of fusing: the tables,
+# `positions.shape + inv_freq.shape`, are computed once per call, and the rotations read them. No gradient flows into
+# positions or frequencies, so it needs no backward.
 
 # %%
 #| export

@@ -741,33 +741,14 @@ print(f"{total:,} parameters, {active:,} active matmul parameters per token")
 
 # %%
 #| cuda
+from tests.references import bf16_errors
+
 cg = Config(vocab_size=1024, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
             head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
             linear_value_head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
             shared_expert_intermediate_size=256)
-rel_err = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
-
-
-def bf16_errors(seed):
-    "Relative errors against fp32 of the bf16 logits and of every gradient, for the five-stage and the plain path."
-    torch.manual_seed(seed)
-    ref_model = Qwen3_5MoeForCausalLM(cg).cuda()
-    bf_model = Qwen3_5MoeForCausalLM(cg).cuda().bfloat16()
-    bf_model.load_state_dict(ref_model.state_dict())
-    ids = torch.randint(0, cg.vocab_size, (4, 256), device="cuda")
-    pos = torch.cat([torch.arange(100), torch.arange(156)]).expand(4, 256).cuda()
-    ref = ref_model.reference_forward(ids, pos)
-    g_ref = torch.autograd.grad(ref.square().mean(), list(ref_model.parameters()))
-    errs = {}
-    for name, fwd in (("five", lambda: bf_model(ids, pos)[0]), ("plain", lambda: bf_model.reference_forward(ids, pos))):
-        out = fwd()
-        g = torch.autograd.grad(out.float().square().mean(), list(bf_model.parameters()))
-        errs[name] = [rel_err(out, ref)] + [rel_err(a, b) for a, b in zip(g, g_ref)]
-    return errs["five"], errs["plain"]
-
-
-decay = {i + 1 for i, (n, _) in enumerate(Qwen3_5MoeForCausalLM(cg).named_parameters()) if n.endswith(("A_log", "dt_bias"))}
-five, plain = bf16_errors(0)
+names, five, plain = bf16_errors(Qwen3_5MoeForCausalLM, cg, 0)   # tests/references.py
+decay = {i + 1 for i, n in enumerate(names) if n.endswith(("A_log", "dt_bias"))}
 print(f"bf16 vs fp32 relative error, five-stage (plain bf16): logits {five[0]:.1e} ({plain[0]:.1e}), "
       f"worst gradient outside the decay's {max(f for i, f in enumerate(five) if i and i not in decay):.1e} "
       f"({max(p for i, p in enumerate(plain) if i and i not in decay):.1e})")
@@ -780,7 +761,7 @@ for i, (f, p) in enumerate(zip(five, plain)):
 # layers 1.0-3.4x (RESULTS.md). So these are compared summed over the layers and over four seeds.
 sums = [sum(e[i] for i in decay) for e in (five, plain)]
 for seed in (1, 2, 3):
-    sums = [a + sum(e[i] for i in decay) for a, e in zip(sums, bf16_errors(seed))]
+    sums = [a + sum(e[i] for i in decay) for a, e in zip(sums, bf16_errors(Qwen3_5MoeForCausalLM, cg, seed)[1:])]
 print(f"decay gradients' errors summed over layers and seeds 0-3: five-stage {sums[0]:.2f}, plain {sums[1]:.2f}")
 assert sums[0] <= 2 * sums[1], sums
 

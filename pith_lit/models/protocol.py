@@ -106,8 +106,6 @@ def run_layers(layers, h: Tensor, positions: Tensor, dispatcher) -> tuple[Tensor
     return h, routings
 
 
-
-
 def head_loss(model, h: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
     """Summed token cross-entropy (fp32, or fp64 for a float64 model) of the model's final norm and head on
     `h (B, S, H)` against `labels (B, S)`."""
