@@ -6,7 +6,9 @@ update) too. The last line is JSON.
 
 usage: PYTHONPATH=. python3 benchmarks/optimizer.py [CONFIG] [KEY=VALUE ...]
        (default configs/bench-qwen3-30b-a3b.toml; e.g. train.optim_dtype=float32 model.num_hidden_layers=4)
-       BLOCKS="1024x4 4096x8" tries other (block, warps) of the kernel."""
+       BLOCKS="1024x4 4096x8" tries other (block, warps) of the kernel.
+       train.optimizer=muon adds Muon's step over the model (its Newton–Schulz FLOPs and rate) and the experts'
+       iteration on one layer's fused gate_up against the same as its two matrices (train/43)."""
 import json
 import os
 import sys
@@ -78,4 +80,30 @@ for bw in os.environ.get("BLOCKS", "").split():
     ms = timed(ours.step)
     res[f"ops/19 AdamW {bw}"] = round(ms, 2)
     print(f"{'ops/19 AdamW, block x warps ' + bw:44s} {ms:8.2f} ms  {7 * size * n / 1e9 / ms:6.2f} TB/s")
+if cfg.train.optimizer == "muon":   # Muon's step over the whole model, and its routed experts' Newton–Schulz alone
+    from pith_lit.train.optim import _split, orthogonalize
+    from pith_lit.train.trainer import optimizer_for
+    del params, theirs, ours, copy_src, copy_dst
+    torch.cuda.empty_cache()
+    model = meta_model(cfg)().to_empty(device="cuda").to(dtype)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02, generator=gen)
+        p.grad = torch.randn(p.shape, device="cuda", dtype=dtype, generator=gen) * 1e-3
+    muon = optimizer_for(cfg)(model)
+    mats = [_split(p, muon.parts[p])[0] if p in muon.parts else p for g in muon.param_groups if g["muon"]
+            for p in g["params"]]
+
+    def flops(t):   # five iterations on each m × n matrix (m ≤ n): 4m²n + 2m³ each
+        m, n = sorted(t.shape[-2:])
+        return 5 * t[..., 0, 0].numel() * (4 * m * m * n + 2 * m ** 3)
+
+    ex = next(m for m in model.modules() if hasattr(m, "MUON_PARTS"))
+    w = ex.gate_up_proj.grad
+    pair = _split(w, ex.MUON_PARTS["gate_up_proj"])[0]
+    for name, fn, f in [("Muon step (model)", muon.step, sum(map(flops, mats))),
+                        ("NS: one layer's gate_up, fused", lambda: orthogonalize(w), flops(w)),
+                        ("NS: one layer's gate_up, as gate and up", lambda: orthogonalize(pair), flops(pair))]:
+        ms = timed(fn)
+        res[name] = {"ms": round(ms, 2), "tflop": round(f / 1e12, 2), "tflop_s": round(f / ms / 1e9)}
+        print(f"{name:44s} {ms:8.2f} ms  {f / 1e12:7.2f} TFLOP  {f / ms / 1e9:6.0f} TFLOP/s")
 print(json.dumps(res))

@@ -167,6 +167,8 @@ def sink_attention_reference(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, win
 # %% ../../nbs/models/23_gpt_oss.ipynb #f2c4ccbf
 class Experts(nn.Module):
     "E clamped-SwiGLU experts with biases, stacked (E, in, out) as in transformers; rows grouped by expert."
+    MUON_PARTS = {"gate_up_proj": (-1, True)}   # two matrices, gate's and up's columns interleaved (train/43)
+
     def __init__(self, c: Config, fp8: str | None = None):
         super().__init__()
         E, H, I = c.num_local_experts, c.hidden_size, c.intermediate_size

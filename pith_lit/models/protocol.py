@@ -216,6 +216,8 @@ class MLP(nn.Module):
 
 class Experts(nn.Module):
     "E SwiGLU experts as stacked weights; `forward` takes rows grouped by expert, `counts` (E,) rows each."
+    MUON_PARTS = {"gate_up_proj": (-2, False)}   # two matrices, gate's rows then up's (train/43)
+
     def __init__(self, num_experts: int, hidden: int, inter: int, fp8: str | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))

@@ -26,7 +26,8 @@ def build_optimizer(model, lr: float, weight_decay: float, betas: tuple[float, f
         groups = [{"params": mats, "weight_decay": weight_decay, "muon": True},
                   {"params": [p for _, p in rest if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for _, p in rest if p.dim() < 2], "weight_decay": 0.0}]
-        return Muon([g for g in groups if g["params"]], lr=lr, momentum=momentum, betas=betas, eps=eps)
+        parts = {getattr(m, n): spec for m in model.modules() for n, spec in getattr(m, "MUON_PARTS", {}).items()}
+        return Muon([g for g in groups if g["params"]], lr=lr, momentum=momentum, betas=betas, eps=eps, parts=parts)
     if kind != "adamw":
         raise ValueError(f"optimizer kind {kind!r}: expected 'adamw' or 'muon' (train.optimizer)")
     decay, no_decay = [], []
@@ -47,12 +48,24 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     wide = x.shape[-2] > x.shape[-1]
     if wide:
         x = x.mT
+    lead, x = x.shape[:-2], x.reshape(-1, *x.shape[-2:])           # one batch of matrices: three GEMMs a step
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     a, b, c = NS_COEFFS
     for _ in range(steps):
         A = x @ x.mT
-        x = a * x + (b * A + c * A @ A) @ x
+        x = torch.baddbmm(x, torch.baddbmm(A, A, A, beta=b, alpha=c), x, beta=a)   # a·x + (b·A + c·A²)·x
+    x = x.view(*lead, *x.shape[-2:])
     return (x.mT if wide else x).to(m.dtype)
+
+
+def _split(x: Tensor, spec) -> tuple[Tensor, callable]:
+    """`x`'s fused pairs of matrices (`spec` = (the dim that holds both, whether they interleave), a module's
+    `MUON_PARTS`) as a stack with a new dim of 2 before the matrix dims, and how to fuse a result of that shape."""
+    dim, interleaved = spec
+    dim %= x.dim()
+    pair = dim + 1 if interleaved else dim     # where the new dim of 2 lands after unflatten
+    y = x.unflatten(dim, (-1, 2) if interleaved else (2, -1)).movedim(pair, -3)
+    return y, lambda out: out.movedim(-3, pair).flatten(dim, dim + 1)
 
 
 def _regroup(x: Tensor, dim: int, size: int, group):
@@ -102,9 +115,10 @@ class Muon(AdamW):
     `momentum_buffer`, or AdamW's `step`, `exp_avg`, `exp_avg_sq`."""
 
     def __init__(self, groups, lr: float, momentum: float = 0.95, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, ns_steps: int = 5):
+                 weight_decay: float = 0.0, ns_steps: int = 5, parts: dict | None = None):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
                          ns_steps=ns_steps, muon=False)
+        self.parts = parts or {}   # parameter -> how it fuses two matrices (`_split`)
 
     def update(self, p, g: dict, grad_scale: Tensor | None) -> None:
         if not g["muon"]:
@@ -116,7 +130,8 @@ class Muon(AdamW):
         buf.mul_(g["momentum"]).add_(grad)
         update = grad.add(buf, alpha=g["momentum"])          # Nesterov
         full, mine = _whole_matrices(update)
-        out = orthogonalize(full, g["ns_steps"]) * (0.2 * max(full.shape[-2:]) ** 0.5)
+        mats, fuse = _split(full, self.parts[p]) if p in self.parts else (full, lambda out: out)
+        out = fuse(orthogonalize(mats, g["ns_steps"]) * (0.2 * max(mats.shape[-2:]) ** 0.5))
         p.mul_(1 - g["lr"] * g["weight_decay"])
         local(p).add_(mine(out), alpha=-g["lr"])
 
@@ -127,7 +142,8 @@ def muon_param(name: str, p: Tensor) -> bool:
     of per-token scores) and depthwise convolution (one short kernel per channel, not a matrix); not the embedding,
     the head, norms or biases."""
     return p.dim() >= 2 and ".layers." in f".{name}" and not name.endswith(
-        ("mlp.gate.weight", "mlp.router.weight", "mlp.shared_expert_gate.weight", "linear_attn.conv1d.weight"))
+        ("mlp.gate.weight", "mlp.router.weight", "mlp.shared_expert_gate.weight", "linear_attn.conv1d.weight",
+         "bias"))   # GPT-OSS's experts stack their biases, (E, out): rows of biases, not a matrix
 
 
 def optimizer_states(kind: str):
