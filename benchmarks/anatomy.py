@@ -1,7 +1,7 @@
 """The anatomy of one training step on one GPU, from the trace `log.profile_step` leaves in a run's directory: the GPU
-time of each kernel class (grouped GEMMs, dense GEMMs, attention, permutation and routing, norms and element-wise
-ops, cross-entropy, optimizer, clipping, copies) and the time no kernel runs (host idle), each beside its limit on the
-H200: FLOPs at 789 TFLOP/s for the matmuls and attention, bytes at 4.8 TB/s for the optimizer, the clipping norm and
+time of each kernel class (grouped GEMMs, dense GEMMs, attention, Qwen3.5's gated delta rule (ops/16), permutation
+and routing, norms and element-wise ops, cross-entropy, optimizer, clipping, copies) and the time no kernel runs
+(host idle), each beside its limit on the H200: FLOPs at 789 TFLOP/s for the matmuls and attention, bytes at 4.8 TB/s for the optimizer, the clipping norm and
 the cross-entropy's pass over the logits. FLOPs come from the model built on the meta device (6 × active matmul
 parameters per token, split into routed experts and the rest, plus the family's attention FLOPs).
 
@@ -21,6 +21,7 @@ CLASSES = [  # (class, pattern on the kernel's name), first match wins
     ("clipping", r"_sum_squares|multi_tensor_apply|foreach|LpNorm|lpnorm"),
     ("cross-entropy", r"_ce_rows"),
     ("attention", r"attn|flash|fmha|sdpa|_attention"),
+    ("gated delta rule", r"_wy_kernel|_state_fwd_kernel|_out_fwd_kernel|_state_bwd_kernel|_chunk_bwd_kernel"),
     ("grouped GEMMs", r"grouped|Grouped|GroupProblem|_fp8_gemm|_fp8_wgrad"),
     ("dense GEMMs", r"gemm|nvjet|xmma|wgmma|cutlass|sm90_|Kernel2"),
     ("permutation and routing", r"gather|scatter|_sum_rows|index|sort|topk|radix|histogram|scan|cumsum|bincount"),

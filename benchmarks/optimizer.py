@@ -83,7 +83,7 @@ for bw in os.environ.get("BLOCKS", "").split():
 if cfg.train.optimizer == "muon":   # Muon's step over the whole model, and its routed experts' Newton–Schulz alone
     from pith_lit.train.optim import _split, orthogonalize
     from pith_lit.train.trainer import optimizer_for
-    del params, theirs, ours, copy_src, copy_dst
+    del params, decay, groups, theirs, ours, copy_src, copy_dst, c, norm0
     torch.cuda.empty_cache()
     model = meta_model(cfg)().to_empty(device="cuda").to(dtype)
     for p in model.parameters():
@@ -106,4 +106,8 @@ if cfg.train.optimizer == "muon":   # Muon's step over the whole model, and its 
         ms = timed(fn)
         res[name] = {"ms": round(ms, 2), "tflop": round(f / 1e12, 2), "tflop_s": round(f / ms / 1e9)}
         print(f"{name:44s} {ms:8.2f} ms  {f / 1e12:7.2f} TFLOP  {f / ms / 1e9:6.0f} TFLOP/s")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        muon.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 print(json.dumps(res))
