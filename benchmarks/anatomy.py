@@ -1,8 +1,9 @@
 """The anatomy of one training step on one GPU, from the trace `log.profile_step` leaves in a run's directory: the GPU
 time of each kernel class (grouped GEMMs, dense GEMMs, attention, Qwen3.5's gated delta rule (ops/16), permutation
 and routing, norms and element-wise ops, cross-entropy, optimizer, clipping, copies) and the time no kernel runs
-(host idle), each beside its limit on the H200: FLOPs at 789 TFLOP/s for the matmuls and attention, bytes at 4.8 TB/s for the optimizer, the clipping norm and
-the cross-entropy's pass over the logits. FLOPs come from the model built on the meta device (6 × active matmul
+(host idle, by the kernel before each gap), each beside its limit on the H200: FLOPs at 789 TFLOP/s for the
+matmuls and attention, bytes at 4.8 TB/s for the optimizer, the clipping norm and the cross-entropy's pass over the
+logits. FLOPs come from the model built on the meta device (6 × active matmul
 parameters per token, split into routed experts and the rest, plus the family's attention FLOPs).
 
 usage: PYTHONPATH=. python3 benchmarks/anatomy.py RUN_DIR [RANK]   (prints a markdown table, then one JSON line)"""
@@ -46,6 +47,17 @@ def busy_us(spans) -> float:
     return total
 
 
+def idle_after(ks) -> dict:
+    "Host idle by the kernel that finished last before each gap (its name's first 70 characters): ms."
+    out, end, last = {}, None, ""
+    for name, s, d in sorted(ks, key=lambda k: k[1]):
+        if end is not None and s > end:
+            out[last[:70]] = out.get(last[:70], 0.0) + (s - end) / 1e3
+        if end is None or s + d > end:
+            end, last = s + d, name
+    return out
+
+
 def limits(cfg) -> dict:
     "Each class's limit in ms for one step of `cfg`'s model and batch."
     model, c = meta_model(cfg)(), cfg.model
@@ -77,7 +89,7 @@ def anatomy(run: Path, rank: int = 0) -> dict:
         short = name[:70]
         o["top"][short] = o["top"].get(short, 0.0) + dur / 1e3
     span = (end - start) / 1e3
-    out["host idle"] = {"ms": span - busy_us([(s, d) for _, s, d in ks]) / 1e3, "kernels": 0, "top": {}}
+    out["host idle"] = {"ms": span - busy_us([(s, d) for _, s, d in ks]) / 1e3, "kernels": 0, "top": idle_after(ks)}
     for cls, ms in limits(cfg).items():
         out[cls]["limit_ms"] = ms
     for o in out.values():
