@@ -100,7 +100,16 @@ if cfg.train.optimizer == "muon":   # Muon's step over the whole model, and its 
     ex = next(m for m in model.modules() if hasattr(m, "MUON_PARTS"))
     w = ex.gate_up_proj.grad
     pair = _split(w, ex.MUON_PARTS["gate_up_proj"])[0]
+
+    def elementwise_ns(m, steps=5):   # the iteration before baddbmm: each step's sums as element-wise passes
+        x = m / (m.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        for _ in range(steps):
+            A = x @ x.mT
+            x = 3.4445 * x + (-4.7750 * A + 2.0315 * A @ A) @ x
+        return x
+
     for name, fn, f in [("Muon step (model)", muon.step, sum(map(flops, mats))),
+                        ("NS: gate and up, element-wise sums", lambda: elementwise_ns(pair), flops(pair)),
                         ("NS: one layer's gate_up, fused", lambda: orthogonalize(w), flops(w)),
                         ("NS: one layer's gate_up, as gate and up", lambda: orthogonalize(pair), flops(pair))]:
         ms = timed(fn)
