@@ -81,7 +81,7 @@ for bw in os.environ.get("BLOCKS", "").split():
     res[f"ops/19 AdamW {bw}"] = round(ms, 2)
     print(f"{'ops/19 AdamW, block x warps ' + bw:44s} {ms:8.2f} ms  {7 * size * n / 1e9 / ms:6.2f} TB/s")
 if cfg.train.optimizer == "muon":   # Muon's step over the whole model, and its routed experts' Newton–Schulz alone
-    from pith_lit.train.optim import _split, orthogonalize
+    from pith_lit.train.optim import NS_COEFFS, _split, orthogonalize
     from pith_lit.train.trainer import optimizer_for
     del params, decay, groups, theirs, ours, copy_src, copy_dst, c, norm0
     torch.cuda.empty_cache()
@@ -102,10 +102,10 @@ if cfg.train.optimizer == "muon":   # Muon's step over the whole model, and its 
     pair = _split(w, ex.MUON_PARTS["gate_up_proj"])[0]
 
     def elementwise_ns(m, steps=5):   # the iteration before baddbmm: each step's sums as element-wise passes
-        x = m / (m.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        x, (a, b, c) = m / (m.norm(dim=(-2, -1), keepdim=True) + 1e-7), NS_COEFFS
         for _ in range(steps):
             A = x @ x.mT
-            x = 3.4445 * x + (-4.7750 * A + 2.0315 * A @ A) @ x
+            x = a * x + (b * A + c * A @ A) @ x
         return x
 
     for name, fn, f in [("Muon step (model)", muon.step, sum(map(flops, mats))),
