@@ -9,6 +9,7 @@ usage: PYTHONPATH=. python3 benchmarks/optimizer.py [CONFIG] [KEY=VALUE ...]
        BLOCKS="1024x4 4096x8" tries other (block, warps) of the kernel.
        train.optimizer=muon adds Muon's step over the model (its Newton–Schulz FLOPs and rate) and the experts'
        iteration on one layer's fused gate_up against the same as its two matrices (train/43)."""
+import gc
 import json
 import os
 import sys
@@ -83,7 +84,8 @@ for bw in os.environ.get("BLOCKS", "").split():
 if cfg.train.optimizer == "muon":   # Muon's step over the whole model, and its routed experts' Newton–Schulz alone
     from pith_lit.train.optim import NS_COEFFS, _split, orthogonalize
     from pith_lit.train.trainer import optimizer_for
-    del params, decay, groups, theirs, ours, copy_src, copy_dst, c, norm0
+    del params, decay, groups, theirs, ours, rows, copy_src, copy_dst, c, norm0   # rows' bound methods hold them
+    gc.collect()
     torch.cuda.empty_cache()
     model = meta_model(cfg)().to_empty(device="cuda").to(dtype)
     for p in model.parameters():

@@ -284,7 +284,8 @@ except ConfigError as e:
 # rank holds exactly the values the same parameters have in the whole model: the layouts start from the same
 # weights, and a 30B model never has to fit one GPU. `train.recompute` wraps the stages it names for
 # recomputation (engine/32_stages); with `train.compile` stages 1 and 5 of every layer are then compiled (they have
-# static shapes and no host syncs by design; stages 2–4 stay eager).
+# static shapes and no host syncs by design; stages 2–4 stay eager), and with `train.cuda_graphs` each compiled stage
+# replays as a CUDA graph, one launch for its kernels where the host would otherwise fall behind them.
 #
 # Then FSDP2 shards what the rank holds (engine/36_fsdp), always, a mesh of size one included. The parameters keep
 # the optimizer's dtype (`train.optim_dtype`): fp32 master weights that FSDP gathers in the compute dtype
@@ -349,9 +350,10 @@ def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.n
     model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
     recompute_layers(model.model.layers.values(), cfg.train.recompute)
     if cfg.train.compile:   # the ring's transfers stay outside the graph: stage 1 compiles around them
+        mode = "reduce-overhead" if cfg.train.cuda_graphs and device.type == "cuda" else None
         for layer in model.model.layers.values():
-            layer.stage1 = torch.compile(layer.stage1, fullgraph=mesh.cp.size() == 1)
-            layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
+            layer.stage1 = torch.compile(layer.stage1, fullgraph=mesh.cp.size() == 1, mode=mode)
+            layer.stage5 = torch.compile(layer.stage5, fullgraph=True, mode=mode)
     kept = cfg.param_dtype   # what the optimizer steps: fp32 masters, or the compute dtype itself
     model.to(kept)
     for router in routers(model).values():   # the selection bias adds up small steps: never below fp32 (train/42)

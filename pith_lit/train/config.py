@@ -105,6 +105,8 @@ class TrainConfig:
         "float32", "when computing in bfloat16: float32 = fp32 master weights and AdamW states; bfloat16 = "
         "update the bf16 weights in place with bf16 states (half the optimizer memory, less exact)")
     compile: bool = cfg(False, "torch.compile stages 1 and 5 of every layer")
+    cuda_graphs: bool = cfg(False, "with train.compile on CUDA: replay the compiled stages as CUDA graphs (mode "
+                                   "'reduce-overhead'), for steps whose host cannot launch kernels fast enough")
     recompute: Literal["none", "attention", "layer"] = cfg(
         "none", "recompute activations in backward instead of keeping them: attention = stage 1 of every layer (the "
         "attention block, norms, router), layer = stages 1 and 3 (the routed experts too); the exchanges are never "
@@ -473,11 +475,15 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
 
 
 def _check_schedule(cfg: Config) -> None:
-    "The learning-rate schedule and the profiled step against the number of steps."
+    "The learning-rate schedule and the profiled step against the number of steps; where CUDA graphs may run."
     t = cfg.train
     _need(cfg.log.profile_step <= t.steps,
           f"log.profile_step = {cfg.log.profile_step}: not a step of this run; use 1..{t.steps} (train.steps), or 0 "
           "for no trace")
+    p = cfg.parallel
+    _need(not t.cuda_graphs or (t.compile and p.pp == 1 and not p.overlap and p.cp == 1 and t.recompute == "none"),
+          "train.cuda_graphs = true: it needs train.compile=true and runs only at parallel.pp=1, parallel.overlap="
+          "false, parallel.cp=1 and train.recompute=none (the layouts it was measured in); set train.cuda_graphs=false")
     decay = round(t.decay_frac * t.steps) if t.schedule == "wsd" else 0
     most = t.steps - decay
     _need(t.warmup <= most,

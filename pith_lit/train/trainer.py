@@ -221,9 +221,10 @@ def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.n
     model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
     recompute_layers(model.model.layers.values(), cfg.train.recompute)
     if cfg.train.compile:   # the ring's transfers stay outside the graph: stage 1 compiles around them
+        mode = "reduce-overhead" if cfg.train.cuda_graphs and device.type == "cuda" else None
         for layer in model.model.layers.values():
-            layer.stage1 = torch.compile(layer.stage1, fullgraph=mesh.cp.size() == 1)
-            layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
+            layer.stage1 = torch.compile(layer.stage1, fullgraph=mesh.cp.size() == 1, mode=mode)
+            layer.stage5 = torch.compile(layer.stage5, fullgraph=True, mode=mode)
     kept = cfg.param_dtype   # what the optimizer steps: fp32 masters, or the compute dtype itself
     model.to(kept)
     for router in routers(model).values():   # the selection bias adds up small steps: never below fp32 (train/42)
