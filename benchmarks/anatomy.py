@@ -3,8 +3,8 @@ time of each kernel class (grouped GEMMs, dense GEMMs, attention, Qwen3.5's gate
 and routing, norms and element-wise ops, cross-entropy, optimizer, clipping, copies) and the time no kernel runs
 (host idle, by the kernel before each gap), each beside its limit on the H200: FLOPs at 789 TFLOP/s for the
 matmuls and attention, bytes at 4.8 TB/s for the optimizer, the clipping norm and the cross-entropy's pass over the
-logits. FLOPs come from the model built on the meta device (6 × active matmul
-parameters per token, split into routed experts and the rest, plus the family's attention FLOPs).
+logits. FLOPs come from the model built on the meta device (6 × active matmul parameters per token, split into routed
+experts and the rest, plus the family's attention FLOPs).
 
 usage: PYTHONPATH=. python3 benchmarks/anatomy.py RUN_DIR [RANK]   (prints a markdown table, then one JSON line)"""
 import gzip

@@ -435,6 +435,9 @@ def _check_fields(cfg: Config) -> None:
 def _check_layout(cfg: Config, world_size: int | None) -> None:
     "The parallel sizes against the world, the model and the batch; the device and what it must offer."
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    _need(not t.cuda_graphs or (t.compile and p.pp == 1 and not p.overlap and p.cp == 1 and t.recompute == "none"),
+          "train.cuda_graphs = true: it needs train.compile=true and runs only at parallel.pp=1, parallel.overlap="
+          "false, parallel.cp=1 and train.recompute=none (the layouts it was measured in); set train.cuda_graphs=false")
     _need(p.cp == 1 or m.model_type != "qwen3_5_moe",
           f"parallel.cp = {p.cp}: model.model_type = 'qwen3_5_moe' has linear-attention layers whose recurrent state "
           "would have to pass from each rank's piece of a sequence to the next, which the ring does not do; set "
@@ -475,15 +478,11 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
 
 
 def _check_schedule(cfg: Config) -> None:
-    "The learning-rate schedule and the profiled step against the number of steps; where CUDA graphs may run."
+    "The learning-rate schedule and the profiled step against the number of steps."
     t = cfg.train
     _need(cfg.log.profile_step <= t.steps,
           f"log.profile_step = {cfg.log.profile_step}: not a step of this run; use 1..{t.steps} (train.steps), or 0 "
           "for no trace")
-    p = cfg.parallel
-    _need(not t.cuda_graphs or (t.compile and p.pp == 1 and not p.overlap and p.cp == 1 and t.recompute == "none"),
-          "train.cuda_graphs = true: it needs train.compile=true and runs only at parallel.pp=1, parallel.overlap="
-          "false, parallel.cp=1 and train.recompute=none (the layouts it was measured in); set train.cuda_graphs=false")
     decay = round(t.decay_frac * t.steps) if t.schedule == "wsd" else 0
     most = t.steps - decay
     _need(t.warmup <= most,

@@ -45,8 +45,8 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     """The quintic Newton–Schulz approximation of `U Vᵀ` for each matrix in the last two dims of `m` (bf16 on CUDA,
     fp32 or wider elsewhere)."""
     x = m.to(torch.bfloat16 if m.is_cuda else torch.promote_types(m.dtype, torch.float32))
-    wide = x.shape[-2] > x.shape[-1]
-    if wide:
+    tall = x.shape[-2] > x.shape[-1]   # iterate on the side with fewer rows
+    if tall:
         x = x.mT
     lead, x = x.shape[:-2], x.reshape(-1, *x.shape[-2:])           # one batch of matrices: three GEMMs a step
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
@@ -55,7 +55,7 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
         A = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(A, A, A, beta=b, alpha=c), x, beta=a)   # a·x + (b·A + c·A²)·x
     x = x.view(*lead, *x.shape[-2:])
-    return (x.mT if wide else x).to(m.dtype)
+    return (x.mT if tall else x).to(m.dtype)
 
 
 def _split(x: Tensor, spec) -> tuple[Tensor, callable]:
