@@ -18,6 +18,9 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
   columns of dY and of B each quantized per expert, or the columns of `dY ⊙ s_B` times B's FP8 rows transposed (the
   package's), each with and without promotion; `err` against float64 of the unquantized operands, `acc_err`
   against float64 of the same quantized operands, on the first four experts;
+- `dense`: the dense projections of one attention layer (q, k and v stacked on one input, then o) at the three widths
+  of issue 43 (`DENSE`), forward + backward: bf16 `F.linear` against ops/15 `fp8_linear` with row scales, and
+  `fp8_linear`'s quantization passes alone (the GEMMs' share is the rest);
 - `rowsweep`: the row passes a SwiGLU expert MLP runs, at each rows-per-program and warp count of `quantize_rows`
   (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), and the weight pass writing both layouts at each of its own
   (`fp8.WEIGHT_ROWS`, `fp8.WEIGHT_ROWS_WARPS`).
@@ -36,7 +39,7 @@ from triton.testing import do_bench
 from benchmarks.fp8_bench import DEV, MODELS, ROWS, mlp_inputs, reference, rel, report, routed_counts, run
 from pith_lit.ops import fp8
 from pith_lit.ops.experts import Fp8Weights
-from pith_lit.ops.fp8 import GemmConfig
+from pith_lit.ops.fp8 import GemmConfig, fp8_linear
 
 TILES = [GemmConfig(128, 128, 128, 8, 4), GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 256, 128, 8, 3),
          GemmConfig(128, 256, 64, 8, 4), GemmConfig(256, 128, 128, 8, 3), GemmConfig(64, 256, 128, 4, 4)]
@@ -241,6 +244,52 @@ def bench_wgrad(name, shape, tokens):
                 run(group, label, go)
 
 
+DENSE = {"qwen3-30b-a3b": dict(hidden=2048, outs=[4096, 512, 512], o_in=4096),    # 32 heads, 4 kv heads of 128
+         "qwen3-235b-a22b": dict(hidden=4096, outs=[8192, 512, 512], o_in=8192),  # 64 heads, 4 kv heads of 128
+         "deepseek-v3": dict(hidden=7168, outs=[1536, 576], o_in=16384)}          # MLA's down projections; o 128 × 128
+
+
+def bench_dense(name, d, tokens):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device=DEV).manual_seed(0)
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, device=DEV, generator=g) * scale).bfloat16()
+    H = d["hidden"]
+    layers = {"qkv": (rnd(tokens, H), [rnd(n, H, scale=H ** -0.5) for n in d["outs"]]),
+              "o": (rnd(tokens, d["o_in"]), [rnd(H, d["o_in"], scale=d["o_in"] ** -0.5)])}
+    for proj, (x, ws) in layers.items():
+        N, K = sum(w.shape[0] for w in ws), x.shape[1]
+        flops = 3 * 2 * tokens * N * K
+        dy = rnd(tokens, N)
+        x.requires_grad_(True)
+        for w in ws:
+            w.requires_grad_(True)
+
+        def bf16():
+            torch.cat([F.linear(x, w) for w in ws], -1).backward(dy)
+
+        def fp8_layer():
+            fp8_linear(x, ws).backward(dy)
+
+        def passes():                           # what fp8_linear quantizes, without its GEMMs
+            w = torch.cat(ws)[None]
+            counts = torch.full((1,), tokens, dtype=torch.int64, device=DEV)
+            fp8.quantize_rows(x, counts)
+            fp8.quantize_weight_rows(w)
+            _, sw = fp8.quantize_weight_rows(w, True)
+            a = fp8.quantize_rows(x, counts, trans=True)
+            r = fp8.quantize_rows(dy, counts, mult=sw, col_amax=True, row_mult=a.s)
+            fp8._group_cols(dy, counts, r, a.s)
+
+        with torch.no_grad():
+            ref = torch.cat([F.linear(x, w) for w in ws], -1)
+            err = rel(fp8_linear(x, ws), ref)
+        for label, fn in (("bf16", bf16), ("fp8 rows", fp8_layer), ("fp8 passes alone", passes)):
+            run(f"dense {name} {proj} {tokens}x{K}->{N}", label,
+                lambda fn=fn, label=label: report(f"dense {name} {proj} {tokens}x{K}->{N}", label, do_bench(fn),
+                                                  None if label.endswith("alone") else flops,
+                                                  errs=dict(err=err) if label == "fp8 rows" else None))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -250,6 +299,9 @@ def main():
     parts = args.parts.split(",")
     print(f"{datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__} triton "
           f"{triton.__version__}", flush=True)
+    if "dense" in parts:
+        for name, d in DENSE.items():
+            bench_dense(name, d, args.tokens)
     for name, shape in MODELS.items():
         if "gemm" in parts:
             bench_gemms(name, shape, args.tokens)

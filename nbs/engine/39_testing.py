@@ -297,14 +297,15 @@ def _dispatcher(model, mesh, num_experts: int):
 
 
 def pipeline_check(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = torch.device("cpu"),
-                   family: str = "qwen3_moe", sizes: list[int] | None = None) -> None:
-    "Worker: DualPipeV against a single-process reference (see above); rank 0 prints one line per rank and count."
+                   family: str = "qwen3_moe", sizes: list[int] | None = None, fp8: str | None = None) -> None:
+    """Worker: DualPipeV against a single-process reference (see above); rank 0 prints one line per rank and count.
+    `fp8`: both models built with that FP8 scaling (the reference too)."""
     pp_group, pp_rank, pp, ep_rank, mesh = _pipeline_parallel(ep, device)
     cpu = device.type == "cpu"
     dtype, (grad_tol, loss_tol) = (torch.float32, (1e-5, 1e-6)) if cpu else (torch.bfloat16, (3e-2, 1e-3))
     lines, layers = [], sum(sizes) if sizes else max(5, 2 * pp + 1)
     for M in micro_counts:
-        ref, model = (tiny_model(family, layers, dtype=dtype).to(device) for _ in range(2))
+        ref, model = (tiny_model(family, layers, dtype=dtype, options=Options(fp8=fp8)).to(device) for _ in range(2))
         shards = [[(x.to(device), y.to(device)) for x, y in micro_batches(M, 64, M + 100 * e)] for e in range(ep)]
         scale, aux = 1 / (M * ep * 16), aux_fn(4)
         ref_loss, ref_aux = reference_step(ref, sum(shards, []), scale, aux)
@@ -317,7 +318,7 @@ def pipeline_check(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
         dist.all_reduce(loss, group=mesh.ep)
         n = 4 // ep
         ref_grads = {k: g[ep_rank * n:(ep_rank + 1) * n] if is_expert_param(k) else g for k, g in ref_grads.items()}
-        what = f"rank {dist.get_rank()}: {family} pp={pp} ep={ep} M={M}"
+        what = f"rank {dist.get_rank()}: {family} pp={pp} ep={ep} M={M}{' fp8 ' + fp8 if fp8 else ''}"
         worst = compare(model, ref_grads, loss, ref_loss if pp_rank == 0 else None, what, grad_tol, loss_tol)
         dist.all_reduce(aux_sum)
         assert abs(aux_sum - ref_aux) <= loss_tol * abs(ref_aux), f"{what}: load-balance sum {aux_sum} vs {ref_aux}"
@@ -475,6 +476,7 @@ def main(argv=None) -> None:
     ap.add_argument("--overlap", action="store_true", help="fsdp: run the step through DualPipeV at pp = 1")
     ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="fsdp: the optimizer checked")
     ap.add_argument("--stage-layers", type=int, nargs="*", help="pipeline: layers of each stage (default: even)")
+    ap.add_argument("--fp8", choices=["rows", "block"], help="pipeline: both models in FP8 with this scaling")
     ap.add_argument("--timeline", help="pipeline: also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
     ap.add_argument("--timeline-hidden", type=int, default=128, help="hidden size of the timeline's model")
@@ -495,7 +497,7 @@ def main(argv=None) -> None:
                 print("\n".join(everyone), flush=True)
     else:
         for family in a.model or ("qwen3_moe",):
-            run_ranked(pipeline_check, a.micro, a.ep, device, family, a.stage_layers)
+            run_ranked(pipeline_check, a.micro, a.ep, device, family, a.stage_layers, a.fp8)
         if a.timeline:
             run_ranked(record_timeline, a.timeline, a.timeline_micro, a.ep, device, 2, a.timeline_hidden,
                        a.timeline_seq)
@@ -585,6 +587,19 @@ assert saving[2] > saving[4] > saving[8] > 1   # more ranks, fewer of a token's 
 out = Path(tempfile.mkdtemp()) / "timeline.json"
 print("\n".join(sorted(l for l in torchrun(2, "pipeline", "--micro", "4", "6", "--timeline", str(out)).splitlines()
                        if l.startswith("rank"))))
+
+# %% [markdown]
+# In FP8 (`--fp8`, both models built with `Options(fp8=...)`, the dense projections and the experts in FP8, on a CPU
+# ops/15's torch definition), at pp 2 and at ep 2, against the single-process run in FP8 under the same fp32
+# bounds. At ep 2 an expert's weight gradient quantizes its columns over the rows it gets from both ranks, where the
+# reference had one rank's micro-batch; the scales are powers of two, so a column whose maximum moves to another
+# binade is scaled by an exact power of two and its normal E4M3 values do not change: only values in E4M3's
+# subnormal range can round differently, and the check holds at the fp32 bound.
+
+# %%
+for extra in ((), ("--ep", "2")):
+    lines = torchrun(2, "pipeline", "--micro", "4", "--fp8", "rows", *extra).splitlines()
+    print("\n".join(sorted(l for l in lines if l.startswith("rank"))))
 
 # %% [markdown]
 # ### The measured schedule and the predicted one

@@ -81,8 +81,9 @@ def cfg(default, help: str, **bounds):
 # Three choices change how a layer computes without changing its parameters, and all three come from the run's
 # config. `Options` holds them, and a model's constructor takes it and hands each field to the modules that read it:
 #
-# - `fp8`: the routed experts' matmuls in the compute dtype (`None`) or in FP8 with `"rows"` or `"block"` scales
-#   (`train.fp8`, `train.fp8_scaling`); the experts module keeps the step's FP8 weight copies (ops/experts);
+# - `fp8`: the routed experts' and the dense projections' matmuls in the compute dtype (`None`) or in FP8 with
+#   `"rows"` or `"block"` scales (`train.fp8`, `train.fp8_scaling`); the experts module keeps the step's FP8 weight
+#   copies (ops/experts), and `CausalLM` marks its projections (`Projection` below);
 # - `cp_group`: the context-parallel process group the attention's ring runs over (`parallel.cp > 1`, ops/17
 #   `ring_group`), or `None` to attend within the rank's own sequence;
 # - `route`: `"learned"`, the router's top-k, or `"round_robin"`, a fixed assignment for benchmarks (`train.route`,
@@ -478,7 +479,13 @@ print("experts 2..3 built on meta and initialised alone == the same experts of t
 # The four families differ in attention, router and norms; the rest of a model is the same code, written once
 # here:
 #
-# - `projection(in, out, bias)`: the one constructor of the dense projections (attention, dense and shared MLPs);
+# - `projection(in, out, bias)`: the one constructor of the dense projections (attention, dense and shared MLPs), a
+#   `Projection`: an `nn.Linear` (same parameters, same state dict) that runs in FP8 when its `fp8` names a scaling.
+#   `project(x, *projections)` runs the projections that read one input: each `F.linear`, or those in FP8 as one
+#   FP8 layer over their stacked weights, the input quantized once (ops/15 "Dense projections"); `linear(x, w,
+#   fp8)` is the same for a bare weight (MLA's up projection, which the ring hands around). A projection built with
+#   `fp8=False` stays in the compute dtype (Qwen3.5's per-head gate inputs, a few dozen outputs wide that feed the
+#   decay and the write strength directly: FP8 would save nothing there and round what sets the recurrence);
 # - `MLP`: the dense SwiGLU MLP, `down_proj(silu(gate_proj(x)) · up_proj(x))` under transformers' names;
 # - `Experts`: E SwiGLU experts as stacked `gate_up_proj (E, 2I, H)` and `down_proj (E, H, I)`, computed by
 #   ops/18's `expert_mlp` on rows grouped by expert; with an FP8 scaling (`Options.fp8`) it keeps the step's FP8
@@ -494,14 +501,54 @@ print("experts 2..3 built on meta and initialised alone == the same experts of t
 #   `lm_head`, tied to the embedding when `config.tie_word_embeddings`; it calls the family's `init_weights()`
 #   once built, and gives `prolog`, `epilog`, `forward` (the five stages on one rank, `LocalDispatcher` over
 #   `config.routed_experts`) and `num_params`. A family's `...ForCausalLM` subclasses it once, passing how to build
-#   its layer `i` and its final norm, and writes `init_weights`, `reference_forward`, `active_matmul_params` and
+#   its layer `i`, its final norm and its `Options.fp8` (which `CausalLM` sets on every `Projection` that allows it),
+#   and writes `init_weights`, `reference_forward`, `active_matmul_params` and
 #   `flops_per_token`.
 
 # %%
 #| export
-def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention, dense and shared MLPs): the one constructor of the dense projections."
-    return nn.Linear(in_features, out_features, bias=bias)
+class Projection(nn.Linear):
+    """`nn.Linear`, in FP8 when `fp8` names a scaling ('rows' or 'block'; `CausalLM` sets it from `Options.fp8`
+    where `fp8_allowed`)."""
+    fp8: str | None = None
+    fp8_allowed: bool = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return project(x, self)[0]
+
+
+def projection(in_features: int, out_features: int, bias: bool = False, fp8: bool = True) -> Projection:
+    """A dense projection (attention, dense and shared MLPs): the one constructor of the dense projections. `fp8 =
+    False`: it stays in the compute dtype under `Options.fp8`."""
+    p = Projection(in_features, out_features, bias=bias)
+    p.fp8_allowed = fp8
+    return p
+
+
+def linear(x: Tensor, weight: Tensor, fp8: str | None = None) -> Tensor:
+    "`x @ weightᵀ`: `F.linear`, or with `fp8` a scaling the FP8 layer (ops/15 `fp8_linear`)."
+    if not fp8:
+        return F.linear(x, weight)
+    from pith_lit.ops.fp8 import fp8_linear   # the FP8 path alone loads the FP8 kernels
+    return fp8_linear(x, [weight], fp8)
+
+
+def project(x: Tensor, *projections: Projection) -> tuple[Tensor, ...]:
+    """The outputs of `projections` that read the same `x`: each `F.linear`, and those with `fp8` set as one FP8
+    layer over their stacked weights (x quantized once, one GEMM), split back, each plus its bias."""
+    stacked = [p for p in projections if p.fp8]
+    if stacked:
+        from pith_lit.ops.fp8 import fp8_linear
+        ys = iter(fp8_linear(x, [p.weight for p in stacked], stacked[0].fp8).split([p.out_features for p in stacked],
+                                                                                  -1))
+    outs = []
+    for p in projections:
+        if p.fp8:
+            y = next(ys)
+            outs.append(y if p.bias is None else y + p.bias)
+        else:
+            outs.append(F.linear(x, p.weight, p.bias))
+    return tuple(outs)
 
 
 class MLP(nn.Module):
@@ -512,7 +559,8 @@ class MLP(nn.Module):
         self.down_proj = projection(inter, hidden)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -569,9 +617,12 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """A family's model class: `config`, the inner `model` (a `DecoderStack` of the family's `layer(i)` and final
     `norm`), `lm_head`, the five stages."""
-    def __init__(self, config, layer, norm: nn.Module):
+    def __init__(self, config, layer, norm: nn.Module, fp8: str | None = None):
         super().__init__()
         self.config, self.model = config, DecoderStack(config, layer, norm)
+        for m in self.model.modules():   # Options.fp8: the dense projections that allow it run in FP8
+            if isinstance(m, Projection) and m.fp8_allowed:
+                m.fp8 = fp8
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

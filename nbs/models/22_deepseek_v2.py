@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pith_lit.models.protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype, cos_sin,
-                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, route_ids,
-                                      router_bytes)
+                                      hf_or, hf_rope, init_shared, linear, mlp_bytes, norm_bytes, project, projection,
+                                      route_ids, router_bytes)
 from pith_lit.ops.attention import attention_mask, causal_attention, documents
 from pith_lit.ops.ring_attention import ring_attention
 
@@ -314,16 +314,18 @@ class Attention(nn.Module):
         normalised latent through `kv_b_proj` (its `weight`), and the rotated key shared by all heads."""
         B, S, _ = payload.shape
         latent, k_rope = payload.split([self.kv_lora_rank, self.rope], -1)
-        kv = F.linear(latent, weight).view(B, S, self.n_heads, -1).transpose(1, 2)
+        kv = linear(latent, weight, self.kv_b_proj.fp8).view(B, S, self.n_heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], -1)
         return torch.cat((k_nope, k_rope.unsqueeze(1).expand(B, self.n_heads, S, self.rope)), -1), v
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
         B, S, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q, kv = project(x, self.q_a_proj if self.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa)
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(B, S, self.n_heads, -1).transpose(1, 2).split([self.nope, self.rope], -1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
+        latent, k_rope = kv.split([self.kv_lora_rank, self.rope], -1)
         inv_freq, factor = rope_frequencies(self.rope, self.rope_theta, self.rope_scaling, self.max_positions,
                                             compute_dtype(x.dtype), x.device)
         cos, sin = cos_sin(positions, inv_freq, factor)
@@ -546,7 +548,7 @@ class DecoderLayer(RoutedLayer):
 class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
         super().__init__(config, lambda i: DecoderLayer(config, i, options),
-                         RMSNorm(config.hidden_size, config.rms_norm_eps))
+                         RMSNorm(config.hidden_size, config.rms_norm_eps), options.fp8)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):

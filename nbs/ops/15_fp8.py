@@ -1569,6 +1569,154 @@ for bad, msg in [(lambda: quantize_act(torch.zeros(4, 9), act="swiglu"), "even w
 print(f"fused SwiGLU passes equal the unfused ones, bitwise; the experts too ({time.time() - t:.1f} s)")
 
 # %% [markdown]
+# ## Dense projections
+#
+# The attention projections, MLA's down and up projections, shared experts and dense MLP layers are plain linear
+# layers: one weight, every token. In FP8 they are the experts' layer with a single group of all `M` rows, so they
+# take the same recipe, kernels and torch definition, with `counts = [M]`. Two things differ from the experts:
+#
+# - **Several projections read one input.** q, k and v read the same normed hidden state, as do a MLP's gate and
+#   up, MLA's two down projections and Qwen3.5's input projections. `fp8_linear` takes their weights as a list and
+#   runs them as one layer over the weights stacked along the output dimension: the input is quantized once for all
+#   of them, and one GEMM computes them all. Under row scales each output row of a weight has its own scale, so
+#   stacking the weights changes no value, only the number of passes and launches.
+# - **They run inside the compiled stage.** Stage 1 compiles in one graph, which a Python-side dict of weight
+#   copies would break; so the layer is one custom operator (`pith_lit::fp8_linear` with its backward) that
+#   `torch.compile` keeps whole, and it quantizes its weights at each call, both layouts' worth over the step: the
+#   forward layout in the forward, the transposed in the backward. The input's FP8 rows are made again in the
+#   backward from the bf16 input it saves (the input the bf16 layer would save), so the FP8 path holds no more
+#   memory between the forward and the backward than bf16's. A dense weight is small beside the experts', so these
+#   extra passes are short (benchmarks/RESULTS.md, "FP8", measures them).
+#
+# The torch implementation is the definition, as for the experts; the check below compares both against the row
+# recipe written out in float64 from `quantize_ref`: `Y = (q_X s_X)(q_W s_W)ᵀ`; `dX` from the rows of `dY ⊙ s_W`
+# quantized, times `q_W`; `dW` from the columns of `dY ⊙ s_X` quantized over all tokens, times `q_X`.
+
+# %%
+#| export
+def _single(x: Tensor) -> Tensor:
+    "The `counts` of one group holding all of x's rows."
+    return torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+
+
+def _input_cols(x: Tensor, counts: Tensor, rows: bool) -> tuple:
+    "What the weight gradient reads of the layer's input, as `_triton_forward` keeps it."
+    if rows:
+        a = quantize_rows(x, counts, trans=True)
+        return a.qt, a.s
+    a = quantize_act(x, counts, rows=False, cols=True)
+    return a.qt, a.st
+
+
+@torch.library.custom_op("pith_lit::fp8_linear", mutates_args=())
+def _fp8_linear(x: Tensor, weights: list[Tensor], impl: str, rows: bool) -> Tensor:
+    w = torch.cat(weights)[None]
+    if impl == "triton":
+        return _triton_forward(x, _single(x), False, _own_weight(w), rows)[0]
+    return _torch_forward(x, w, _single(x), False, _own_weight(w), rows)[0]
+
+
+@_fp8_linear.register_fake
+def _(x, weights, impl, rows):
+    return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))
+
+
+@torch.library.custom_op("pith_lit::fp8_linear_backward", mutates_args=())
+def _fp8_linear_backward(dy: Tensor, x: Tensor, weights: list[Tensor], impl: str, rows: bool) -> list[Tensor]:
+    "dx and the stacked weights' gradient."
+    w, counts, dy = torch.cat(weights)[None], _single(x), dy.contiguous()
+    if impl == "triton":
+        dx, wgrad = _triton_backward(dy, w, counts, _input_cols(x, counts, rows), True, True, _own_weight(w), rows)
+    else:
+        dx, wgrad = _torch_backward(dy, w, counts, (x,), True, True, _own_weight(w), rows)
+    return [dx, wgrad()[0]]
+
+
+@_fp8_linear_backward.register_fake
+def _(dy, x, weights, impl, rows):
+    return [torch.empty_like(x), x.new_empty(sum(w.shape[0] for w in weights), x.shape[1])]
+
+
+def _fp8_linear_setup(ctx, inputs, output):
+    x, weights, ctx.impl, ctx.rows = inputs
+    ctx.save_for_backward(x, *weights)
+
+
+def _fp8_linear_grad(ctx, dy):
+    x, *weights = ctx.saved_tensors
+    dx, dw = _fp8_linear_backward(dy, x, weights, ctx.impl, ctx.rows)
+    return dx, list(dw.split([w.shape[0] for w in weights])), None, None
+
+
+_fp8_linear.register_autograd(_fp8_linear_grad, setup_context=_fp8_linear_setup)
+
+
+def fp8_linear(x: Tensor, weights: list[Tensor], scaling: str = "rows", impl: str | None = None) -> Tensor:
+    """`x @ cat(weights)ᵀ` in FP8 for `x (..., in)` and `weights`, a list of `(out_i, in)` matrices that read the
+    same input: one layer over the stacked weights (the experts' recipe with one group of all rows, `scaling` as
+    `fp8_grouped_linear`'s), one custom operator that `torch.compile` keeps whole. Returns `(..., Σ out_i)` in x's
+    dtype. `impl`: "triton", "torch", or None (triton on CUDA, torch elsewhere)."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    if not weights or any(w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype for w in weights):
+        raise ValueError(f"fp8_linear wants weights (out, {x.shape[-1]}) in {x.dtype}, got "
+                         f"{[(tuple(w.shape), w.dtype) for w in weights]}")
+    impl = impl or ("triton" if x.is_cuda else "torch")
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"impl must be 'triton', 'torch' or None, got {impl!r}")
+    y = _fp8_linear(x.reshape(-1, x.shape[-1]), list(weights), impl, scaling == "rows")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+# %%
+def dense_rows_ref(x, w, dy):
+    "y, dx, dw of the row recipe for one dense layer, written out in float64 from `quantize_ref`."
+    (qx, sx), (qw, sw) = quantize_ref(x, (1, x.shape[1])), quantize_ref(w, (1, w.shape[1]))
+    xq, wq = qx.double() * sx, qw.double() * sw
+    qg, sg = quantize_ref(dy * sw[:, 0], (1, dy.shape[1]))
+    qh, ch = quantize_ref(dy * sx, (dy.shape[0], 1))
+    return xq @ wq.T, (qg.double() * sg) @ qw.double(), (qh.double() * ch).T @ qx.double()
+
+def check_dense(M, n_in, outs, impl, dtype=torch.float32, seed=0, tol=EXACT):
+    x, dy, *ws = randn(seed, (M, n_in), (M, sum(outs)), *[(o, n_in) for o in outs])
+    x = x.to(dtype).requires_grad_()
+    ws = [(w / n_in ** 0.5).to(dtype).requires_grad_() for w in ws]
+    y = fp8_linear(x[None], ws, impl=impl)[0]          # a leading dim, as the models' (B, S, H)
+    y.backward(dy.to(dtype))
+    w_all = torch.cat([w.detach() for w in ws]).double()
+    y_ref, dx_ref, dw_ref = dense_rows_ref(x.detach().double(), w_all, dy.to(dtype).double())
+    errs = [rel_err(y, y_ref), rel_err(x.grad, dx_ref), rel_err(torch.cat([w.grad for w in ws]), dw_ref)]
+    assert max(errs) < tol, (impl, dtype, errs)
+    assert rel_err(y, x.detach().double() @ w_all.T) < 0.05
+    return max(errs)
+
+t = time.time()
+for impl in ("triton", "torch"):
+    err = max(check_dense(200, 256, [192, 64, 64], impl), check_dense(131, 130, [136], impl, seed=1))
+    print(f"fp8_linear {impl}: {err:.1e} vs the row recipe in float64")
+print(f"bf16: {check_dense(200, 256, [192, 64], 'triton', torch.bfloat16, tol=1e-2):.1e} ({time.time() - t:.1f} s)")
+
+# %% [markdown]
+# Compiled in one graph with its backward (`aot_eager`, the graph capture that inductor builds on), the operator
+# must give what it gives eagerly, bit for bit; and a weight of another width than the input's is refused.
+
+# %%
+x, w1, w2, dy = randn(2, (64, 128), (96, 128), (32, 128), (64, 128))
+runs = []
+for compiled in (False, True):
+    xs, ws = x.clone().requires_grad_(), [w1.clone().requires_grad_(), w2.clone().requires_grad_()]
+    f = lambda a, b, c: fp8_linear(a, [b, c]).sin()
+    y = (torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f)(xs, *ws)
+    y.backward(dy)
+    runs.append([y.detach(), xs.grad, ws[0].grad, ws[1].grad])
+assert all(torch.equal(a, b) for a, b in zip(*runs))
+torch._dynamo.reset()   # drop the compiled function's cache now, not at interpreter exit
+try:
+    fp8_linear(x, [w1, torch.zeros(8, 64)])
+except ValueError as e:
+    assert "weights (out, 128)" in str(e), e
+else:
+    raise AssertionError("a weight of the wrong width was taken")
+print("fp8_linear compiled in one graph equals eager, bitwise")
 
 # %%
 print(f"CPU checks done in {time.time() - T0:.1f} s")

@@ -145,12 +145,13 @@ class TrainConfig:
         "none", "recompute activations in backward instead of keeping them: attention = stage 1 of every layer (the "
         "attention block, norms, router), layer = stages 1 and 3 (the routed experts too); the exchanges are never "
         "repeated. Less memory for more compute (engine/32_stages)")
-    fp8: bool = cfg(False, "the routed experts' matmuls in FP8: E4M3 values with power-of-two scales "
-                           "(train.fp8_scaling), each weight quantized once per step; Triton kernels on CUDA (sm89 or "
-                           "newer), their torch reference on a CPU. Attention, the dense projections, router, norms "
-                           "and head stay in train.dtype (ops/15_fp8). The FP8 products are faster than bf16's; "
-                           "the quantization passes and the weights' FP8 copies cost time and memory, so it pays "
-                           "where the expert matmuls are large against them (benchmarks/RESULTS.md)")
+    fp8: bool = cfg(False, "the routed experts' and the dense projections' matmuls (attention's q/k/v/o, MLA's, "
+                           "shared experts, dense MLPs) in FP8: E4M3 values with power-of-two scales "
+                           "(train.fp8_scaling), each expert weight quantized once per step, each dense weight at each "
+                           "use; Triton kernels on CUDA (sm89 or newer), their torch reference on a CPU. Attention's "
+                           "softmax, router, norms, embedding and head stay in train.dtype (ops/15_fp8). The FP8 "
+                           "products are faster than bf16's; the quantization passes and the weights' FP8 copies cost "
+                           "time and memory, so it pays where the matmuls are wide against them (README, FP8)")
     fp8_scaling: Literal["block", "rows"] = cfg(
         "rows", "with train.fp8, how the experts' FP8 values are scaled: rows = one scale per row of each operand "
         "over the whole reduction, so the GEMMs chain their FP8 products and scale once at the end (ops/15_fp8, "
@@ -654,8 +655,6 @@ def _check_schedule(cfg: Config) -> None:
 def _check_model(cfg: Config) -> None:
     "The model's own cross-field rules, and what the data asks of it."
     m, t = cfg.model, cfg.train
-    _need(not t.fp8 or m.routed_experts > 0,
-          "train.fp8 = true: this model has no routed experts, the only matmuls FP8 applies to; set train.fp8=false")
     if t.fp8 and cfg.device_type == "cuda":
         cc = torch.cuda.get_device_capability()
         _need(cc >= (8, 9), f"train.fp8 = true: FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, "
@@ -724,7 +723,6 @@ cases = {
     "unknown model family": ["model.model_type=llama"],
     "profile step": ["train.steps=10", "log.profile_step=11"],
     "pipeline vs layers": ["parallel.pp=2", "model.num_hidden_layers=3", "train.global_batch=16"],
-    "fp8 without experts": ["train.fp8=true", "model.num_experts=0"],
     "CUDA graphs without compile": ["train.cuda_graphs=true"],
 }
 worlds = {"ep vs experts": 3, "DualPipeV micro-batches": 2, "cp vs seq_len": 3, "cp with sequence balance": 2,

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import (CausalLM, Options, Routing, RoutedLayer, cfg, compute_dtype, cos_sin, hf_or,
-                                      hf_rope, init_shared, local, norm_bytes, projection, route_ids, router_bytes)
+                                      hf_rope, init_shared, local, norm_bytes, project, projection, route_ids,
+                                      router_bytes)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
 from ..ops.experts import Fp8Weights, expert_linear
@@ -206,9 +207,8 @@ class Attention(nn.Module):
     def qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         "x (B, S, H) -> rotated q (B, n_q, S, d), rotated k and v (B, n_kv, S, d)."
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2)
+                   for t in project(x, self.q_proj, self.k_proj, self.v_proj))
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_parameters, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -268,7 +268,7 @@ class DecoderLayer(RoutedLayer):
 class GptOssForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
         super().__init__(config, lambda i: DecoderLayer(config, i, options),
-                         RMSNorm(config.hidden_size, config.rms_norm_eps))
+                         RMSNorm(config.hidden_size, config.rms_norm_eps), options.fp8)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):

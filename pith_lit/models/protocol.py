@@ -2,8 +2,9 @@
 
 # %% auto #0
 __all__ = ['cfg', 'Options', 'Routing', 'LocalPlan', 'LocalDispatcher', 'run_layers', 'head_loss', 'compute_dtype', 'cos_sin',
-           'rope_cos_sin', 'SeededInit', 'init_shared', 'projection', 'MLP', 'Experts', 'route_ids', 'RoutedLayer',
-           'DecoderStack', 'CausalLM', 'norm_bytes', 'mlp_bytes', 'router_bytes', 'hf_or', 'hf_rope']
+           'rope_cos_sin', 'SeededInit', 'init_shared', 'Projection', 'projection', 'linear', 'project', 'MLP',
+           'Experts', 'route_ids', 'RoutedLayer', 'DecoderStack', 'CausalLM', 'norm_bytes', 'mlp_bytes', 'router_bytes',
+           'hf_or', 'hf_rope']
 
 # %% ../../nbs/models/20_protocol.ipynb #7a36d413
 import hashlib
@@ -198,9 +199,48 @@ def init_shared(model: torch.nn.Module, seed: int | None, norm_type: type) -> tu
     return init, std, std / math.sqrt(2 * c.num_hidden_layers)
 
 # %% ../../nbs/models/20_protocol.ipynb #043aff23
-def projection(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    "A dense projection (attention, dense and shared MLPs): the one constructor of the dense projections."
-    return nn.Linear(in_features, out_features, bias=bias)
+class Projection(nn.Linear):
+    """`nn.Linear`, in FP8 when `fp8` names a scaling ('rows' or 'block'; `CausalLM` sets it from `Options.fp8`
+    where `fp8_allowed`)."""
+    fp8: str | None = None
+    fp8_allowed: bool = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return project(x, self)[0]
+
+
+def projection(in_features: int, out_features: int, bias: bool = False, fp8: bool = True) -> Projection:
+    """A dense projection (attention, dense and shared MLPs): the one constructor of the dense projections. `fp8 =
+    False`: it stays in the compute dtype under `Options.fp8`."""
+    p = Projection(in_features, out_features, bias=bias)
+    p.fp8_allowed = fp8
+    return p
+
+
+def linear(x: Tensor, weight: Tensor, fp8: str | None = None) -> Tensor:
+    "`x @ weightᵀ`: `F.linear`, or with `fp8` a scaling the FP8 layer (ops/15 `fp8_linear`)."
+    if not fp8:
+        return F.linear(x, weight)
+    from pith_lit.ops.fp8 import fp8_linear   # the FP8 path alone loads the FP8 kernels
+    return fp8_linear(x, [weight], fp8)
+
+
+def project(x: Tensor, *projections: Projection) -> tuple[Tensor, ...]:
+    """The outputs of `projections` that read the same `x`: each `F.linear`, and those with `fp8` set as one FP8
+    layer over their stacked weights (x quantized once, one GEMM), split back, each plus its bias."""
+    stacked = [p for p in projections if p.fp8]
+    if stacked:
+        from pith_lit.ops.fp8 import fp8_linear
+        ys = iter(fp8_linear(x, [p.weight for p in stacked], stacked[0].fp8).split([p.out_features for p in stacked],
+                                                                                  -1))
+    outs = []
+    for p in projections:
+        if p.fp8:
+            y = next(ys)
+            outs.append(y if p.bias is None else y + p.bias)
+        else:
+            outs.append(F.linear(x, p.weight, p.bias))
+    return tuple(outs)
 
 
 class MLP(nn.Module):
@@ -211,7 +251,8 @@ class MLP(nn.Module):
         self.down_proj = projection(inter, hidden)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -268,9 +309,12 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """A family's model class: `config`, the inner `model` (a `DecoderStack` of the family's `layer(i)` and final
     `norm`), `lm_head`, the five stages."""
-    def __init__(self, config, layer, norm: nn.Module):
+    def __init__(self, config, layer, norm: nn.Module, fp8: str | None = None):
         super().__init__()
         self.config, self.model = config, DecoderStack(config, layer, norm)
+        for m in self.model.modules():   # Options.fp8: the dense projections that allow it run in FP8
+            if isinstance(m, Projection) and m.fp8_allowed:
+                m.fp8 = fp8
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

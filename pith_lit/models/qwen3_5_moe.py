@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype,
-                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, rope_cos_sin,
-                                      route_ids, router_bytes)
+                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, project, projection,
+                                      rope_cos_sin, route_ids, router_bytes)
 from ..ops.attention import attention_mask, documents
 from ..ops.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_torch,
                                            gated_delta_rule_reference, gated_rms_norm, gdn_gates)
@@ -142,10 +142,11 @@ class Attention(nn.Module):
     def qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         "x (B, S, H) -> rotated q (B, n_q, S, d), rotated k and v (B, n_kv, S, d), gate (B, S, n_q·d)."
         B, S, _ = x.shape
-        q, gate = self.q_proj(x).view(B, S, -1, 2 * self.head_dim).chunk(2, -1)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = q.view(B, S, -1, 2 * self.head_dim).chunk(2, -1)
         q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, S, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = self.k_norm(k.view(B, S, -1, self.head_dim)).transpose(1, 2)
+        v = v.view(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.theta, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate.reshape(B, S, -1)
 
@@ -189,17 +190,18 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = projection(value_dim, c.hidden_size)
         self.in_proj_qkv = projection(c.hidden_size, conv_dim)
         self.in_proj_z = projection(c.hidden_size, value_dim)
-        self.in_proj_b = projection(c.hidden_size, self.nv)
-        self.in_proj_a = projection(c.hidden_size, self.nv)
+        self.in_proj_b = projection(c.hidden_size, self.nv, fp8=False)   # the gates' inputs stay in the compute dtype
+        self.in_proj_a = projection(c.hidden_size, self.nv, fp8=False)
 
     def inputs(self, x: Tensor, docs: Tensor | None):
         "x (B, S, H) -> the rule's q, k (B, S, nk, dk), v (B, S, nv, dv), g, β (B, S, nv), and the gate z (B, S, nv, dv)."
         B, S, _ = x.shape
-        qkv = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], docs)
+        qkv, z, a, b = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
+        qkv = causal_conv1d(qkv, self.conv1d.weight[:, 0], docs)
         q, k, v = qkv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
-        g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         return (q.view(B, S, self.nk, self.dk), k.view(B, S, self.nk, self.dk), v.view(B, S, self.nv, self.dv), g,
-                beta, self.in_proj_z(x).view(B, S, self.nv, self.dv))
+                beta, z.view(B, S, self.nv, self.dv))
 
     def out(self, o: Tensor, z: Tensor) -> Tensor:
         "The rule's output o (B, S, nv, dv), normed and gated by z, through out_proj -> (B, S, H)."
@@ -287,7 +289,7 @@ class Qwen3_5MoeForCausalLM(CausalLM):
             raise ValueError("Qwen3.5-MoE has no context-parallel form: its linear attention carries a recurrent "
                              "state along the sequence; build it with Options(cp_group=None) (parallel.cp = 1)")
         super().__init__(config, lambda i: DecoderLayer(config, i, options),
-                         RMSNorm(config.hidden_size, config.rms_norm_eps))
+                         RMSNorm(config.hidden_size, config.rms_norm_eps), options.fp8)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):

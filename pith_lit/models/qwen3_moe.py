@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import (MLP, CausalLM, Experts, Options, Routing, RoutedLayer, cfg, compute_dtype,
-                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, projection, rope_cos_sin,
-                                      route_ids, router_bytes)
+                                      hf_or, hf_rope, init_shared, mlp_bytes, norm_bytes, project, projection,
+                                      rope_cos_sin, route_ids, router_bytes)
 from ..ops.attention import attention_mask, causal_attention, documents
 from ..ops.ring_attention import kv_payload, ring_attention, split_kv
 
@@ -101,9 +101,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         "x (B, S, H), positions (S,) or (B, S) -> (B, S, H)."
         B, S, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, S, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, S, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = self.q_norm(q.view(B, S, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, S, -1, self.head_dim)).transpose(1, 2)
+        v = v.view(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         docs = documents(positions)   # packed documents: positions restart at each one (ops/14)
@@ -166,7 +167,7 @@ class DecoderLayer(RoutedLayer):
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
         super().__init__(config, lambda i: DecoderLayer(config, i, options),
-                         RMSNorm(config.hidden_size, config.rms_norm_eps))
+                         RMSNorm(config.hidden_size, config.rms_norm_eps), options.fp8)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):

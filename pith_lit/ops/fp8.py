@@ -5,7 +5,7 @@ __all__ = ['E4M3_MAX', 'FP8', 'QUANT_WARPS', 'ROWS_BM', 'ROWS_WARPS', 'WEIGHT_RO
            'SCALINGS', 'pow2_scale', 'quantize_ref', 'dequantize_ref', 'fake_quant', 'fake_quant_rows', 'Fp8Act',
            'quantize_act', 'quantize_weight', 'GemmConfig', 'fp8_grouped_mm', 'fp8_grouped_wgrad', 'Fp8Rows',
            'quantize_rows', 'quantize_weight_rows', 'quantize_weight_ref', 'quantize_weight_rows_ref',
-           'fp8_grouped_linear', 'fp8_swiglu_experts']
+           'fp8_grouped_linear', 'fp8_swiglu_experts', 'fp8_linear']
 
 # %% ../../nbs/ops/15_fp8.ipynb #b4104c85
 from typing import NamedTuple
@@ -801,3 +801,77 @@ def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Ten
         return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down, scaling)
     return _Fp8SwiGLUExperts.apply(x, w_gate_up, w_down, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up),
                                    weight_down or _own_weight(w_down), scaling == "rows")
+
+# %% ../../nbs/ops/15_fp8.ipynb #7005f562
+def _single(x: Tensor) -> Tensor:
+    "The `counts` of one group holding all of x's rows."
+    return torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+
+
+def _input_cols(x: Tensor, counts: Tensor, rows: bool) -> tuple:
+    "What the weight gradient reads of the layer's input, as `_triton_forward` keeps it."
+    if rows:
+        a = quantize_rows(x, counts, trans=True)
+        return a.qt, a.s
+    a = quantize_act(x, counts, rows=False, cols=True)
+    return a.qt, a.st
+
+
+@torch.library.custom_op("pith_lit::fp8_linear", mutates_args=())
+def _fp8_linear(x: Tensor, weights: list[Tensor], impl: str, rows: bool) -> Tensor:
+    w = torch.cat(weights)[None]
+    if impl == "triton":
+        return _triton_forward(x, _single(x), False, _own_weight(w), rows)[0]
+    return _torch_forward(x, w, _single(x), False, _own_weight(w), rows)[0]
+
+
+@_fp8_linear.register_fake
+def _(x, weights, impl, rows):
+    return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))
+
+
+@torch.library.custom_op("pith_lit::fp8_linear_backward", mutates_args=())
+def _fp8_linear_backward(dy: Tensor, x: Tensor, weights: list[Tensor], impl: str, rows: bool) -> list[Tensor]:
+    "dx and the stacked weights' gradient."
+    w, counts, dy = torch.cat(weights)[None], _single(x), dy.contiguous()
+    if impl == "triton":
+        dx, wgrad = _triton_backward(dy, w, counts, _input_cols(x, counts, rows), True, True, _own_weight(w), rows)
+    else:
+        dx, wgrad = _torch_backward(dy, w, counts, (x,), True, True, _own_weight(w), rows)
+    return [dx, wgrad()[0]]
+
+
+@_fp8_linear_backward.register_fake
+def _(dy, x, weights, impl, rows):
+    return [torch.empty_like(x), x.new_empty(sum(w.shape[0] for w in weights), x.shape[1])]
+
+
+def _fp8_linear_setup(ctx, inputs, output):
+    x, weights, ctx.impl, ctx.rows = inputs
+    ctx.save_for_backward(x, *weights)
+
+
+def _fp8_linear_grad(ctx, dy):
+    x, *weights = ctx.saved_tensors
+    dx, dw = _fp8_linear_backward(dy, x, weights, ctx.impl, ctx.rows)
+    return dx, list(dw.split([w.shape[0] for w in weights])), None, None
+
+
+_fp8_linear.register_autograd(_fp8_linear_grad, setup_context=_fp8_linear_setup)
+
+
+def fp8_linear(x: Tensor, weights: list[Tensor], scaling: str = "rows", impl: str | None = None) -> Tensor:
+    """`x @ cat(weights)ᵀ` in FP8 for `x (..., in)` and `weights`, a list of `(out_i, in)` matrices that read the
+    same input: one layer over the stacked weights (the experts' recipe with one group of all rows, `scaling` as
+    `fp8_grouped_linear`'s), one custom operator that `torch.compile` keeps whole. Returns `(..., Σ out_i)` in x's
+    dtype. `impl`: "triton", "torch", or None (triton on CUDA, torch elsewhere)."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    if not weights or any(w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype for w in weights):
+        raise ValueError(f"fp8_linear wants weights (out, {x.shape[-1]}) in {x.dtype}, got "
+                         f"{[(tuple(w.shape), w.dtype) for w in weights]}")
+    impl = impl or ("triton" if x.is_cuda else "torch")
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"impl must be 'triton', 'torch' or None, got {impl!r}")
+    y = _fp8_linear(x.reshape(-1, x.shape[-1]), list(weights), impl, scaling == "rows")
+    return y.view(*x.shape[:-1], y.shape[-1])
