@@ -463,8 +463,9 @@ for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=
 # - activations: each layer's kept bytes from its forward to its backward, the head's kept bytes from the loss to
 #   its backward, the stage input a pipeline rank received, what a zero-bubble backward leaves for W;
 # - under `train.fp8`, a layer's FP8 expert weights and their transposed copy (ops/15: 1 byte per element each, made
-#   by one pass) from its first forward of the step to the end of the step (and `layer_bytes` counts the experts'
-#   saved inputs as FP8);
+#   by one pass) from its first forward of the step to the end of the step when the step runs several micro-batches
+#   (ops/18 `Fp8Weights`); with one, only the copy of the largest expert weight in use, as a transient of its layer's
+#   forward and backward (and `layer_bytes` counts the experts' saved inputs as FP8);
 # - transients on top: the head while the loss runs, and in a layer's backward the gradient of its experts being
 #   added into the gradient already there (a whole unit's, while FSDP's hook accumulates it into fp32) plus the
 #   gradients of the expanded rows, or, where more, the score gradients that ops/14's backward stores for `dq`
@@ -501,8 +502,8 @@ class _Walk:
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
         # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
-        # kept until the step ends
-        self.fp8, self.fp8_made = 0.0, set()
+        # kept until the step ends with several micro-batches; with one, each use's copy is a transient
+        self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and w.micro_batches > 1
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.acts = self.deferred = self.buffers = 0.0
@@ -536,17 +537,24 @@ class _Walk:
             if u.experts == experts:
                 self.gathered.add(u.name)
 
-    def _fp8_copy(self, key: str) -> None:
-        if self.w.fp8 and key not in self.fp8_made:
+    def _fp8_copy(self, key: str) -> float:
+        "Keep the layer's FP8 expert copies for the step, or return the bytes of the one in use (not kept)."
+        experts = [u for u in self.layer_units.get(key, []) if u.experts]
+        if not self.w.fp8 or not experts:
+            return 0.0
+        if not self.fp8_kept:
+            return max(u.largest for u in experts)
+        if key not in self.fp8_made:
             self.fp8_made.add(key)
-            self.fp8 += 2 * sum(u.numel for u in self.layer_units.get(key, []) if u.experts)
+            self.fp8 += 2 * sum(u.numel for u in experts)
+        return 0.0
 
     def layer_forward(self, key: str, m) -> None:
         self._gather(key, False)
         self._gather(key, True)
-        self._fp8_copy(key)
+        copy = self._fp8_copy(key)
         self.acts += self.cost[key].kept_at(self.T)
-        self.note(f"forward of layer {key}, micro-batch {m}")
+        self.note(f"forward of layer {key}, micro-batch {m}", copy)
         for u in self.layer_units.get(key, []):
             if u.experts:
                 self.gathered.discard(u.name)   # freed after every forward, gathered again by its backward
@@ -563,7 +571,7 @@ class _Walk:
                 u = experts[0]
                 transient += (u.numel if u.wrapped else u.largest) * w.compute_bytes
             transient += self.T * k * w.compute_bytes * 2 * inter * (w.ep if w.sync_free else 1)
-        transient = max(transient, self.attention)   # the attention's backward runs after the experts'
+        transient = max(transient + self._fp8_copy(key), self.attention)   # attention's backward runs after
         self.note(f"backward of layer {key}, micro-batch {m}", transient)
         self.acts -= lb.kept_at(self.T)
         if zero_bubble:
@@ -726,12 +734,13 @@ assert e.peaks[0].total > e.peaks[1].total   # rank 0 holds the embedding and th
 
 # %% [markdown]
 # The Qwen3 bench with and without `train.fp8` (row scales), one and four micro-batches per step, against the peaks
-# the H200 measured (benchmarks/RESULTS.md, "The planner's accuracy"). FP8 adds the
-# weights' two copies and keeps the experts' saved inputs in FP8 instead of bf16, in column layouts sized for the
-# most 128-row tiles a micro-batch's rows can need (E − 1 spare tiles a layer, 45 MB at Qwen3's width).
+# the H200 measured (benchmarks/RESULTS.md, "The planner's accuracy"). FP8 keeps the experts' saved inputs in FP8
+# instead of bf16, in column layouts sized for the most 128-row tiles a micro-batch's rows can need (E − 1 spare
+# tiles a layer, 45 MB at Qwen3's width), and adds the expert weights' two FP8 copies for the step when it runs four
+# micro-batches; with one it keeps no copies (ops/18), and its peak falls below bf16's.
 
 # %%
-MEASURED_BENCH_PEAKS = {(False, 1): 76.18, (True, 1): 86.11, (False, 4): 91.27, (True, 4): 101.20}   # GiB
+MEASURED_BENCH_PEAKS = {(False, 1): 76.18, (True, 1): 72.61, (False, 4): 91.27, (True, 4): 101.20}   # GiB
 c = config_model("bench-qwen3-30b-a3b")
 for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
     want = estimate(c, meta_of(c), replace(bench, fp8=fp8, micro_batches=m)).peaks[0].gib()

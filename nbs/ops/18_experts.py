@@ -44,6 +44,14 @@ from pith_lit.ops.swiglu import swiglu
 # that has since changed would be silently stale, so the check below changes a weight in place and shows both what
 # `clear` prevents and that it does.
 #
+# The copies pay for themselves only when a step runs several micro-batches. With one, a kept copy saves a single
+# read of the weight (one pass writing both layouts instead of one pass each way) and holds both layouts of every
+# expert weight from its layer's forward to the optimizer step: on the Qwen3 bench that is 13.5 GiB, which takes
+# FP8's peak above bf16's (benchmarks/RESULTS.md, "FP8 end to end"). So `Fp8Weights(keep=False)` keeps nothing:
+# each use quantizes the layout it needs from the weight, the forward's in the forward and the transposed in the
+# backward, and frees it when the product is done, as the dense projections do (ops/15). The trainer sets `keep`
+# from the step's number of micro-batches (`fp8_copies_kept`, train/45).
+#
 # `scaling` is `train.fp8_scaling`: `"rows"` (its default, and the config's) or `"block"` (ops/15 explains both).
 # The FP8 layers keep their copies here in either implementation: the Triton kernels' on a GPU,
 # `quantize_weight_ref`'s (the same values, in plain torch) on a CPU.
@@ -52,14 +60,17 @@ from pith_lit.ops.swiglu import swiglu
 #| export
 class Fp8Weights:
     "The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling."
-    def __init__(self, scaling: str = "rows"):
-        self.scaling = scaling
+    def __init__(self, scaling: str = "rows", keep: bool = True):
+        self.scaling, self.keep = scaling, keep
         self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
 
     def weight(self, name: str, w: Tensor):
         """`weight(transposed, quantize)` for `fp8_grouped_linear`: w's copy under `name`, quantized on first use.
         When gradients will flow into w (a training step: its backward asks for the transposed copy too), the
-        first use makes both copies in one pass over w; otherwise only the one asked for."""
+        first use makes both copies in one pass over w; otherwise only the one asked for. With `keep` off, every
+        use quantizes w in the direction it asks and nothing is kept."""
+        if not self.keep:
+            return lambda transposed, quantize: quantize(w.detach(), transposed)
         both = torch.is_grad_enabled() and w.requires_grad
         def get(transposed: bool, quantize) -> tuple[Tensor, Tensor]:
             key = (name, transposed)
@@ -76,12 +87,22 @@ class Fp8Weights:
         self._copies.clear()
 
 
+def _fp8_weights(model: torch.nn.Module):
+    "Every `Fp8Weights` held by a module of `model`."
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, Fp8Weights)]
+
+
 def drop_fp8_copies(model: torch.nn.Module) -> None:
     "Clear every `Fp8Weights` held by a module of `model` (after an optimizer step: the next forward quantizes anew)."
-    for m in model.modules():
-        for v in vars(m).values():
-            if isinstance(v, Fp8Weights):
-                v.clear()
+    for v in _fp8_weights(model):
+        v.clear()
+
+
+def keep_fp8_copies(model: torch.nn.Module, keep: bool) -> None:
+    "Set `keep` on every `Fp8Weights` of `model`: copies kept for the step, or each use quantizing its own."
+    for v in _fp8_weights(model):
+        v.keep = keep
+        v.clear()
 
 # %% [markdown]
 # ## The two calls
@@ -150,7 +171,7 @@ def check_copies(scaling, n_in=256, n_out=128, counts=(100, 0, 60)):
     counts = torch.tensor(counts)
     n, E = int(counts.sum()), len(counts)
     g = torch.Generator(device="cpu").manual_seed(7)
-    x1, x2, w, dy = (torch.randn(*s, generator=g).to(torch.get_default_device())
+    x1, x2, w, dy = (torch.randn(*s, generator=g, device="cpu").to(torch.get_default_device())
                      for s in ((n, n_in), (n, n_in), (E, n_out, n_in), (n, n_out)))
     w = w.requires_grad_()
     ref = []
@@ -186,7 +207,18 @@ def check_copies(scaling, n_in=256, n_out=128, counts=(100, 0, 60)):
     with torch.no_grad():
         y = expert_linear(x1, w, counts, None, fp8, "w")
     assert rel_err(y, 2 * ref[0][0]) < 1e-5 and list(fp8._copies) == [("w", False)]
+    keep_fp8_copies(holder, False)                  # nothing kept: each use quantizes its own layout, same values
+    made.clear()
+    w.grad = None
+    for x, (y_ref, dx_ref) in zip((x1, x2), ref):
+        xr, half = x.clone().requires_grad_(), w / 2    # w as it was before the move
+        y = fp8_grouped_linear(xr, half, counts, impl="triton", weight=counted(fp8.weight("w", half)),
+                               scaling=scaling)
+        y.backward(dy)
+        assert torch.equal(y, y_ref) and torch.equal(xr.grad, dx_ref)
+    assert torch.equal(w.grad, ref_dw / 2) and not fp8._copies and made == [False, True, False, True], made
 
 for scaling in ("rows", "block"):
     check_copies(scaling)
-print("FP8 copies: the same outputs and gradients, one quantization pass per step, fresh after drop_fp8_copies")
+print("FP8 copies: the same outputs and gradients, one quantization pass per step, fresh after drop_fp8_copies; "
+      "without keep, one pass per use and nothing held")

@@ -245,8 +245,8 @@ class _Walk:
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
         # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
-        # kept until the step ends
-        self.fp8, self.fp8_made = 0.0, set()
+        # kept until the step ends with several micro-batches; with one, each use's copy is a transient
+        self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and w.micro_batches > 1
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.acts = self.deferred = self.buffers = 0.0
@@ -280,17 +280,24 @@ class _Walk:
             if u.experts == experts:
                 self.gathered.add(u.name)
 
-    def _fp8_copy(self, key: str) -> None:
-        if self.w.fp8 and key not in self.fp8_made:
+    def _fp8_copy(self, key: str) -> float:
+        "Keep the layer's FP8 expert copies for the step, or return the bytes of the one in use (not kept)."
+        experts = [u for u in self.layer_units.get(key, []) if u.experts]
+        if not self.w.fp8 or not experts:
+            return 0.0
+        if not self.fp8_kept:
+            return max(u.largest for u in experts)
+        if key not in self.fp8_made:
             self.fp8_made.add(key)
-            self.fp8 += 2 * sum(u.numel for u in self.layer_units.get(key, []) if u.experts)
+            self.fp8 += 2 * sum(u.numel for u in experts)
+        return 0.0
 
     def layer_forward(self, key: str, m) -> None:
         self._gather(key, False)
         self._gather(key, True)
-        self._fp8_copy(key)
+        copy = self._fp8_copy(key)
         self.acts += self.cost[key].kept_at(self.T)
-        self.note(f"forward of layer {key}, micro-batch {m}")
+        self.note(f"forward of layer {key}, micro-batch {m}", copy)
         for u in self.layer_units.get(key, []):
             if u.experts:
                 self.gathered.discard(u.name)   # freed after every forward, gathered again by its backward
@@ -307,7 +314,7 @@ class _Walk:
                 u = experts[0]
                 transient += (u.numel if u.wrapped else u.largest) * w.compute_bytes
             transient += self.T * k * w.compute_bytes * 2 * inter * (w.ep if w.sync_free else 1)
-        transient = max(transient, self.attention)   # the attention's backward runs after the experts'
+        transient = max(transient + self._fp8_copy(key), self.attention)   # attention's backward runs after
         self.note(f"backward of layer {key}, micro-batch {m}", transient)
         self.acts -= lb.kept_at(self.T)
         if zero_bubble:
