@@ -21,6 +21,8 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
 - `dense`: the dense projections of one attention layer (q, k and v stacked on one input, then o) at the three widths
   of issue 43 (`DENSE`), forward + backward: bf16 `F.linear` against ops/15 `fp8_linear` with row scales, and
   `fp8_linear`'s quantization passes alone (the GEMMs' share is the rest);
+- `densekernels`: `fp8_linear` forward + backward at the same shapes under `torch.profiler`, each GPU kernel's time
+  per call, largest first (which of its passes and GEMMs a dense layer's time goes to);
 - `rowsweep`: the row passes a SwiGLU expert MLP runs, at each rows-per-program and warp count of `quantize_rows`
   (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), and the weight pass writing both layouts at each of its own
   (`fp8.WEIGHT_ROWS`, `fp8.WEIGHT_ROWS_WARPS`).
@@ -290,6 +292,32 @@ def bench_dense(name, d, tokens):
                                                   errs=dict(err=err) if label == "fp8 rows" else None))
 
 
+def profile_dense(name, d, tokens, calls=5):
+    "Each GPU kernel's mean time per `fp8_linear` forward + backward, at the shapes of `bench_dense`."
+    g = torch.Generator(device=DEV).manual_seed(0)
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, device=DEV, generator=g) * scale).bfloat16().requires_grad_()
+    H = d["hidden"]
+    for proj, (K, outs) in {"qkv": (H, d["outs"]), "o": (d["o_in"], [H])}.items():
+        x, ws = rnd(tokens, K), [rnd(n, K, scale=K ** -0.5) for n in outs]
+        dy = torch.randn(tokens, sum(outs), device=DEV, generator=g).bfloat16()
+        step = lambda: fp8_linear(x, ws).backward(dy)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                step()
+            torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1e3 / calls
+        total = sum(kernels.values())
+        print(f"densekernels {name} {proj} {tokens}x{K}->{sum(outs)}: {total:.3f} ms of kernels per call", flush=True)
+        for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:10]:
+            print(f"  {ms:8.3f} ms  {k[:110]}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -302,6 +330,9 @@ def main():
     if "dense" in parts:
         for name, d in DENSE.items():
             bench_dense(name, d, args.tokens)
+    if "densekernels" in parts:
+        for name, d in DENSE.items():
+            run(f"densekernels {name}", "fp8 rows", lambda name=name, d=d: profile_dense(name, d, args.tokens))
     for name, shape in MODELS.items():
         if "gemm" in parts:
             bench_gemms(name, shape, args.tokens)

@@ -214,7 +214,8 @@ def pipeline_check(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
     dtype, (grad_tol, loss_tol) = (torch.float32, (1e-5, 1e-6)) if cpu else (torch.bfloat16, (3e-2, 1e-3))
     lines, layers = [], sum(sizes) if sizes else max(5, 2 * pp + 1)
     for M in micro_counts:
-        ref, model = (tiny_model(family, layers, dtype=dtype, options=Options(fp8=fp8)).to(device) for _ in range(2))
+        opts = Options(fp8=fp8, fp8_dense_min=0)   # every dense projection in FP8 too, at these small widths
+        ref, model = (tiny_model(family, layers, dtype=dtype, options=opts).to(device) for _ in range(2))
         shards = [[(x.to(device), y.to(device)) for x, y in micro_batches(M, 64, M + 100 * e)] for e in range(ep)]
         scale, aux = 1 / (M * ep * 16), aux_fn(4)
         ref_loss, ref_aux = reference_step(ref, sum(shards, []), scale, aux)

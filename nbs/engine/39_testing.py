@@ -305,7 +305,8 @@ def pipeline_check(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
     dtype, (grad_tol, loss_tol) = (torch.float32, (1e-5, 1e-6)) if cpu else (torch.bfloat16, (3e-2, 1e-3))
     lines, layers = [], sum(sizes) if sizes else max(5, 2 * pp + 1)
     for M in micro_counts:
-        ref, model = (tiny_model(family, layers, dtype=dtype, options=Options(fp8=fp8)).to(device) for _ in range(2))
+        opts = Options(fp8=fp8, fp8_dense_min=0)   # every dense projection in FP8 too, at these small widths
+        ref, model = (tiny_model(family, layers, dtype=dtype, options=opts).to(device) for _ in range(2))
         shards = [[(x.to(device), y.to(device)) for x, y in micro_batches(M, 64, M + 100 * e)] for e in range(ep)]
         scale, aux = 1 / (M * ep * 16), aux_fn(4)
         ref_loss, ref_aux = reference_step(ref, sum(shards, []), scale, aux)
@@ -589,9 +590,9 @@ print("\n".join(sorted(l for l in torchrun(2, "pipeline", "--micro", "4", "6", "
                        if l.startswith("rank"))))
 
 # %% [markdown]
-# In FP8 (`--fp8`, both models built with `Options(fp8=...)`, the dense projections and the experts in FP8, on a CPU
-# ops/15's torch definition), at pp 2 and at ep 2, against the single-process run in FP8 under the same fp32
-# bounds. At ep 2 an expert's weight gradient quantizes its columns over the rows it gets from both ranks, where the
+# In FP8 (`--fp8`, both models built with `Options(fp8=..., fp8_dense_min=0)`, the dense projections and the experts
+# in FP8, on a CPU ops/15's torch definition), at pp 2 and at ep 2, against the single-process run in FP8 under the
+# same fp32 bounds. At ep 2 an expert's weight gradient quantizes its columns over the rows it gets from both ranks, where the
 # reference had one rank's micro-batch; the scales are powers of two, so a column whose maximum moves to another
 # binade is scaled by an exact power of two and its normal E4M3 values do not change: only values in E4M3's
 # subnormal range can round differently, and the check holds at the fp32 bound.

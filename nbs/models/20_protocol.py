@@ -84,6 +84,11 @@ def cfg(default, help: str, **bounds):
 # - `fp8`: the routed experts' and the dense projections' matmuls in the compute dtype (`None`) or in FP8 with
 #   `"rows"` or `"block"` scales (`train.fp8`, `train.fp8_scaling`); the experts module keeps the step's FP8 weight
 #   copies (ops/experts), and `CausalLM` marks its projections (`Projection` below);
+# - `fp8_dense_min`: under `fp8`, a dense projection runs in FP8 only when its input and its output are both at
+#   least this wide. On the H200 the FP8 layer beats bf16 only where its GEMMs are wide against its quantization
+#   passes: it is 1.21–1.36× faster at 4096 → 9216, 8192 → 4096 and 16384 → 7168, and 0.36–0.74× as fast at
+#   2048 → 5120, 4096 → 2048 and 7168 → 2112 (benchmarks/RESULTS.md, "FP8 dense projections"), so the default is
+#   4096; 0 puts every projection that allows FP8 in it (the checks of this package, at their small widths);
 # - `cp_group`: the context-parallel process group the attention's ring runs over (`parallel.cp > 1`, ops/17
 #   `ring_group`), or `None` to attend within the rank's own sequence;
 # - `route`: `"learned"`, the router's top-k, or `"round_robin"`, a fixed assignment for benchmarks (`train.route`,
@@ -98,8 +103,10 @@ def cfg(default, help: str, **bounds):
 #| export
 @dataclass(frozen=True)
 class Options:
-    "How a model runs, given to its constructor: `fp8` None, 'rows' or 'block'; `cp_group` a group or None; `route`."
+    """How a model runs, given to its constructor: `fp8` None, 'rows' or 'block'; `fp8_dense_min`, the narrowest
+    dense projection in FP8; `cp_group` a group or None; `route`."""
     fp8: str | None = None
+    fp8_dense_min: int = 4096
     cp_group: object = None
     route: str = "learned"
 
@@ -117,7 +124,7 @@ for bad, msg in [(dict(fp8="tensor"), "Options(fp8='tensor')"), (dict(route="ran
         assert str(e).startswith(msg), e
     else:
         raise AssertionError(f"no error for {bad}")
-assert Options() == Options(None, None, "learned")
+assert Options() == Options(None, 4096, None, "learned")
 
 # %% [markdown]
 # ## Routing: what stage 1 tells stages 2–5
@@ -501,7 +508,8 @@ print("experts 2..3 built on meta and initialised alone == the same experts of t
 #   `lm_head`, tied to the embedding when `config.tie_word_embeddings`; it calls the family's `init_weights()`
 #   once built, and gives `prolog`, `epilog`, `forward` (the five stages on one rank, `LocalDispatcher` over
 #   `config.routed_experts`) and `num_params`. A family's `...ForCausalLM` subclasses it once, passing how to build
-#   its layer `i`, its final norm and its `Options.fp8` (which `CausalLM` sets on every `Projection` that allows it),
+#   its layer `i`, its final norm and its `Options` (`CausalLM` sets `Options.fp8` on every `Projection` that
+#   allows it and is at least `Options.fp8_dense_min` wide both ways),
 #   and writes `init_weights`, `reference_forward`, `active_matmul_params` and
 #   `flops_per_token`.
 
@@ -617,12 +625,13 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """A family's model class: `config`, the inner `model` (a `DecoderStack` of the family's `layer(i)` and final
     `norm`), `lm_head`, the five stages."""
-    def __init__(self, config, layer, norm: nn.Module, fp8: str | None = None):
+    def __init__(self, config, layer, norm: nn.Module, options: Options = Options()):
         super().__init__()
         self.config, self.model = config, DecoderStack(config, layer, norm)
-        for m in self.model.modules():   # Options.fp8: the dense projections that allow it run in FP8
+        for m in self.model.modules():   # Options.fp8: the dense projections that allow it and are wide enough
             if isinstance(m, Projection) and m.fp8_allowed:
-                m.fp8 = fp8
+                wide = min(m.in_features, m.out_features) >= options.fp8_dense_min
+                m.fp8 = options.fp8 if wide else None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

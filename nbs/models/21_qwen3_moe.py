@@ -355,14 +355,15 @@ class DecoderLayer(RoutedLayer):
 # the FLOP count.
 #
 # The constructor takes the run's `Options` (models/20) beside the config and hands each field to the module that
-# reads it: `cp_group` to every attention, `route` to every router, `fp8` to every experts module.
+# reads it: `cp_group` to every attention, `route` to every router, `fp8` to every experts module and, through
+# `CausalLM`, to the dense projections at least `fp8_dense_min` wide.
 
 # %%
 #| export
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
         super().__init__(config, lambda i: DecoderLayer(config, i, options),
-                         RMSNorm(config.hidden_size, config.rms_norm_eps), options.fp8)
+                         RMSNorm(config.hidden_size, config.rms_norm_eps), options)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -449,6 +450,26 @@ print(f"float32: logits within 1e-6, worst relative gradient difference {worst:.
 routings, worst = compare(model.double(), ids, atol=1e-12)
 assert worst < 1e-12, worst
 print(f"float64: logits within 1e-12, worst relative gradient difference {worst:.1e}")
+
+# %% [markdown]
+# Under `Options.fp8`, the dense projections at least `fp8_dense_min` wide in and out run in FP8: at the default
+# (4096) none of this small model's, at 0 all of them (q, k, v, o and the dense layer's MLP), and at 32 all but k
+# and v (16 wide); the experts modules hold their FP8 copies in every case.
+
+# %%
+def fp8_projections(options):
+    m = Qwen3MoeForCausalLM(c, options)
+    assert all(layer.mlp.experts.fp8_copies is not None for k, layer in m.model.layers.items() if k != "1")
+    return sorted({n.split(".", 3)[-1] for n, p in m.named_modules() if getattr(p, "fp8", None) == "rows"})
+
+assert fp8_projections(Options(fp8="rows")) == []
+assert fp8_projections(Options(fp8="rows", fp8_dense_min=0)) == [
+    "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj",
+    "self_attn.v_proj"]
+assert fp8_projections(Options(fp8="rows", fp8_dense_min=32)) == [
+    "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj"], \
+    fp8_projections(Options(fp8="rows", fp8_dense_min=32))
+print("FP8 dense projections chosen by width")
 
 # %% [markdown]
 # Skewed routing: every token's first choice is expert 3 and its second expert 1; experts 0 and 2 get nothing.

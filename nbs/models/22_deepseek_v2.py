@@ -548,7 +548,7 @@ class DecoderLayer(RoutedLayer):
 class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: Config, options: Options = Options()):
         super().__init__(config, lambda i: DecoderLayer(config, i, options),
-                         RMSNorm(config.hidden_size, config.rms_norm_eps), options.fp8)
+                         RMSNorm(config.hidden_size, config.rms_norm_eps), options)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):

@@ -1585,8 +1585,15 @@ print(f"fused SwiGLU passes equal the unfused ones, bitwise; the experts too ({t
 #   `torch.compile` keeps whole, and it quantizes its weights at each call, both layouts' worth over the step: the
 #   forward layout in the forward, the transposed in the backward. The input's FP8 rows are made again in the
 #   backward from the bf16 input it saves (the input the bf16 layer would save), so the FP8 path holds no more
-#   memory between the forward and the backward than bf16's. A dense weight is small beside the experts', so these
-#   extra passes are short (benchmarks/RESULTS.md, "FP8", measures them).
+#   memory between the forward and the backward than bf16's.
+#
+# Against bf16 the layer runs its GEMMs on FP8 operands and pays six passes over memory that bf16 does not: X by
+# rows in the forward and again transposed in the backward, the weight in each layout, and dY twice (its rows with
+# the weight's scales, then its columns with X's). Each pass costs in proportion to a width, the products in
+# proportion to the product of two, so the layer pays only where both its input and its output are wide: on the
+# H200 it is 1.21–1.36× faster than bf16 where both are 4096 or more and 0.36–0.74× as fast where either is 2048 or
+# 2112 (benchmarks/RESULTS.md, "FP8 dense projections"). The models therefore put a projection in FP8 only where
+# both widths reach `Options.fp8_dense_min` (models/20).
 #
 # The torch implementation is the definition, as for the experts; the check below compares both against the row
 # recipe written out in float64 from `quantize_ref`: `Y = (q_X s_X)(q_W s_W)ᵀ`; `dX` from the rows of `dY ⊙ s_W`
@@ -1754,7 +1761,8 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #   MLPs' own deficit; with several micro-batches per step it is shared among them.
 # - **The experts' share of a step.** The expert MLPs are about a quarter of a bench step's time in bf16; attention,
 #   the dense projections, the head and the optimizer take the rest. So even experts at twice bf16's speed, with
-#   quantization free, leave the step well short of 1.25× faster; that needs FP8 beyond the experts.
+#   quantization free, leave the step well short of 1.25× faster. The dense projections in FP8 (above) gain only
+#   at widths of 4096 and more, and there only a fifth to a third of their own time.
 #
 # `train.fp8_scaling` chooses between the two recipes; benchmarks/RESULTS.md has the figures for all of the above,
 # both recipes against bf16 end to end, and their loss curves (`nbs/validate/v05_fp8`).
@@ -1818,4 +1826,28 @@ for impl in ("triton", "torch"):
     got.append((y.detach(), xl.grad, wl.grad))
 errs = [rel_err(a, b) for a, b in zip(*got)]
 print(f"row-scaled layer, triton vs torch on the GPU: {errs}")
+assert max(errs) < 1e-2, errs
+
+# %% [markdown]
+# The dense layer on the GPU at the Qwen3 bench's attention width (q, k and v of hidden 2048 read together), in
+# bf16: the Triton kernels against the torch definition on the same GPU, and both against the row recipe in float64,
+# within the tensor cores' accumulation and the bf16 output's rounding (1e-2).
+
+# %%
+#| cuda
+x, dy, wq, wk, wv = (t.cuda() for t in randn(13, (4096, 2048), (4096, 5120), (4096, 2048), (512, 2048), (512, 2048)))
+x, dy = x.bfloat16(), dy.bfloat16()
+ws = [(w / 2048 ** 0.5).bfloat16() for w in (wq, wk, wv)]
+ref = dense_rows_ref(x.double(), torch.cat(ws).double(), dy.double())
+got = []
+for impl in ("triton", "torch"):
+    xl, wl = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+    y = fp8_linear(xl, wl, impl=impl)
+    y.backward(dy)
+    got.append((y.detach(), xl.grad, torch.cat([w.grad for w in wl])))
+    errs = [rel_err(a, b) for a, b in zip(got[-1], ref)]
+    print(f"fp8_linear {impl} on the GPU vs the row recipe in float64: {errs}")
+    assert max(errs) < 1e-2, (impl, errs)
+errs = [rel_err(a, b) for a, b in zip(*got)]
+print(f"fp8_linear triton vs torch on the GPU: {errs}")
 assert max(errs) < 1e-2, errs

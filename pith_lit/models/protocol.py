@@ -34,8 +34,10 @@ def cfg(default, help: str, **bounds):
 # %% ../../nbs/models/20_protocol.ipynb #1d4cbc53
 @dataclass(frozen=True)
 class Options:
-    "How a model runs, given to its constructor: `fp8` None, 'rows' or 'block'; `cp_group` a group or None; `route`."
+    """How a model runs, given to its constructor: `fp8` None, 'rows' or 'block'; `fp8_dense_min`, the narrowest
+    dense projection in FP8; `cp_group` a group or None; `route`."""
     fp8: str | None = None
+    fp8_dense_min: int = 4096
     cp_group: object = None
     route: str = "learned"
 
@@ -309,12 +311,13 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """A family's model class: `config`, the inner `model` (a `DecoderStack` of the family's `layer(i)` and final
     `norm`), `lm_head`, the five stages."""
-    def __init__(self, config, layer, norm: nn.Module, fp8: str | None = None):
+    def __init__(self, config, layer, norm: nn.Module, options: Options = Options()):
         super().__init__()
         self.config, self.model = config, DecoderStack(config, layer, norm)
-        for m in self.model.modules():   # Options.fp8: the dense projections that allow it run in FP8
+        for m in self.model.modules():   # Options.fp8: the dense projections that allow it and are wide enough
             if isinstance(m, Projection) and m.fp8_allowed:
-                m.fp8 = fp8
+                wide = min(m.in_features, m.out_features) >= options.fp8_dense_min
+                m.fp8 = options.fp8 if wide else None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

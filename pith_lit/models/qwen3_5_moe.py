@@ -289,7 +289,7 @@ class Qwen3_5MoeForCausalLM(CausalLM):
             raise ValueError("Qwen3.5-MoE has no context-parallel form: its linear attention carries a recurrent "
                              "state along the sequence; build it with Options(cp_group=None) (parallel.cp = 1)")
         super().__init__(config, lambda i: DecoderLayer(config, i, options),
-                         RMSNorm(config.hidden_size, config.rms_norm_eps), options.fp8)
+                         RMSNorm(config.hidden_size, config.rms_norm_eps), options)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
