@@ -60,7 +60,7 @@ from pith_lit.engine.steptime import choose_stage_layers, profile_layers
 from pith_lit.models.family import family
 from pith_lit.models.protocol import LocalDispatcher, Options, head_loss, run_layers
 from pith_lit.ops.attention import doc_positions
-from pith_lit.ops.experts import drop_fp8_copies
+from pith_lit.ops.experts import drop_fp8_copies, keep_fp8_copies
 from pith_lit.ops.ring_attention import ring_group, zigzag_shard
 from pith_lit.train import checkpoint
 from pith_lit.train.config import (Config, ConfigError, UserError, dump_toml, from_dict, read_toml, to_dict,
@@ -74,8 +74,10 @@ from pith_lit.train.optim import build_optimizer, count_tokens, lr_at, optimizer
 #
 # The model family is chosen by `model.model_type`: its module (models/29 `family`) holds the model class,
 # `Model`. The model is built with the run's `Options` (models/20), which `model_options` reads from the config and
-# the mesh: `train.fp8` and `train.fp8_scaling` give the experts' FP8 scaling (ops/18), `parallel.cp > 1` the ring's
-# group (`ring_group(mesh.cp)`, ops/17), `train.route` the routing (train/42).
+# the mesh: `train.fp8` and `train.fp8_scaling` give the FP8 scaling of the experts and the dense projections
+# (ops/15, ops/18), `parallel.cp > 1` the ring's group (`ring_group(mesh.cp)`, ops/17), `train.route` the routing
+# (train/42). The experts' FP8 weight copies are kept for the step only when a step runs several micro-batches
+# through each layer (`fp8_copies_kept`; ops/18 says what they cost and save).
 
 # %%
 #| export
@@ -91,6 +93,57 @@ def model_options(cfg: Config, mesh: Mesh | None) -> Options:
     t = cfg.train
     return Options(fp8=t.fp8_scaling if t.fp8 else None, cp_group=None if mesh is None else ring_group(mesh.cp),
                    route=t.route)
+
+
+def fp8_copies_kept(cfg: Config) -> bool:
+    "Whether the experts keep their FP8 weight copies for the step: when each layer runs several micro-batches."
+    return cfg.num_micro_batches > 1
+
+# %% [markdown]
+# ### Where FP8 pays
+#
+# FP8's speed against bf16 depends on the model's width: the FP8 products gain in proportion to the matmuls, the
+# quantization passes cost in proportion to the activations and weights they read. `FP8_MEASURED` holds what one
+# H200 measured side by side (benchmarks/RESULTS.md, "FP8 end to end"); a run with `train.fp8` on a GPU whose model
+# is nearest in hidden size to a width where FP8 was slower says so in one line at start-up (`fp8_note`), with
+# what was measured and the setting to change. It does not refuse: the loss and memory are the user's call too.
+
+# %%
+#| export
+# FP8 (row scales) tokens/s over bf16's, one H200, compiled, one micro-batch of 4 × 4096 tokens per step:
+# (hidden size, routed expert width, ratio, the run measured)
+FP8_MEASURED = ((2048, 768, 0.93, "the Qwen3-30B-A3B bench"),
+                (4096, 1536, 1.01, "Qwen3-235B-A22B's width, 3 layers"),
+                (7168, 2048, 1.02, "DeepSeek-V3's width, 3 layers"))
+
+
+def fp8_note(cfg: Config, device: torch.device) -> str | None:
+    "One line when `train.fp8` is on a GPU at a width nearest one where FP8 measured slower than bf16; else None."
+    if not cfg.train.fp8 or device.type != "cuda":
+        return None
+    hidden = cfg.model.hidden_size
+    h, inter, ratio, what = min(FP8_MEASURED, key=lambda m: abs(math.log(m[0] / hidden)))
+    if ratio >= 1:
+        return None
+    return (f"pith_lit: train.fp8 = true is likely slower than bf16 here: at the nearest measured width (hidden {h}, "
+            f"experts {inter} wide; this model's hidden is {hidden}) FP8 ran at {ratio:.2f}× bf16's tokens/s on one "
+            f"H200 ({what}, benchmarks/RESULTS.md \"FP8 end to end\"); set train.fp8=false for speed")
+
+# %% [markdown]
+# The note reads only the device's type, so the check asks for it on a CPU too: FP8 on at the Qwen3 bench's width
+# gets the line, FP8 off or on a CPU gets none, and at each measured width the line appears exactly where the
+# measured ratio is below 1.
+
+# %%
+from pith_lit.train.config import load_config as _cfg
+
+gpu = torch.device("cuda")   # only its type is read: nothing is allocated
+at = lambda hidden, *more: _cfg(overrides=[f"model.hidden_size={hidden}", "train.fp8=true", *more])
+assert "set train.fp8=false" in fp8_note(at(2048), gpu) and "0.93×" in fp8_note(at(2048), gpu)
+assert fp8_note(at(2048, "train.fp8=false"), gpu) is None and fp8_note(at(2048), torch.device("cpu")) is None
+for hidden, _, ratio, _ in FP8_MEASURED:
+    assert (fp8_note(at(hidden), gpu) is not None) == (ratio < 1), hidden
+print(fp8_note(at(2048), gpu))
 
 # %% [markdown]
 # ## Model FLOPs and MFU
@@ -349,6 +402,7 @@ def _place_model(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[torch.n
     model.to_empty(device=device)
     model.init_weights(cfg.run.seed)   # per-parameter generators: the values of the whole model, whatever the cut
     recompute_layers(model.model.layers.values(), cfg.train.recompute)
+    keep_fp8_copies(model, fp8_copies_kept(cfg))
     if cfg.train.compile:   # the ring's transfers stay outside the graph: stage 1 compiles around them
         mode = "reduce-overhead" if cfg.train.cuda_graphs and device.type == "cuda" else None
         for layer in model.model.layers.values():
@@ -842,6 +896,9 @@ def train(cfg: Config, until: int | None = None, quiet: bool = False) -> dict:
             report = Reporter(run, end, quiet)
             try:
                 report.say(_opening(run, end))
+                note = fp8_note(cfg, run.device)
+                if note:
+                    report.say(note)
                 history, stopped = _loop(run, report, end)
                 report.close()
                 sample = _sample(run, report) if history and not stopped else ""

@@ -111,13 +111,14 @@ class TrainConfig:
         "none", "recompute activations in backward instead of keeping them: attention = stage 1 of every layer (the "
         "attention block, norms, router), layer = stages 1 and 3 (the routed experts too); the exchanges are never "
         "repeated. Less memory for more compute (engine/32_stages)")
-    fp8: bool = cfg(False, "the routed experts' and the dense projections' matmuls (attention's q/k/v/o, MLA's, "
-                           "shared experts, dense MLPs) in FP8: E4M3 values with power-of-two scales "
-                           "(train.fp8_scaling), each expert weight quantized once per step, each dense weight at each "
-                           "use; Triton kernels on CUDA (sm89 or newer), their torch reference on a CPU. Attention's "
-                           "softmax, router, norms, embedding and head stay in train.dtype (ops/15_fp8). The FP8 "
-                           "products are faster than bf16's; the quantization passes and the weights' FP8 copies cost "
-                           "time and memory, so it pays where the matmuls are wide against them (README, FP8)")
+    fp8: bool = cfg(False, "the routed experts' matmuls, and the dense projections' (attention's q/k/v/o, MLA's, "
+                           "shared experts, dense MLPs) where both their widths are 4096 or more, in FP8: E4M3 values "
+                           "with power-of-two scales (train.fp8_scaling); an expert weight is quantized once per step "
+                           "when a step runs several micro-batches, at each use otherwise; Triton kernels on CUDA "
+                           "(sm89 or newer), their torch reference on a CPU. Attention's softmax, router, norms, "
+                           "embedding and head stay in train.dtype (ops/15_fp8). The FP8 products are faster than "
+                           "bf16's but the quantization passes cost time, so it pays only where the matmuls are wide "
+                           "against them; a run says so at start-up where it measured slower (README, FP8)")
     fp8_scaling: Literal["block", "rows"] = cfg(
         "rows", "with train.fp8, how the experts' FP8 values are scaled: rows = one scale per row of each operand "
         "over the whole reduction, so the GEMMs chain their FP8 products and scale once at the end (ops/15_fp8, "
