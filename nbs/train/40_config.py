@@ -146,7 +146,8 @@ class TrainConfig:
         "attention block, norms, router), layer = stages 1 and 3 (the routed experts too); the exchanges are never "
         "repeated. Less memory for more compute (engine/32_stages)")
     fp8: bool = cfg(False, "the routed experts' matmuls, and the dense projections' (attention's q/k/v/o, MLA's, "
-                           "shared experts, dense MLPs) where both their widths are 4096 or more, in FP8: E4M3 values "
+                           "shared experts, dense MLPs) where both their widths are train.fp8_dense_min or more, in "
+                           "FP8: E4M3 values "
                            "with power-of-two scales (train.fp8_scaling); an expert weight is quantized once per step "
                            "when a step runs several micro-batches, at each use otherwise; Triton kernels on CUDA "
                            "(sm89 or newer), their torch reference on a CPU. Attention's softmax, router, norms, "
@@ -158,6 +159,10 @@ class TrainConfig:
         "over the whole reduction, so the GEMMs chain their FP8 products and scale once at the end (ops/15_fp8, "
         "\"One scale per row\"), the fewer passes; block = 1×128 activation tiles and 128×128 weight blocks "
         "(DeepSeek-V3's recipe), which confine an outlier to its block")
+    fp8_dense_min: int = cfg(4096, "with train.fp8, the narrowest dense projection in FP8: one whose input or output "
+                                   "is narrower stays in train.dtype (0: every dense projection in FP8). 4096 is "
+                                   "where one H200 measured FP8 ahead of bf16 (benchmarks/RESULTS.md, FP8 dense "
+                                   "projections)", ge=0)
 
 
 @dataclass

@@ -88,11 +88,11 @@ def build_model(model_cfg, options: Options = Options()) -> torch.nn.Module:
 
 
 def model_options(cfg: Config, mesh: Mesh | None) -> Options:
-    """The run's `Options`: FP8 experts under `train.fp8`, the ring over `mesh.cp` at cp > 1, `train.route`;
-    without a mesh no ring (a model on the meta device, for the planner)."""
+    """The run's `Options`: FP8 under `train.fp8` (the dense projections from `train.fp8_dense_min` wide), the ring
+    over `mesh.cp` at cp > 1, `train.route`; without a mesh no ring (a model on the meta device, for the planner)."""
     t = cfg.train
-    return Options(fp8=t.fp8_scaling if t.fp8 else None, cp_group=None if mesh is None else ring_group(mesh.cp),
-                   route=t.route)
+    return Options(fp8=t.fp8_scaling if t.fp8 else None, fp8_dense_min=t.fp8_dense_min,
+                   cp_group=None if mesh is None else ring_group(mesh.cp), route=t.route)
 
 
 def fp8_copies_kept(cfg: Config) -> bool:
@@ -111,7 +111,7 @@ def fp8_copies_kept(cfg: Config) -> bool:
 # %%
 #| export
 # FP8 (row scales) tokens/s over bf16's, one H200, compiled, one micro-batch of 4 sequences per step, every dense
-# projection in FP8 (measured before Options.fp8_dense_min): (hidden size, routed expert width, ratio, the run)
+# projection in FP8 (train.fp8_dense_min = 0): (hidden size, routed expert width, ratio, the run)
 FP8_MEASURED = ((2048, 768, 0.93, "the Qwen3-30B-A3B bench"),
                 (4096, 1536, 1.01, "Qwen3-235B-A22B's width, 3 layers"),
                 (7168, 2048, 1.02, "DeepSeek-V3's width, 3 layers"))
@@ -132,7 +132,8 @@ def fp8_note(cfg: Config, device: torch.device) -> str | None:
 # %% [markdown]
 # The note reads only the device's type, so the check asks for it on a CPU too: FP8 on at the Qwen3 bench's width
 # gets the line, FP8 off or on a CPU gets none, and at each measured width the line appears exactly where the
-# measured ratio is below 1.
+# measured ratio is below 1. `train.fp8_dense_min` reaches the model through `model_options` (models/21 checks what
+# the gate then puts in FP8).
 
 # %%
 from pith_lit.train.config import load_config as _cfg
@@ -144,6 +145,8 @@ assert fp8_note(at(2048, "train.fp8=false"), gpu) is None and fp8_note(at(2048),
 for hidden, _, ratio, _ in FP8_MEASURED:
     assert (fp8_note(at(hidden), gpu) is not None) == (ratio < 1), hidden
 print(fp8_note(at(2048), gpu))
+assert model_options(at(2048), None).fp8_dense_min == 4096                       # the default gate
+assert model_options(at(2048, "train.fp8_dense_min=0"), None) == Options(fp8="rows", fp8_dense_min=0)
 
 # %% [markdown]
 # ## Model FLOPs and MFU

@@ -48,11 +48,11 @@ def build_model(model_cfg, options: Options = Options()) -> torch.nn.Module:
 
 
 def model_options(cfg: Config, mesh: Mesh | None) -> Options:
-    """The run's `Options`: FP8 experts under `train.fp8`, the ring over `mesh.cp` at cp > 1, `train.route`;
-    without a mesh no ring (a model on the meta device, for the planner)."""
+    """The run's `Options`: FP8 under `train.fp8` (the dense projections from `train.fp8_dense_min` wide), the ring
+    over `mesh.cp` at cp > 1, `train.route`; without a mesh no ring (a model on the meta device, for the planner)."""
     t = cfg.train
-    return Options(fp8=t.fp8_scaling if t.fp8 else None, cp_group=None if mesh is None else ring_group(mesh.cp),
-                   route=t.route)
+    return Options(fp8=t.fp8_scaling if t.fp8 else None, fp8_dense_min=t.fp8_dense_min,
+                   cp_group=None if mesh is None else ring_group(mesh.cp), route=t.route)
 
 
 def fp8_copies_kept(cfg: Config) -> bool:
@@ -61,7 +61,7 @@ def fp8_copies_kept(cfg: Config) -> bool:
 
 # %% ../../nbs/train/45_trainer.ipynb #5dccb262
 # FP8 (row scales) tokens/s over bf16's, one H200, compiled, one micro-batch of 4 sequences per step, every dense
-# projection in FP8 (measured before Options.fp8_dense_min): (hidden size, routed expert width, ratio, the run)
+# projection in FP8 (train.fp8_dense_min = 0): (hidden size, routed expert width, ratio, the run)
 FP8_MEASURED = ((2048, 768, 0.93, "the Qwen3-30B-A3B bench"),
                 (4096, 1536, 1.01, "Qwen3-235B-A22B's width, 3 layers"),
                 (7168, 2048, 1.02, "DeepSeek-V3's width, 3 layers"))
