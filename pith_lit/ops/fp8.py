@@ -808,6 +808,11 @@ def _single(x: Tensor) -> Tensor:
     return torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
 
 
+def _stacked(weights: list[Tensor]) -> Tensor:
+    "The weights as one group `(1, Σ out_i, in)`: one weight is read in place, several are stacked into a copy."
+    return (weights[0] if len(weights) == 1 else torch.cat(weights))[None]
+
+
 def _input_cols(x: Tensor, counts: Tensor, rows: bool) -> tuple:
     "What the weight gradient reads of the layer's input, as `_triton_forward` keeps it."
     if rows:
@@ -819,7 +824,7 @@ def _input_cols(x: Tensor, counts: Tensor, rows: bool) -> tuple:
 
 @torch.library.custom_op("pith_lit::fp8_linear", mutates_args=())
 def _fp8_linear(x: Tensor, weights: list[Tensor], impl: str, rows: bool) -> Tensor:
-    w = torch.cat(weights)[None]
+    w = _stacked(weights)
     if impl == "triton":
         return _triton_forward(x, _single(x), False, _own_weight(w), rows)[0]
     return _torch_forward(x, w, _single(x), False, _own_weight(w), rows)[0]
@@ -833,7 +838,7 @@ def _(x, weights, impl, rows):
 @torch.library.custom_op("pith_lit::fp8_linear_backward", mutates_args=())
 def _fp8_linear_backward(dy: Tensor, x: Tensor, weights: list[Tensor], impl: str, rows: bool) -> list[Tensor]:
     "dx and the stacked weights' gradient."
-    w, counts, dy = torch.cat(weights)[None], _single(x), dy.contiguous()
+    w, counts, dy = _stacked(weights), _single(x), dy.contiguous()
     if impl == "triton":
         dx, wgrad = _triton_backward(dy, w, counts, _input_cols(x, counts, rows), True, True, _own_weight(w), rows)
     else:
