@@ -251,20 +251,23 @@ DENSE = {"qwen3-30b-a3b": dict(hidden=2048, outs=[4096, 512, 512], o_in=4096),  
          "deepseek-v3": dict(hidden=7168, outs=[1536, 576], o_in=16384)}          # MLA's down projections; o 128 × 128
 
 
-def bench_dense(name, d, tokens):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def dense_layers(d, tokens):
+    """One attention layer's dense projections of width `d` at `tokens`: {"qkv" or "o": (x, weights, dy)}, bf16, x
+    and the weights requiring gradients."""
     g = torch.Generator(device=DEV).manual_seed(0)
     rnd = lambda *s, scale=1.0: (torch.randn(*s, device=DEV, generator=g) * scale).bfloat16()
-    H = d["hidden"]
-    layers = {"qkv": (rnd(tokens, H), [rnd(n, H, scale=H ** -0.5) for n in d["outs"]]),
-              "o": (rnd(tokens, d["o_in"]), [rnd(H, d["o_in"], scale=d["o_in"] ** -0.5)])}
-    for proj, (x, ws) in layers.items():
+    layers = {}
+    for proj, (K, outs) in {"qkv": (d["hidden"], d["outs"]), "o": (d["o_in"], [d["hidden"]])}.items():
+        x, ws = rnd(tokens, K).requires_grad_(), [rnd(n, K, scale=K ** -0.5).requires_grad_() for n in outs]
+        layers[proj] = x, ws, rnd(tokens, sum(outs))
+    return layers
+
+
+def bench_dense(name, d, tokens):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for proj, (x, ws, dy) in dense_layers(d, tokens).items():
         N, K = sum(w.shape[0] for w in ws), x.shape[1]
         flops = 3 * 2 * tokens * N * K
-        dy = rnd(tokens, N)
-        x.requires_grad_(True)
-        for w in ws:
-            w.requires_grad_(True)
 
         def bf16():
             torch.cat([F.linear(x, w) for w in ws], -1).backward(dy)
@@ -273,7 +276,7 @@ def bench_dense(name, d, tokens):
             fp8_linear(x, ws).backward(dy)
 
         def passes():                           # what fp8_linear quantizes, without its GEMMs
-            w = torch.cat(ws)[None]
+            w = fp8._stacked(ws)
             counts = torch.full((1,), tokens, dtype=torch.int64, device=DEV)
             fp8.quantize_rows(x, counts)
             fp8.quantize_weight_rows(w)
@@ -294,12 +297,8 @@ def bench_dense(name, d, tokens):
 
 def profile_dense(name, d, tokens, calls=5):
     "Each GPU kernel's mean time per `fp8_linear` forward + backward, at the shapes of `bench_dense`."
-    g = torch.Generator(device=DEV).manual_seed(0)
-    rnd = lambda *s, scale=1.0: (torch.randn(*s, device=DEV, generator=g) * scale).bfloat16().requires_grad_()
-    H = d["hidden"]
-    for proj, (K, outs) in {"qkv": (H, d["outs"]), "o": (d["o_in"], [H])}.items():
-        x, ws = rnd(tokens, K), [rnd(n, K, scale=K ** -0.5) for n in outs]
-        dy = torch.randn(tokens, sum(outs), device=DEV, generator=g).bfloat16()
+    for proj, (x, ws, dy) in dense_layers(d, tokens).items():
+        K, N = x.shape[1], sum(w.shape[0] for w in ws)
         step = lambda: fp8_linear(x, ws).backward(dy)
         for _ in range(3):
             step()
@@ -313,7 +312,7 @@ def profile_dense(name, d, tokens, calls=5):
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1e3 / calls
         total = sum(kernels.values())
-        print(f"densekernels {name} {proj} {tokens}x{K}->{sum(outs)}: {total:.3f} ms of kernels per call", flush=True)
+        print(f"densekernels {name} {proj} {tokens}x{K}->{N}: {total:.3f} ms of kernels per call", flush=True)
         for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:10]:
             print(f"  {ms:8.3f} ms  {k[:110]}", flush=True)
 

@@ -592,9 +592,9 @@ print("\n".join(sorted(l for l in torchrun(2, "pipeline", "--micro", "4", "6", "
 # %% [markdown]
 # In FP8 (`--fp8`, both models built with `Options(fp8=..., fp8_dense_min=0)`, the dense projections and the experts
 # in FP8, on a CPU ops/15's torch definition), at pp 2 and at ep 2, against the single-process run in FP8 under the
-# same fp32 bounds. At ep 2 an expert's weight gradient quantizes its columns over the rows it gets from both ranks, where the
-# reference had one rank's micro-batch; the scales are powers of two, so a column whose maximum moves to another
-# binade is scaled by an exact power of two and its normal E4M3 values do not change: only values in E4M3's
+# same fp32 bounds. At ep 2 an expert's weight gradient quantizes its columns over the rows it gets from both ranks,
+# where the reference had one rank's micro-batch; the scales are powers of two, so a column whose maximum moves to
+# another binade is scaled by an exact power of two and its normal E4M3 values do not change: only values in E4M3's
 # subnormal range can round differently, and the check holds at the fp32 bound.
 
 # %%

@@ -85,11 +85,9 @@ def cfg(default, help: str, **bounds):
 #   `"rows"` or `"block"` scales (`train.fp8`, `train.fp8_scaling`); the experts module keeps the step's FP8 weight
 #   copies (ops/experts), and `CausalLM` marks its projections (`Projection` below);
 # - `fp8_dense_min`: under `fp8`, a dense projection runs in FP8 only when its input and its output are both at
-#   least this wide. On the H200 the FP8 layer beats bf16 only where its GEMMs are wide against its quantization
-#   passes: it is 1.21–1.36× faster at 4096 → 9216, 8192 → 4096 and 16384 → 7168, and 0.36–0.74× as fast at
-#   2048 → 5120, 4096 → 2048 and 7168 → 2112 (benchmarks/RESULTS.md, "FP8 dense projections"), so the default is
-#   4096 (`train.fp8_dense_min`), which whole steps bear out: against every projection in FP8 it is 3.5% faster at
-#   the Qwen3 bench's width and 2.6% at DeepSeek-V3's ("FP8 end to end"); 0 puts every projection that allows FP8
+#   least this wide (`train.fp8_dense_min`). The FP8 layer beats bf16 only where its GEMMs are wide against its
+#   quantization passes and launches; the default, 4096, is where it measured ahead, alone and in whole steps
+#   (benchmarks/RESULTS.md, "FP8 dense projections" and "FP8 end to end"); 0 puts every projection that allows FP8
 #   in it (the checks of this package, at their small widths);
 # - `cp_group`: the context-parallel process group the attention's ring runs over (`parallel.cp > 1`, ops/17
 #   `ring_group`), or `None` to attend within the rank's own sequence;

@@ -1590,10 +1590,9 @@ print(f"fused SwiGLU passes equal the unfused ones, bitwise; the experts too ({t
 # Against bf16 the layer runs its GEMMs on FP8 operands and pays six passes over memory that bf16 does not: X by
 # rows in the forward and again transposed in the backward, the weight in each layout, and dY twice (its rows with
 # the weight's scales, then its columns with X's). Each pass costs in proportion to a width, the products in
-# proportion to the product of two, so the layer pays only where both its input and its output are wide: on the
-# H200 it is 1.21–1.36× faster than bf16 where both are 4096 or more and 0.36–0.74× as fast where either is 2048 or
-# 2112 (benchmarks/RESULTS.md, "FP8 dense projections"). The models therefore put a projection in FP8 only where
-# both widths reach `Options.fp8_dense_min` (models/20).
+# proportion to the product of two, and each call launches some twenty kernels, so the layer pays only where both
+# its input and its output are wide (benchmarks/RESULTS.md, "FP8 dense projections", measures where). The models
+# therefore put a projection in FP8 only where both widths reach `Options.fp8_dense_min` (models/20).
 #
 # The torch implementation is the definition, as for the experts; the check below compares both against the row
 # recipe written out in float64 from `quantize_ref`: `Y = (q_X s_X)(q_W s_W)ᵀ`; `dX` from the rows of `dY ⊙ s_W`
@@ -1767,7 +1766,7 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 # - **The experts' share of a step.** The expert MLPs are about a quarter of a bench step's time in bf16; attention,
 #   the dense projections, the head and the optimizer take the rest. So even experts at twice bf16's speed, with
 #   quantization free, leave the step well short of 1.25× faster. The dense projections in FP8 (above) gain only
-#   at widths of 4096 and more, and there only a fifth to a third of their own time.
+#   where both their widths are large, and there less than the experts' products do.
 #
 # `train.fp8_scaling` chooses between the two recipes; benchmarks/RESULTS.md has the figures for all of the above,
 # both recipes against bf16 end to end, and their loss curves (`nbs/validate/v05_fp8`).

@@ -46,8 +46,8 @@ from pith_lit.ops.swiglu import swiglu
 #
 # The copies pay for themselves only when a step runs several micro-batches. With one, a kept copy saves a single
 # read of the weight (one pass writing both layouts instead of one pass each way) and holds both layouts of every
-# expert weight from its layer's forward to the optimizer step: on the Qwen3 bench that is 13.5 GiB, which takes
-# FP8's peak above bf16's (benchmarks/RESULTS.md, "FP8 end to end"). So `Fp8Weights(keep=False)` keeps nothing:
+# expert weight from its layer's forward to the optimizer step, which takes FP8's peak above bf16's
+# (benchmarks/RESULTS.md, "FP8 end to end"). So with `keep` off an `Fp8Weights` keeps nothing:
 # each use quantizes the layout it needs from the weight, the forward's in the forward and the transposed in the
 # backward, and frees it when the product is done, as the dense projections do (ops/15). The trainer sets `keep`
 # from the step's number of micro-batches (`fp8_copies_kept`, train/45).
@@ -60,8 +60,8 @@ from pith_lit.ops.swiglu import swiglu
 #| export
 class Fp8Weights:
     "The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling."
-    def __init__(self, scaling: str = "rows", keep: bool = True):
-        self.scaling, self.keep = scaling, keep
+    def __init__(self, scaling: str = "rows"):
+        self.scaling, self.keep = scaling, True   # keep_fp8_copies sets keep
         self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
 
     def weight(self, name: str, w: Tensor):

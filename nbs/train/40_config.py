@@ -147,22 +147,22 @@ class TrainConfig:
         "repeated. Less memory for more compute (engine/32_stages)")
     fp8: bool = cfg(False, "the routed experts' matmuls, and the dense projections' (attention's q/k/v/o, MLA's, "
                            "shared experts, dense MLPs) where both their widths are train.fp8_dense_min or more, in "
-                           "FP8: E4M3 values "
-                           "with power-of-two scales (train.fp8_scaling); an expert weight is quantized once per step "
-                           "when a step runs several micro-batches, at each use otherwise; Triton kernels on CUDA "
-                           "(sm89 or newer), their torch reference on a CPU. Attention's softmax, router, norms, "
-                           "embedding and head stay in train.dtype (ops/15_fp8). The FP8 products are faster than "
-                           "bf16's but the quantization passes cost time, so it pays only where the matmuls are wide "
-                           "against them; a run says so at start-up where it measured slower (README, FP8)")
+                           "FP8: E4M3 values with power-of-two scales (train.fp8_scaling); an expert weight is "
+                           "quantized once per step when a step runs several micro-batches, at each use otherwise; "
+                           "Triton kernels on CUDA (sm89 or newer), their torch reference on a CPU. Attention's "
+                           "softmax, router, norms, embedding and head stay in train.dtype (ops/15_fp8). The FP8 "
+                           "products are faster than bf16's but the quantization passes cost time, so it pays only "
+                           "where the matmuls are wide against them; a run says so at start-up where it measured "
+                           "slower (README, FP8)")
     fp8_scaling: Literal["block", "rows"] = cfg(
         "rows", "with train.fp8, how the experts' FP8 values are scaled: rows = one scale per row of each operand "
         "over the whole reduction, so the GEMMs chain their FP8 products and scale once at the end (ops/15_fp8, "
         "\"One scale per row\"), the fewer passes; block = 1×128 activation tiles and 128×128 weight blocks "
         "(DeepSeek-V3's recipe), which confine an outlier to its block")
     fp8_dense_min: int = cfg(4096, "with train.fp8, the narrowest dense projection in FP8: one whose input or output "
-                                   "is narrower stays in train.dtype (0: every dense projection in FP8). 4096 is "
-                                   "where one H200 measured FP8 ahead of bf16 (benchmarks/RESULTS.md, FP8 dense "
-                                   "projections)", ge=0)
+                                   "is narrower stays in train.dtype (0: every dense projection in FP8). The "
+                                   "default is the width where FP8 measured ahead of bf16 (benchmarks/RESULTS.md, "
+                                   "FP8 dense projections)", ge=0)
 
 
 @dataclass

@@ -13,8 +13,8 @@ from .swiglu import swiglu
 # %% ../../nbs/ops/18_experts.ipynb #3b99f4ae
 class Fp8Weights:
     "The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling."
-    def __init__(self, scaling: str = "rows", keep: bool = True):
-        self.scaling, self.keep = scaling, keep
+    def __init__(self, scaling: str = "rows"):
+        self.scaling, self.keep = scaling, True   # keep_fp8_copies sets keep
         self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
 
     def weight(self, name: str, w: Tensor):
