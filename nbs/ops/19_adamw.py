@@ -276,6 +276,106 @@ for dtype in (torch.float32, torch.bfloat16):
     assert abs(got["triton"].item() / want - 1) < 1e-6 and got["triton"].dtype == torch.float32
 
 # %% [markdown]
+# ## Muon's passes
+#
+# Besides its Newton–Schulz iteration, train/43's Muon does two element-wise things to each matrix it updates. Before
+# the iteration it keeps a momentum `b ← μ·b + c·g` of the gradient scaled by the clipping factor `c`, and hands the
+# iteration its Nesterov form `u = c·g + μ·b`; after it, it applies the iteration's result `o` with the decoupled
+# decay, `p ← (1 − lr·wd)·p − α·o` (`α` the learning rate times the update's scale). As PyTorch operations on bf16
+# tensors that is seven passes: `g ← c·g`, `b ← μ·b`, `b ← b + g`, `u = g + μ·b`, `o ← α·o`, `p ← (1 − lr·wd)·p`,
+# `p ← p − o`, 34 bytes per element. `muon_momentum` and `decay_add` are one pass each: the first reads `g`, `b` and
+# writes `b`, `u` (8 bytes), the second reads `p`, `o` and writes `p` (6 bytes). Both compute in fp32 from the stored
+# dtypes and round once on each store; the PyTorch forms are the CPU's path and the checks' reference.
+
+# %%
+#| export
+@triton.jit
+def _muon_momentum_kernel(b_ptr, g_ptr, u_ptr, scale_ptr, n, mu, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(scale_ptr)
+    b = tl.load(b_ptr + offs, mask=mask).to(tl.float32) * mu + g
+    tl.store(b_ptr + offs, b.to(b_ptr.dtype.element_ty), mask=mask)
+    tl.store(u_ptr + offs, (g + mu * b).to(u_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decay_add_kernel(p_ptr, o_ptr, n, decay, alpha, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32) * decay
+    p = p + alpha * tl.load(o_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+def _same_contiguous(name: str, *ts) -> None:
+    if any(t.shape != ts[0].shape for t in ts):
+        raise ValueError(f"{name}: shapes differ: {[tuple(t.shape) for t in ts]}")
+    if not all(t.is_contiguous() for t in ts):
+        raise ValueError(f"{name}: the Triton kernel needs contiguous tensors")
+
+
+def muon_momentum(b, g, u, *, momentum: float, grad_scale: torch.Tensor | None = None, impl: str | None = None):
+    """Muon's momentum in place: `b ← μ·b + c·g`, and its Nesterov form `u ← c·g + μ·b` written into `u` (`c` =
+    `grad_scale`, a 0-d tensor, or 1 when None), fp32 math rounded once per store: one Triton pass on CUDA, PyTorch
+    elsewhere and for float64. Plain local tensors of one shape."""
+    if choose_impl(impl or ("torch" if b.dtype == torch.float64 else None), b) == "torch":
+        wide = torch.promote_types(b.dtype, torch.float32)
+        gf = g.to(wide) if grad_scale is None else g.to(wide) * grad_scale
+        bf = b.to(wide) * momentum + gf
+        u.copy_(gf + momentum * bf)
+        b.copy_(bf)
+        return
+    _same_contiguous("muon_momentum", b, g, u)
+    if b.numel():
+        _muon_momentum_kernel[(triton.cdiv(b.numel(), ADAMW_BLOCK),)](
+            b, g, u, grad_scale.float() if grad_scale is not None else b, b.numel(), momentum,
+            HAS_SCALE=grad_scale is not None, BLOCK=ADAMW_BLOCK, num_warps=ADAMW_WARPS)
+
+
+def decay_add(p, o, *, decay: float, alpha: float, impl: str | None = None) -> None:
+    """`p ← decay·p + alpha·o` in place, fp32 math rounded once: one Triton pass on CUDA, PyTorch elsewhere and for
+    float64. Plain local tensors of one shape."""
+    if choose_impl(impl or ("torch" if p.dtype == torch.float64 else None), p) == "torch":
+        wide = torch.promote_types(p.dtype, torch.float32)
+        p.copy_(p.to(wide) * decay + alpha * o.to(wide))
+        return
+    _same_contiguous("decay_add", p, o)
+    if p.numel():
+        _decay_add_kernel[(triton.cdiv(p.numel(), ADAMW_BLOCK),)](p, o, p.numel(), decay, alpha, BLOCK=ADAMW_BLOCK,
+                                                                  num_warps=ADAMW_WARPS)
+
+# %% [markdown]
+# Check: both against the formulas in float64, in fp32 (to 1e-6 relative) and bf16 (within one rounding of the
+# float64 result), each with 1e-6 absolute for fp32's own rounding where terms cancel; with and without `c`, on a
+# size that is not a multiple of the block; then a non-contiguous tensor is refused by name.
+
+# %%
+gen = torch.Generator().manual_seed(3)
+for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)):
+    for c in (0.25, None):
+        b, g, o, p = (torch.randn(3, 2051, generator=gen).to(dev, dtype) for _ in range(4))
+        scale = torch.tensor(c, device=dev) if c is not None else None
+        cg = g.double() * (c if c is not None else 1.0)
+        want_b = 0.95 * b.double() + cg
+        want = dict(b=want_b, u=cg + 0.95 * want_b, p=p.double() * 0.998 - 0.3 * o.double())
+        for impl in ("triton", "torch"):
+            bb, pp, u = b.clone(), p.clone(), torch.empty_like(b)
+            muon_momentum(bb, g, u, momentum=0.95, grad_scale=scale, impl=impl)
+            decay_add(pp, o, decay=0.998, alpha=-0.3, impl=impl)
+            got = dict(b=bb, u=u, p=pp)
+            errs = {k: ((got[k].double() - w).abs() - bound * w.abs()).max().item() for k, w in want.items()}
+            assert max(errs.values()) <= 1e-6, (dtype, c, impl, errs)   # fp32's own rounding where terms cancel
+    print(dtype, f"muon_momentum and decay_add, both paths, against float64: within {bound:.1e} relative")
+try:
+    decay_add(torch.zeros(4, 6, device=dev).mT, torch.zeros(6, 4, device=dev), decay=1.0, alpha=1.0, impl="triton")
+    raise AssertionError("expected a ValueError")
+except ValueError as err:
+    print(err)
+
+# %% [markdown]
 # ## The optimizer
 #
 # `AdamW` is a `torch.optim.Optimizer` whose step runs `adamw_update` on every parameter that has a gradient, with

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from pith_lit.engine.ep import all_to_all
-from pith_lit.ops.adamw import AdamW, local
+from pith_lit.ops.adamw import AdamW, decay_add, local, muon_momentum
 
 # %%
 import copy
@@ -150,10 +150,13 @@ assert all(p.dtype == torch.float32 for p in mixed.parameters())          # the 
 # `U Vᵀ`, every singular value set to one, so that no direction of the update dominates the others. The exact
 # `U Vᵀ` needs an SVD; Muon approximates it with five steps of a quintic Newton–Schulz iteration on `X = M/‖M‖`,
 # `X ← a X + (b A + c A²) X` with `A = X Xᵀ` and `(a, b, c) = (3.4445, −4.7750, 2.0315)`, which pushes every singular
-# value into roughly [0.7, 1.2] using matmuls only. It applies to the 2-D weights inside the layers (attention
-# projections, dense MLPs, shared experts) and to each routed expert's matrix (a stacked `(E, out, in)` tensor is E
-# matrices); the embedding, the head, the router, norms and biases keep AdamW, as in the published Muon setups
-# (the router's rows are per-expert scores, not a feature map).
+# value into roughly [0.7, 1.2] using matmuls only. A tall matrix takes the same iteration on its transpose, written
+# as `A = XᵀX` and `X ← a X + X (b A + c A²)` so that the result keeps the matrix's layout. It applies to the 2-D
+# weights inside the layers (attention projections, dense MLPs, shared experts) and to each routed expert's matrix
+# (a stacked `(E, out, in)` tensor is E matrices); the embedding, the head, the router, norms and biases keep AdamW,
+# as in the published Muon setups (the router's rows are per-expert scores, not a feature map). The momentum with
+# its Nesterov form, and the update with its decay, are one pass over memory each (ops/19 `muon_momentum`,
+# `decay_add`).
 #
 # **Learning-rate matching.** An orthogonal `out × in` update has RMS `1/√max(out, in)`; AdamW's updates have an
 # RMS of about 0.2. Scaling the Muon update by `0.2·√max(out, in)` makes the two alike, so one `train.lr` (and the
@@ -186,17 +189,18 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     """The quintic Newton–Schulz approximation of `U Vᵀ` for each matrix in the last two dims of `m` (bf16 on CUDA,
     fp32 or wider elsewhere)."""
     x = m.to(torch.bfloat16 if m.is_cuda else torch.promote_types(m.dtype, torch.float32))
-    tall = x.shape[-2] > x.shape[-1]   # iterate on the side with fewer rows
-    if tall:
-        x = x.mT
+    tall = x.shape[-2] > x.shape[-1]   # then the Gram matrix of the columns, applied from the right
     lead, x = x.shape[:-2], x.reshape(-1, *x.shape[-2:])           # one batch of matrices: three GEMMs a step
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     a, b, c = NS_COEFFS
     for _ in range(steps):
-        A = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(A, A, A, beta=b, alpha=c), x, beta=a)   # a·x + (b·A + c·A²)·x
-    x = x.view(*lead, *x.shape[-2:])
-    return (x.mT if tall else x).to(m.dtype)
+        if tall:   # a·x + x·(b·A + c·A²), A = xᵀx
+            A = x.mT @ x
+            x = torch.baddbmm(x, x, torch.baddbmm(A, A, A, beta=b, alpha=c), beta=a)
+        else:      # a·x + (b·A + c·A²)·x, A = x xᵀ
+            A = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(A, A, A, beta=b, alpha=c), x, beta=a)
+    return x.view(*lead, *x.shape[-2:]).to(m.dtype)
 
 
 def _split(x: Tensor, spec) -> tuple[Tensor, callable]:
@@ -264,17 +268,14 @@ class Muon(AdamW):
     def update(self, p, g: dict, grad_scale: Tensor | None) -> None:
         if not g["muon"]:
             return super().update(p, g, grad_scale)
-        state, grad = self.state[p], p.grad
-        if grad_scale is not None:
-            local(grad).mul_(grad_scale.to(grad.dtype))   # clipping, on this rank's shard
-        buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
-        buf.mul_(g["momentum"]).add_(grad)
-        update = grad.add(buf, alpha=g["momentum"])          # Nesterov
+        buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+        update = torch.empty_like(p.grad)   # Nesterov's, of the gradient times the clipping factor (ops/19)
+        muon_momentum(local(buf), local(p.grad), local(update), momentum=g["momentum"], grad_scale=grad_scale)
         full, mine = _whole_matrices(update)
         mats, fuse = _split(full, self.parts[p]) if p in self.parts else (full, lambda out: out)
-        out = fuse(orthogonalize(mats, g["ns_steps"]) * (0.2 * max(mats.shape[-2:]) ** 0.5))
-        p.mul_(1 - g["lr"] * g["weight_decay"])
-        local(p).add_(mine(out), alpha=-g["lr"])
+        out = mine(fuse(orthogonalize(mats, g["ns_steps"]))).contiguous()
+        decay_add(local(p), out, decay=1 - g["lr"] * g["weight_decay"],
+                  alpha=-g["lr"] * 0.2 * max(mats.shape[-2:]) ** 0.5)
 
 
 def muon_param(name: str, p: Tensor) -> bool:
