@@ -150,6 +150,16 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, decay, one_minus_b1,
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
+def _one_shape(name: str, *ts) -> None:
+    if any(t.shape != ts[0].shape for t in ts):
+        raise ValueError(f"{name}: shapes differ: {[tuple(t.shape) for t in ts]}")
+
+
+def _contiguous(name: str, *ts) -> None:
+    if not all(t.is_contiguous() for t in ts):
+        raise ValueError(f"{name}: the Triton kernel needs contiguous tensors")
+
+
 ADAMW_BLOCK, ADAMW_WARPS = 2048, 8   # the best of 1024-8192 × 4-16 warps on the H200 (RESULTS.md)
 
 
@@ -159,14 +169,11 @@ def adamw_update(p, g, m, v, *, step: int, lr: float, weight_decay: float, betas
     times `grad_scale` (a 0-d tensor on `p`'s device, or None): the Triton kernel on CUDA, `adamw_torch` elsewhere
     and for float64 parameters (`impl`: "triton" or "torch" to choose). Plain local tensors of one shape, contiguous
     for the kernel."""
-    if not p.shape == g.shape == m.shape == v.shape:
-        raise ValueError(f"adamw_update: shapes differ: p {tuple(p.shape)}, g {tuple(g.shape)}, m {tuple(m.shape)}, "
-                         f"v {tuple(v.shape)}")
+    _one_shape("adamw_update", p, g, m, v)
     args = dict(step=step, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, grad_scale=grad_scale)
     if choose_impl(impl or ("torch" if p.dtype == torch.float64 else None), p) == "torch":
         return adamw_torch(p, g, m, v, **args)
-    if not all(t.is_contiguous() for t in (p, g, m, v)):
-        raise ValueError("adamw_update: the Triton kernel needs contiguous p, g, m and v")
+    _contiguous("adamw_update", p, g, m, v)
     b1, b2 = betas
     if p.numel():
         _adamw_kernel[(triton.cdiv(p.numel(), ADAMW_BLOCK),)](
@@ -252,8 +259,7 @@ def sum_squares(tensors: list[torch.Tensor], impl: str | None = None) -> torch.T
     if choose_impl(impl or ("torch" if first.dtype == torch.float64 else None), first) == "torch":
         wide = torch.promote_types(first.dtype, torch.float32)
         return torch.stack(torch._foreach_norm(tensors)).to(wide).pow(2).sum()
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("sum_squares: the Triton pass needs contiguous tensors")
+    _contiguous("sum_squares", *tensors)
     blocks = [triton.cdiv(t.numel(), SQ_BLOCK) for t in tensors]
     partial = torch.empty(sum(blocks), device=first.device, dtype=torch.float32)
     start = 0
@@ -310,17 +316,11 @@ def _decay_add_kernel(p_ptr, o_ptr, n, decay, alpha, BLOCK: tl.constexpr):
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
-def _same_contiguous(name: str, *ts) -> None:
-    if any(t.shape != ts[0].shape for t in ts):
-        raise ValueError(f"{name}: shapes differ: {[tuple(t.shape) for t in ts]}")
-    if not all(t.is_contiguous() for t in ts):
-        raise ValueError(f"{name}: the Triton kernel needs contiguous tensors")
-
-
 def muon_momentum(b, g, u, *, momentum: float, grad_scale: torch.Tensor | None = None, impl: str | None = None):
     """Muon's momentum in place: `b ← μ·b + c·g`, and its Nesterov form `u ← c·g + μ·b` written into `u` (`c` =
     `grad_scale`, a 0-d tensor, or 1 when None), fp32 math rounded once per store: one Triton pass on CUDA, PyTorch
     elsewhere and for float64. Plain local tensors of one shape."""
+    _one_shape("muon_momentum", b, g, u)
     if choose_impl(impl or ("torch" if b.dtype == torch.float64 else None), b) == "torch":
         wide = torch.promote_types(b.dtype, torch.float32)
         gf = g.to(wide) if grad_scale is None else g.to(wide) * grad_scale
@@ -328,7 +328,7 @@ def muon_momentum(b, g, u, *, momentum: float, grad_scale: torch.Tensor | None =
         u.copy_(gf + momentum * bf)
         b.copy_(bf)
         return
-    _same_contiguous("muon_momentum", b, g, u)
+    _contiguous("muon_momentum", b, g, u)
     if b.numel():
         _muon_momentum_kernel[(triton.cdiv(b.numel(), ADAMW_BLOCK),)](
             b, g, u, grad_scale.float() if grad_scale is not None else b, b.numel(), momentum,
@@ -338,11 +338,12 @@ def muon_momentum(b, g, u, *, momentum: float, grad_scale: torch.Tensor | None =
 def decay_add(p, o, *, decay: float, alpha: float, impl: str | None = None) -> None:
     """`p ← decay·p + alpha·o` in place, fp32 math rounded once: one Triton pass on CUDA, PyTorch elsewhere and for
     float64. Plain local tensors of one shape."""
+    _one_shape("decay_add", p, o)
     if choose_impl(impl or ("torch" if p.dtype == torch.float64 else None), p) == "torch":
         wide = torch.promote_types(p.dtype, torch.float32)
         p.copy_(p.to(wide) * decay + alpha * o.to(wide))
         return
-    _same_contiguous("decay_add", p, o)
+    _contiguous("decay_add", p, o)
     if p.numel():
         _decay_add_kernel[(triton.cdiv(p.numel(), ADAMW_BLOCK),)](p, o, p.numel(), decay, alpha, BLOCK=ADAMW_BLOCK,
                                                                   num_warps=ADAMW_WARPS)
