@@ -151,7 +151,8 @@ assert all(p.dtype == torch.float32 for p in mixed.parameters())          # the 
 # `U Vᵀ` needs an SVD; Muon approximates it with five steps of a quintic Newton–Schulz iteration on `X = M/‖M‖`,
 # `X ← a X + (b A + c A²) X` with `A = X Xᵀ` and `(a, b, c) = (3.4445, −4.7750, 2.0315)`, which pushes every singular
 # value into roughly [0.7, 1.2] using matmuls only. A tall matrix takes the same iteration on its transpose, written
-# as `A = XᵀX` and `X ← a X + X (b A + c A²)` so that the result keeps the matrix's layout. It applies to the 2-D
+# as `A = XᵀX` and `X ← a X + X (b A + c A²)` so that the result keeps the matrix's layout. Each step is three
+# products: `A`, `B = a I + b A + c A²` (a small matrix), and `B X`. It applies to the 2-D
 # weights inside the layers (attention projections, dense MLPs, shared experts) and to each routed expert's matrix
 # (a stacked `(E, out, in)` tensor is E matrices); the embedding, the head, the router, norms and biases keep AdamW,
 # as in the published Muon setups (the router's rows are per-expert scores, not a feature map). The momentum with
@@ -193,13 +194,11 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     lead, x = x.shape[:-2], x.reshape(-1, *x.shape[-2:])           # one batch of matrices: three GEMMs a step
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     a, b, c = NS_COEFFS
-    for _ in range(steps):
-        if tall:   # a·x + x·(b·A + c·A²), A = xᵀx
-            A = x.mT @ x
-            x = torch.baddbmm(x, x, torch.baddbmm(A, A, A, beta=b, alpha=c), beta=a)
-        else:      # a·x + (b·A + c·A²)·x, A = x xᵀ
-            A = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(A, A, A, beta=b, alpha=c), x, beta=a)
+    for _ in range(steps):   # a·x + (b·A + c·A²)·x as one product: (a·I + b·A + c·A²)·x, A = x xᵀ (tall: the mirror)
+        A = x.mT @ x if tall else x @ x.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        B.diagonal(dim1=-2, dim2=-1).add_(a)
+        x = x @ B if tall else B @ x
     return x.view(*lead, *x.shape[-2:]).to(m.dtype)
 
 

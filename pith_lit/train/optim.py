@@ -49,13 +49,11 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     lead, x = x.shape[:-2], x.reshape(-1, *x.shape[-2:])           # one batch of matrices: three GEMMs a step
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     a, b, c = NS_COEFFS
-    for _ in range(steps):
-        if tall:   # a·x + x·(b·A + c·A²), A = xᵀx
-            A = x.mT @ x
-            x = torch.baddbmm(x, x, torch.baddbmm(A, A, A, beta=b, alpha=c), beta=a)
-        else:      # a·x + (b·A + c·A²)·x, A = x xᵀ
-            A = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(A, A, A, beta=b, alpha=c), x, beta=a)
+    for _ in range(steps):   # a·x + (b·A + c·A²)·x as one product: (a·I + b·A + c·A²)·x, A = x xᵀ (tall: the mirror)
+        A = x.mT @ x if tall else x @ x.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        B.diagonal(dim1=-2, dim2=-1).add_(a)
+        x = x @ B if tall else B @ x
     return x.view(*lead, *x.shape[-2:]).to(m.dtype)
 
 
