@@ -47,12 +47,17 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     x = m.to(torch.bfloat16 if m.is_cuda else torch.promote_types(m.dtype, torch.float32))
     tall = x.shape[-2] > x.shape[-1]   # then the Gram matrix of the columns, applied from the right
     lead, x = x.shape[:-2], x.reshape(-1, *x.shape[-2:])           # one batch of matrices: three GEMMs a step
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     a, b, c = NS_COEFFS
-    for _ in range(steps):   # a·x + (b·A + c·A²)·x as one product: (a·I + b·A + c·A²)·x, A = x xᵀ (tall: the mirror)
+    for i in range(steps):   # a·x + (b·A + c·A²)·x as one product: (a·I + b·A + c·A²)·x, A = x xᵀ (tall: the mirror)
         A = x.mT @ x if tall else x @ x.mT
+        if i == 0:           # ‖x‖² = trace(A): x/‖x‖ never written, its 1/‖x‖² scales A and its 1/‖x‖ scales B
+            s = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(A.dtype, torch.float32))
+            s = s.sqrt_().add_(1e-7)[:, None, None]
+            A = A.mul_(s.pow(-2))
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         B.diagonal(dim1=-2, dim2=-1).add_(a)
+        if i == 0:
+            B = B.mul_(s.reciprocal())
         x = x @ B if tall else B @ x
     return x.view(*lead, *x.shape[-2:]).to(m.dtype)
 
