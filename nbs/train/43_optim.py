@@ -320,6 +320,28 @@ for shape in [(16, 48), (48, 16), (32, 32), (3, 24, 40)]:
     print(shape, f"singular values of the result in [{s_o.min():.3f}, {s_o.max():.3f}], off-diagonal {off:.1e}")
 
 # %% [markdown]
+# Check: the iteration as written above, `X = M/‖M‖` divided out and `a X + (b A + c A²) X` on the transpose of a tall
+# matrix, in float64, gives `orthogonalize`'s result (its `1/‖M‖` folded into the first step's `A` and `B`, the tall
+# case from the right, `a I` inside `B`) to float64's rounding; a zero matrix stays zero.
+
+# %%
+def textbook_orthogonalize(m, steps=5):
+    x = m.mT if m.shape[-2] > m.shape[-1] else m
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)         # the same guard against a zero matrix
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        A = x @ x.mT
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.mT if m.shape[-2] > m.shape[-1] else x
+
+for shape in [(16, 48), (48, 16), (3, 24, 40), (2, 2, 40, 24)]:
+    m = 5 * torch.randn(*shape, generator=g, dtype=torch.float64)
+    want = textbook_orthogonalize(m)
+    err = ((orthogonalize(m) - want).norm() / want.norm()).item()
+    assert err < 1e-12, (shape, err)
+assert orthogonalize(torch.zeros(2, 8, 12, dtype=torch.float64)).abs().max() == 0
+
+# %% [markdown]
 # Check: one Muon step on a toy model against the update written out by hand (momentum, Nesterov, the iteration,
 # the scale, decoupled decay) for the matrix, and against `torch.optim.AdamW` for the rest.
 
