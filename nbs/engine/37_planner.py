@@ -349,6 +349,8 @@ for name, (kept, tr) in MEASURED_HEAD.items():
 # parallelism, to a multiple of the shard count), and during a step its gathered weights in the compute dtype and
 # its unsharded gradient in fp32; after `reduce_gradients`, the gradient's shard. Each parameter has as many
 # optimizer states as `states(name, param)` says (AdamW 2; Muon 1 for its matrices), in the parameter's dtype.
+# The root's gradients come in two parts: the head's with the loss (ops/13 computes it in the forward), the
+# embedding's (`late`, unless the head shares its weight) only from the embedding's backward, after every layer's.
 
 # %%
 #| export
@@ -364,6 +366,7 @@ class Unit:
     largest: int = 0           # its largest parameter (elements): a gradient added into an existing one
     layer: str | None = None   # the decoder layer it belongs to (None: the root)
     experts: bool = False
+    late: int = 0              # elements whose gradient comes only at the embedding's backward (the root's embedding)
 
 
 def _shard_numel(p: torch.Tensor, shards: int, dim: int) -> int:
@@ -387,20 +390,25 @@ def rank_units(model: nn.Module, w: Workload, pp_rank: int = 0, states=lambda na
     names = {id(p): n for n, p in model.named_parameters()}
     units, done = [], set()
 
-    def add(name, params, shards, dim, layer=None, experts=False):
+    def add(name, params, shards, dim, layer=None, experts=False, late=0):
         params = [p for p in params if id(p) not in done]
         done.update(id(p) for p in params)
         units.append(Unit(name, sum(p.numel() for p in params),
                           sum(_shard_numel(p, shards, dim) for p in params),
                           sum(_shard_numel(p, shards, dim) * states(names[id(p)], p) for p in params),
-                          shards, shards > 1 or cast, max((p.numel() for p in params), default=0), layer, experts))
+                          shards, shards > 1 or cast, max((p.numel() for p in params), default=0), layer, experts,
+                          late))
 
     for key, layer in model.model.layers.items():
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
         if experts is not None:
             add(f"layer {key} experts", experts.parameters(), g_expert, 1 if w.ep > 1 else 0, key, True)
         add(f"layer {key}", layer.parameters(), g_dense, 0, key)
-    add("root", model.parameters(), g_dense, 0)
+    embedding = getattr(model.model, "embed_tokens", None)   # a pipeline rank other than the first holds none
+    head = getattr(model, "lm_head", None)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    late = 0 if embedding is None or tied else embedding.weight.numel()
+    add("root", model.parameters(), g_dense, 0, late=late)
     return units
 
 # %% [markdown]
@@ -451,6 +459,133 @@ for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=
     print(f"{describe(w)}: rank 0 holds {local} elements in {wrapped} FSDP units, as predicted")
 
 # %% [markdown]
+# The root's `late` elements are the embedding's, on the rank that holds it, and none where the head shares its weight:
+
+# %%
+root = rank_units(meta_tiny(), Workload())[-1]
+assert root.name == "root" and root.late == tiny.vocab_size * tiny.hidden_size, root
+assert rank_units(meta_tiny(), Workload(pp=2, pipelined=True, micro_batches=4), 1)[-1].late == 0   # no embedding
+with torch.device("meta"):
+    tied = qwen3_moe.Qwen3MoeForCausalLM(replace(tiny, tie_word_embeddings=True))
+assert rank_units(tied, Workload())[-1].late == 0
+
+# %% [markdown]
+# ## The FP8 experts' backward
+#
+# In the compute dtype the experts' backward is three autograd nodes (down, SwiGLU, gate/up), each freeing what it
+# read before the next runs, and each weight gradient goes to autograd as soon as it is made. Under `train.fp8` it is
+# one node (ops/15 `_Fp8SwiGLUExperts.backward`), and what it makes stays until it returns. For `M` routed rows over
+# `E` local experts, the FP8 column layouts are `C = 128 · (⌈M/128⌉ + E − 1)` tokens wide (each expert's rows padded
+# to whole 128-row tiles, as `quantize_act` lays them out). On top of what the layer keeps (the output gradient `dy`,
+# M × H, takes the place of the expert outputs, which the weighted sum's backward has freed), it holds:
+#
+# - from the down projection's `_triton_backward`: `dh`, the gradient of the SwiGLU output (`fp8_grouped_mm`, M × I
+#   in the compute dtype), and `dy`'s column layout for the weight gradient (`_group_cols`, H × C in FP8), which the
+#   weight-gradient closure keeps;
+# - from gate/up's: `dx`, the gradient of the expanded rows (M × H in the compute dtype), and the SwiGLU gradient's
+#   column layout (2I × C in FP8);
+# - then the larger of two moments. Either both weight gradients at once, E · 3 · H · I in the compute dtype:
+#   `deliver_wgrad` runs the down closure and then the gate/up closure before the node returns either (a zero-bubble
+#   backward leaves them to W, whose closures `deferred_per_row` counts). Or, earlier, inside gate/up's
+#   `_triton_backward`: the transposed FP8 copy of its weight (E · 2I · H bytes, where the copies are not kept for
+#   the step; `quantize_weight_rows`) and the SwiGLU gradient quantized by rows (M × 2I in FP8, `quantize_rows`).
+#
+# Scales are left out: 4 bytes a row, an expert's column or a tile's column (1/32 of a column layout, while
+# `quantize_act` runs), a few percent of the total at the tiny shapes below, well under 1% at the real widths. In the
+# compute dtype the walk counts at this point the gradient of the gate/up output and, while it is added into an
+# existing one, the largest weight gradient (below); the bf16 peaks measured are within 2.1% of its predictions.
+#
+# The dense projections in FP8 (`fp8_linear`, under `train.fp8_dense_min`; models/20 `project`) keep what `F.linear`
+# keeps, their input and weights (`_fp8_linear_setup`). Their backward's FP8 forms (the input's column layout, the
+# output gradient quantized by rows and by columns, the weights' transposed copy and, for stacked weights, their
+# concatenation) live within stage 1's backward, after the experts' node has returned. The walk counts none of them:
+# at the 235B and V3 widths the measured peaks were the same whichever dense projections ran in FP8
+# (`train.fp8_dense_min` 0 or 4096; benchmarks/RESULTS.md, "FP8 end to end"), and the predictions below match them
+# without.
+
+# %%
+#| export
+def fp8_backward_bytes(rows: int, E: int, H: int, inter: int, b: int, weight_grads: float, copy: float) -> float:
+    """Bytes the FP8 SwiGLU experts' backward (ops/15) holds at its highest moment on top of what the layer keeps, for
+    `rows` routed rows over `E` local experts of width `inter` (see above). `weight_grads`: the bytes of both weight
+    gradients made before it returns (0 when W makes them); `copy`: the transposed FP8 copy of the gate/up weight
+    made for this use (0 when the copies are kept for the step)."""
+    cols = 128 * (-(-rows // 128) + E - 1)                 # the column layouts' width, in tokens
+    held = rows * b * (inter + H) + cols * (H + 2 * inter)   # dh and dx; dy's and the SwiGLU gradient's columns
+    return held + max(weight_grads, copy + 2 * inter * rows)
+
+# %% [markdown]
+# **Checked on the CPU.** Triton's interpreter runs the same kernels on CPU tensors, with the same allocations. A
+# dispatch mode keeps a weak reference to the storage of every tensor an operator returns and sums the live ones after
+# each operator; the highest sum during the backward, less the sum when it starts, is what the node holds. Two shapes:
+# one where the weight gradients are the larger moment, and one with more rows per expert, where the weight copy and
+# the rows' quantization are.
+
+# %%
+import json
+import os
+import subprocess
+import sys
+
+# %%
+PROBE = r"""
+import gc, json, sys, torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from pith_lit.ops.fp8 import fp8_swiglu_experts
+
+class Live(TorchDispatchMode):
+    "Bytes of the storages that operators returned and that are still alive; the highest sum so far."
+    def __init__(self):
+        super().__init__()
+        self.refs, self.peak = {}, 0
+    def now(self):
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        return sum(n for _, n in self.refs.values())
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                s = t.untyped_storage()
+                if s.data_ptr() not in self.refs:
+                    self.refs[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self.peak = max(self.peak, self.now())
+        return out
+
+out = []
+for E, H, I, counts in json.loads(sys.argv[1]):
+    torch.manual_seed(0)
+    counts = torch.tensor(counts)
+    M = int(counts.sum())
+    w1 = (torch.randn(E, 2 * I, H) / 16).bfloat16().requires_grad_()
+    w2 = (torch.randn(E, H, I) / 16).bfloat16().requires_grad_()
+    live = Live()
+    with live:
+        x = torch.randn(M, H).bfloat16().requires_grad_()   # the expanded rows: their gradient is made
+        y = fp8_swiglu_experts(x, w1, w2, counts, impl="triton", scaling="rows")
+        dy = torch.randn(M, H).bfloat16()
+        gc.collect()   # the interpreter leaves a launch's arguments in a reference cycle
+        start = live.now()
+        live.peak = 0
+        y.backward(dy)
+    out.append(live.peak - start)
+print(json.dumps(out))
+"""
+cases = [(4, 256, 128, [130, 0, 200, 182]), (2, 128, 128, [700, 324])]
+probe = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"TRITON_INTERPRET": "1"})
+assert probe.returncode == 0, probe.stderr[-3000:]
+for (E, H, I, counts), got in zip(cases, json.loads(probe.stdout)):
+    M = sum(counts)
+    grads, copy = E * 3 * H * I * 2, E * 2 * I * H
+    want = fp8_backward_bytes(M, E, H, I, 2, grads, copy)
+    larger = "weight gradients" if grads > copy + 2 * I * M else "weight copy and rows"
+    print(f"E {E}, H {H}, I {I}, {M} rows: measured {got:,} bytes, predicted {want:,.0f} ({want / got - 1:+.2%}; "
+          f"the {larger})")
+    assert abs(want / got - 1) < 0.03, (E, H, I, got, want)
+
+# %% [markdown]
 # ## Following one step
 #
 # `rank_peak` walks one step of one rank, layer by layer, and keeps the largest total it reaches. Its actions are the
@@ -459,7 +594,8 @@ for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=
 #
 # - the units' state: shards, optimizer states, gathered weights (a layer unit from its first forward to the end of
 #   the step; an experts unit during each forward, and from each backward to its next forward), gradients (from a
-#   unit's first backward: fp32 and unsharded for a wrapped unit, whole in the compute dtype otherwise);
+#   unit's first backward: fp32 and unsharded for a wrapped unit, whole in the compute dtype otherwise; the root's
+#   embedding's from the embedding's backward);
 # - activations: each layer's kept bytes from its forward to its backward, the head's kept bytes from the loss to
 #   its backward, the stage input a pipeline rank received, what a zero-bubble backward leaves for W;
 # - under `train.fp8`, a layer's FP8 expert weights and their transposed copy (ops/15: 1 byte per element each, made
@@ -468,7 +604,9 @@ for sizes in (dict(dp=4), dict(dp=2, ep=2), dict(ep=4), dict(dp_replicate=2, dp=
 #   forward and backward (and `layer_bytes` counts the experts' saved inputs as FP8);
 # - transients on top: the head while the loss runs, and in a layer's backward the gradient of its experts being
 #   added into the gradient already there (a whole unit's, while FSDP's hook accumulates it into fp32) plus the
-#   gradients of the expanded rows, or, where more, the score gradients that ops/14's backward stores for `dq`
+#   gradient of the gate/up output; under `train.fp8` instead what the experts' one backward node holds
+#   (`fp8_backward_bytes`: both weight gradients, new or to be added, and the gradients and column layouts it keeps
+#   until it returns); or, where more, the score gradients that ops/14's backward stores for `dq`
 #   (`attention_transient`: only where the kernels attend, with heads as wide as MLA's);
 # - at the end of the step, FSDP's flat fp32 buffer of the largest unit while `reduce_gradients` reduce-scatters it,
 #   then the optimizer step (the fused AdamW adds nothing).
@@ -506,20 +644,22 @@ class _Walk:
         self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and w.micro_batches > 1
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
+        self.embedding_grad = False   # whether the embedding's backward has run (the root's `late` gradient)
         self.acts = self.deferred = self.buffers = 0.0
         self.T = w.tokens
         self.best = Peak(0.0, "", {})
 
     def _unit_bytes(self) -> tuple[float, float]:
         "Bytes of the gathered weights and of the gradients now (cached until either set changes)."
-        key = (len(self.gathered), len(self.grads), frozenset(self.gathered))
+        key = (len(self.gathered), len(self.grads), frozenset(self.gathered), self.embedding_grad)
         if getattr(self, "_cached", (None,))[0] != key:
             w, g, gr = self.w, 0.0, 0.0
             for u in self.units.values():
                 if u.wrapped and u.name in self.gathered:
                     g += u.numel * w.compute_bytes
                 if u.name in self.grads:
-                    gr += u.numel * (max(4, w.compute_bytes) if u.wrapped else w.compute_bytes)
+                    numel = u.numel - (0 if self.embedding_grad else u.late)
+                    gr += numel * (max(4, w.compute_bytes) if u.wrapped else w.compute_bytes)
             self._cached = (key, (g, gr))
         return self._cached[1]
 
@@ -565,13 +705,19 @@ class _Walk:
         transient = 0.0
         if lb.moe:
             E, k, inter = _moe_shape(self.c)
+            rows = self.T * k * (w.ep if w.sync_free else 1)
             experts = [u for u in self.layer_units.get(key, []) if u.experts]
-            accumulating = experts and experts[0].name in self.grads
-            if experts and (experts[0].wrapped or accumulating):
-                u = experts[0]
-                transient += (u.numel if u.wrapped else u.largest) * w.compute_bytes
-            transient += self.T * k * w.compute_bytes * 2 * inter * (w.ep if w.sync_free else 1)
-        transient = max(transient + self._fp8_copy(key), self.attention)   # attention's backward runs after
+            if w.fp8:   # one node: both weight gradients at once, unless W makes them
+                grads = 0 if zero_bubble or not experts else experts[0].numel * w.compute_bytes
+                transient = fp8_backward_bytes(rows, E // w.ep, self.c.hidden_size, inter, w.compute_bytes, grads,
+                                               self._fp8_copy(key))
+            else:
+                accumulating = experts and experts[0].name in self.grads
+                if experts and (experts[0].wrapped or accumulating):
+                    u = experts[0]
+                    transient += (u.numel if u.wrapped else u.largest) * w.compute_bytes
+                transient += rows * w.compute_bytes * 2 * inter
+        transient = max(transient, self.attention)   # attention's backward runs after
         self.note(f"backward of layer {key}, micro-batch {m}", transient)
         self.acts -= lb.kept_at(self.T)
         if zero_bubble:
@@ -593,6 +739,7 @@ class _Walk:
         self.acts += sign * self.head["embedding"]
         if sign < 0:
             self.grads.add("root")
+            self.embedding_grad = True
 
     def end_of_step(self) -> None:
         wrapped = [u for u in self.units.values() if u.wrapped and u.name in self.grads and u.shards > 1]
@@ -747,3 +894,33 @@ for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
     print(f"{'FP8 ' if fp8 else 'bf16'}, {m} micro-batch(es): predicted {want:6.2f} GiB, measured {got:6.2f} "
           f"({want / got - 1:+.1%})")
     assert abs(want / got - 1) < 0.01, (fp8, m, want, got)
+
+# %% [markdown]
+# The two wider widths of "FP8 end to end" (benchmarks/RESULTS.md), compiled, one micro-batch of 4 sequences:
+# Qwen3-235B-A22B's (hidden 4096, 128 experts of 1536, top 8, 64/4 heads) and DeepSeek-V3's (hidden 7168, MLA with
+# V3's ranks, 64 experts of 2048, top 8, a dense first layer), cut to 3 layers on the H200 and to 2 on the H100, in
+# bf16 and in FP8 (row scales; every dense projection in FP8 on the H200, those 4096 wide both ways on the H100).
+# FP8's peak is in the backward of the first layer with experts, the last to run its backward, where the experts' node
+# makes both weight gradients: every gradient of the step but the embedding's is there, with the activations of the
+# layers before.
+# With a few wide layers the gradients outweigh the activations, so that moment lies above the loss, where the walk
+# puts bf16's peak (and both peaks of the Qwen3 bench above, with its 12 narrower layers).
+
+# %%
+WIDE = {   # the bench config, its sequence length, the [model] overrides
+    "235B": ("bench-qwen3-30b-a3b", 4096, dict(hidden_size=4096, moe_intermediate_size=1536, num_attention_heads=64,
+                                               num_key_value_heads=4)),
+    "V3": ("bench-deepseek-v2-lite", 2048, dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                                                num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                                                n_routed_experts=64, num_experts_per_tok=8, q_lora_rank=1536))}
+MEASURED_WIDE_PEAKS = {("235B", 3, False): 67.99, ("235B", 3, True): 70.12, ("V3", 3, False): 66.10,
+                       ("V3", 3, True): 67.72, ("235B", 2, False): 49.44, ("235B", 2, True): 51.58,
+                       ("V3", 2, False): 43.37, ("V3", 2, True): 44.99}   # GiB; 3 layers on the H200, 2 on the H100
+for (width, layers, fp8), got in MEASURED_WIDE_PEAKS.items():
+    name, seq, extra = WIDE[width]
+    c = config_model(name, **extra, num_hidden_layers=layers)
+    p = estimate(c, meta_of(c), replace(bench, seq_len=seq, fp8=fp8)).peak
+    print(f"{width:4s} {layers} layers, {'FP8 ' if fp8 else 'bf16'}: predicted {p.gib():6.2f} GiB, measured {got:6.2f} "
+          f"({p.gib() / got - 1:+.1%}), at the {p.where}")
+    assert abs(p.gib() / got - 1) < (0.02 if fp8 else 0.025), (width, layers, fp8, p.gib(), got)
+    assert p.where.startswith("backward" if fp8 else "loss"), (width, layers, fp8, p.where)

@@ -2,8 +2,8 @@
 
 # %% auto #0
 __all__ = ['GiB', 'CE_CHUNK', 'SLACK', 'CONTEXT', 'Workload', 'LayerBytes', 'deferred_per_row', 'attention_transient', 'is_moe',
-           'ranks_per_token', 'layer_bytes', 'head_bytes', 'Unit', 'rank_units', 'Peak', 'rank_peak', 'Estimate',
-           'estimate']
+           'ranks_per_token', 'layer_bytes', 'head_bytes', 'Unit', 'rank_units', 'fp8_backward_bytes', 'Peak',
+           'rank_peak', 'Estimate', 'estimate']
 
 # %% ../../nbs/engine/37_planner.ipynb #107dfc3a
 import math
@@ -182,6 +182,7 @@ class Unit:
     largest: int = 0           # its largest parameter (elements): a gradient added into an existing one
     layer: str | None = None   # the decoder layer it belongs to (None: the root)
     experts: bool = False
+    late: int = 0              # elements whose gradient comes only at the embedding's backward (the root's embedding)
 
 
 def _shard_numel(p: torch.Tensor, shards: int, dim: int) -> int:
@@ -205,21 +206,36 @@ def rank_units(model: nn.Module, w: Workload, pp_rank: int = 0, states=lambda na
     names = {id(p): n for n, p in model.named_parameters()}
     units, done = [], set()
 
-    def add(name, params, shards, dim, layer=None, experts=False):
+    def add(name, params, shards, dim, layer=None, experts=False, late=0):
         params = [p for p in params if id(p) not in done]
         done.update(id(p) for p in params)
         units.append(Unit(name, sum(p.numel() for p in params),
                           sum(_shard_numel(p, shards, dim) for p in params),
                           sum(_shard_numel(p, shards, dim) * states(names[id(p)], p) for p in params),
-                          shards, shards > 1 or cast, max((p.numel() for p in params), default=0), layer, experts))
+                          shards, shards > 1 or cast, max((p.numel() for p in params), default=0), layer, experts,
+                          late))
 
     for key, layer in model.model.layers.items():
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
         if experts is not None:
             add(f"layer {key} experts", experts.parameters(), g_expert, 1 if w.ep > 1 else 0, key, True)
         add(f"layer {key}", layer.parameters(), g_dense, 0, key)
-    add("root", model.parameters(), g_dense, 0)
+    embedding = getattr(model.model, "embed_tokens", None)   # a pipeline rank other than the first holds none
+    head = getattr(model, "lm_head", None)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    late = 0 if embedding is None or tied else embedding.weight.numel()
+    add("root", model.parameters(), g_dense, 0, late=late)
     return units
+
+# %% ../../nbs/engine/37_planner.ipynb #2d485909
+def fp8_backward_bytes(rows: int, E: int, H: int, inter: int, b: int, weight_grads: float, copy: float) -> float:
+    """Bytes the FP8 SwiGLU experts' backward (ops/15) holds at its highest moment on top of what the layer keeps, for
+    `rows` routed rows over `E` local experts of width `inter` (see above). `weight_grads`: the bytes of both weight
+    gradients made before it returns (0 when W makes them); `copy`: the transposed FP8 copy of the gate/up weight
+    made for this use (0 when the copies are kept for the step)."""
+    cols = 128 * (-(-rows // 128) + E - 1)                 # the column layouts' width, in tokens
+    held = rows * b * (inter + H) + cols * (H + 2 * inter)   # dh and dx; dy's and the SwiGLU gradient's columns
+    return held + max(weight_grads, copy + 2 * inter * rows)
 
 # %% ../../nbs/engine/37_planner.ipynb #5bb9461a
 @dataclass
@@ -249,20 +265,22 @@ class _Walk:
         self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and w.micro_batches > 1
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
+        self.embedding_grad = False   # whether the embedding's backward has run (the root's `late` gradient)
         self.acts = self.deferred = self.buffers = 0.0
         self.T = w.tokens
         self.best = Peak(0.0, "", {})
 
     def _unit_bytes(self) -> tuple[float, float]:
         "Bytes of the gathered weights and of the gradients now (cached until either set changes)."
-        key = (len(self.gathered), len(self.grads), frozenset(self.gathered))
+        key = (len(self.gathered), len(self.grads), frozenset(self.gathered), self.embedding_grad)
         if getattr(self, "_cached", (None,))[0] != key:
             w, g, gr = self.w, 0.0, 0.0
             for u in self.units.values():
                 if u.wrapped and u.name in self.gathered:
                     g += u.numel * w.compute_bytes
                 if u.name in self.grads:
-                    gr += u.numel * (max(4, w.compute_bytes) if u.wrapped else w.compute_bytes)
+                    numel = u.numel - (0 if self.embedding_grad else u.late)
+                    gr += numel * (max(4, w.compute_bytes) if u.wrapped else w.compute_bytes)
             self._cached = (key, (g, gr))
         return self._cached[1]
 
@@ -308,13 +326,19 @@ class _Walk:
         transient = 0.0
         if lb.moe:
             E, k, inter = _moe_shape(self.c)
+            rows = self.T * k * (w.ep if w.sync_free else 1)
             experts = [u for u in self.layer_units.get(key, []) if u.experts]
-            accumulating = experts and experts[0].name in self.grads
-            if experts and (experts[0].wrapped or accumulating):
-                u = experts[0]
-                transient += (u.numel if u.wrapped else u.largest) * w.compute_bytes
-            transient += self.T * k * w.compute_bytes * 2 * inter * (w.ep if w.sync_free else 1)
-        transient = max(transient + self._fp8_copy(key), self.attention)   # attention's backward runs after
+            if w.fp8:   # one node: both weight gradients at once, unless W makes them
+                grads = 0 if zero_bubble or not experts else experts[0].numel * w.compute_bytes
+                transient = fp8_backward_bytes(rows, E // w.ep, self.c.hidden_size, inter, w.compute_bytes, grads,
+                                               self._fp8_copy(key))
+            else:
+                accumulating = experts and experts[0].name in self.grads
+                if experts and (experts[0].wrapped or accumulating):
+                    u = experts[0]
+                    transient += (u.numel if u.wrapped else u.largest) * w.compute_bytes
+                transient += rows * w.compute_bytes * 2 * inter
+        transient = max(transient, self.attention)   # attention's backward runs after
         self.note(f"backward of layer {key}, micro-batch {m}", transient)
         self.acts -= lb.kept_at(self.T)
         if zero_bubble:
@@ -336,6 +360,7 @@ class _Walk:
         self.acts += sign * self.head["embedding"]
         if sign < 0:
             self.grads.add("root")
+            self.embedding_grad = True
 
     def end_of_step(self) -> None:
         wrapped = [u for u in self.units.values() if u.wrapped and u.name in self.grads and u.shards > 1]
