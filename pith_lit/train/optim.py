@@ -58,7 +58,7 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
         B.diagonal(dim1=-2, dim2=-1).add_(a)
         if i == 0:
             B = B.mul_(s.reciprocal())
-        x = x @ B if tall else B @ x
+        x = x @ B if tall else B.mT @ x   # B is symmetric; cuBLAS runs Bᵀ's layout faster (RESULTS, "Muon")
     return x.view(*lead, *x.shape[-2:]).to(m.dtype)
 
 
