@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from pith_lit.engine.ep import all_to_all
-from pith_lit.ops.adamw import AdamW, decay_add, local, muon_momentum
+from pith_lit.ops.adamw import AdamW, decay_add, local, muon_momentum, ns_poly
 
 # %%
 import copy
@@ -152,7 +152,7 @@ assert all(p.dtype == torch.float32 for p in mixed.parameters())          # the 
 # `X ← a X + (b A + c A²) X` with `A = X Xᵀ` and `(a, b, c) = (3.4445, −4.7750, 2.0315)`, which pushes every singular
 # value into roughly [0.7, 1.2] using matmuls only. A tall matrix takes the same iteration on its transpose, written
 # as `A = XᵀX` and `X ← a X + X (b A + c A²)` so that the result keeps the matrix's layout. Each step is three
-# products: `A`, `B = a I + b A + c A²` (a small matrix), and `B X`. `M/‖M‖` is never written: `‖M‖² = trace(M Mᵀ)`,
+# products: `A`, `A²`, and `B X` with `B = a I + b A + c A²` (a small matrix, one pass: ops/19 `ns_poly`). `M/‖M‖` is never written: `‖M‖² = trace(M Mᵀ)`,
 # so the first step forms `M Mᵀ`, scales it by `1/‖M‖²` and its `B` by `1/‖M‖`, which gives the same `B X` and
 # spends two passes over a small matrix instead of three over `M`. It applies to the 2-D
 # weights inside the layers (attention projections, dense MLPs, shared experts) and to each routed expert's matrix
@@ -197,14 +197,12 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     a, b, c = NS_COEFFS
     for i in range(steps):   # a·x + (b·A + c·A²)·x as one product: (a·I + b·A + c·A²)·x, A = x xᵀ (tall: the mirror)
         A = x.mT @ x if tall else x @ x.mT
+        s = None
         if i == 0:           # ‖x‖² = trace(A): x/‖x‖ never written, its 1/‖x‖² scales A and its 1/‖x‖ scales B
             s = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(A.dtype, torch.float32))
-            s = s.sqrt_().add_(1e-7)[:, None, None]
-            A = A.mul_(s.pow(-2))
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        B.diagonal(dim1=-2, dim2=-1).add_(a)
-        if i == 0:
-            B = B.mul_(s.reciprocal())
+            s = s.sqrt_().add_(1e-7)
+            ns_poly(A, None, a=0.0, b=1.0, c=0.0, scale=s.pow(-2))
+        B = ns_poly(A, A @ A, a=a, b=b, c=c, scale=None if s is None else s.reciprocal())   # into A²'s storage
         x = x @ B if tall else B.mT @ x   # B is symmetric; cuBLAS runs Bᵀ's layout faster (RESULTS, "Muon")
     return x.view(*lead, *x.shape[-2:]).to(m.dtype)
 

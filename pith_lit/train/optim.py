@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..engine.ep import all_to_all
-from ..ops.adamw import AdamW, decay_add, local, muon_momentum
+from ..ops.adamw import AdamW, decay_add, local, muon_momentum, ns_poly
 
 # %% ../../nbs/train/43_optim.ipynb #3f34e9ff
 def build_optimizer(model, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -50,14 +50,12 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     a, b, c = NS_COEFFS
     for i in range(steps):   # a·x + (b·A + c·A²)·x as one product: (a·I + b·A + c·A²)·x, A = x xᵀ (tall: the mirror)
         A = x.mT @ x if tall else x @ x.mT
+        s = None
         if i == 0:           # ‖x‖² = trace(A): x/‖x‖ never written, its 1/‖x‖² scales A and its 1/‖x‖ scales B
             s = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(A.dtype, torch.float32))
-            s = s.sqrt_().add_(1e-7)[:, None, None]
-            A = A.mul_(s.pow(-2))
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        B.diagonal(dim1=-2, dim2=-1).add_(a)
-        if i == 0:
-            B = B.mul_(s.reciprocal())
+            s = s.sqrt_().add_(1e-7)
+            ns_poly(A, None, a=0.0, b=1.0, c=0.0, scale=s.pow(-2))
+        B = ns_poly(A, A @ A, a=a, b=b, c=c, scale=None if s is None else s.reciprocal())   # into A²'s storage
         x = x @ B if tall else B.mT @ x   # B is symmetric; cuBLAS runs Bᵀ's layout faster (RESULTS, "Muon")
     return x.view(*lead, *x.shape[-2:]).to(m.dtype)
 
