@@ -191,6 +191,8 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     """The quintic Newton–Schulz approximation of `U Vᵀ` for each matrix in the last two dims of `m` (bf16 on CUDA,
     fp32 or wider elsewhere)."""
+    if steps < 1:   # the first step is also where the matrix is normalised
+        raise ValueError(f"orthogonalize needs at least one Newton–Schulz step, got steps={steps}")
     x = m.to(torch.bfloat16 if m.is_cuda else torch.promote_types(m.dtype, torch.float32))
     tall = x.shape[-2] > x.shape[-1]   # then the Gram matrix of the columns, applied from the right
     lead, x = x.shape[:-2], x.reshape(-1, *x.shape[-2:])           # one batch of matrices: three GEMMs a step
@@ -338,6 +340,11 @@ for shape in [(16, 48), (48, 16), (3, 24, 40), (2, 2, 40, 24)]:
     err = ((orthogonalize(m) - want).norm() / want.norm()).item()
     assert err < 1e-12, (shape, err)
 assert orthogonalize(torch.zeros(2, 8, 12, dtype=torch.float64)).abs().max() == 0
+try:
+    orthogonalize(torch.ones(4, 6), steps=0)
+    raise AssertionError("expected a ValueError")
+except ValueError as err:
+    print(err)
 
 # %% [markdown]
 # Check: one Muon step on a toy model against the update written out by hand (momentum, Nesterov, the iteration,

@@ -44,6 +44,8 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
     """The quintic Newton–Schulz approximation of `U Vᵀ` for each matrix in the last two dims of `m` (bf16 on CUDA,
     fp32 or wider elsewhere)."""
+    if steps < 1:   # the first step is also where the matrix is normalised
+        raise ValueError(f"orthogonalize needs at least one Newton–Schulz step, got steps={steps}")
     x = m.to(torch.bfloat16 if m.is_cuda else torch.promote_types(m.dtype, torch.float32))
     tall = x.shape[-2] > x.shape[-1]   # then the Gram matrix of the columns, applied from the right
     lead, x = x.shape[:-2], x.reshape(-1, *x.shape[-2:])           # one batch of matrices: three GEMMs a step
