@@ -378,9 +378,9 @@ except ValueError as err:
 
 # %% [markdown]
 # Newton–Schulz (train/43) builds, at each of its steps, the small matrix `B = a I + b A + c A²` from `A = X Xᵀ` and
-# the product `A²`, and at its first step scales both by powers of `1/‖M‖` (one number per matrix of a stack).
-# `ns_poly` is that combination as one pass over the `n × n` matrices, `out = f·(a I + b A + c A²)` with `f` per
-# matrix, so no step copies `A` for `baddbmm`'s bias or broadcasts a per-matrix factor through a generic kernel.
+# the plain product `A²`, and at its first step scales `A` and `B` by powers of `1/‖M‖`, one number per matrix of a
+# stack. `ns_poly` is that combination, `f·(a I + b A + c A²)` with `f` per matrix, as one pass over the `n × n`
+# matrices, written in place over `A²` (or over `A` when there is no `A²`).
 
 # %%
 #| export
@@ -403,21 +403,21 @@ def _ns_poly_kernel(a_ptr, a2_ptr, out_ptr, f_ptr, nn, n, alpha, beta, gamma, HA
 
 
 def ns_poly(A: torch.Tensor, A2: torch.Tensor | None, *, a: float, b: float, c: float,
-            scale: torch.Tensor | None = None, out: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
-    """`out = f·(a·I + b·A + c·A2)` for a stack of square matrices `A (N, n, n)` (and `A2`, or none), `f = scale
-    (N,)` per matrix or 1; fp32 math rounded once. `out` defaults to `A2` (else `A`); it may be either input. One
-    Triton pass on CUDA, PyTorch elsewhere and for float64."""
+            scale: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
+    """`f·(a·I + b·A + c·A2)` for a stack of square matrices `A (N, n, n)` (and `A2`, or none), `f = scale (N,)` per
+    matrix or 1, fp32 math rounded once, written over `A2` (else over `A`) and returned. One Triton pass on CUDA,
+    PyTorch elsewhere and for float64."""
     if A.dim() != 3 or A.shape[1] != A.shape[2] or (scale is not None and scale.shape != A.shape[:1]):
         raise ValueError(f"ns_poly wants a stack of square matrices (N, n, n) and a scale (N,), got "
                          f"{tuple(A.shape)} and {None if scale is None else tuple(scale.shape)}")
-    out = (A2 if A2 is not None else A) if out is None else out
-    _one_shape("ns_poly", *(t for t in (A, A2, out) if t is not None))
+    out = A2 if A2 is not None else A
+    _one_shape("ns_poly", A, out)
     if choose_impl(impl or ("torch" if A.dtype == torch.float64 else None), A) == "torch":
         wide = torch.promote_types(A.dtype, torch.float32)
         y = b * A.to(wide) + (c * A2.to(wide) if A2 is not None else 0)
         y = y + a * torch.eye(A.shape[1], dtype=wide, device=A.device)
         return out.copy_(y if scale is None else y * scale.to(wide)[:, None, None])
-    _contiguous("ns_poly", *(t for t in (A, A2, out) if t is not None))
+    _contiguous("ns_poly", A, out)
     N, n = A.shape[:2]
     if N and n:
         _ns_poly_kernel[(triton.cdiv(n * n, NS_BLOCK), N)](
@@ -427,25 +427,22 @@ def ns_poly(A: torch.Tensor, A2: torch.Tensor | None, *, a: float, b: float, c: 
 
 # %% [markdown]
 # Check: `ns_poly` against the formula in float64, in fp32 and bf16 (within one rounding), with and without `A2` and
-# `f`, written in place into either input; matrices whose `n²` is not a multiple of the block; a non-square stack is
-# refused.
+# `f`, written over `A2` or `A`; matrices whose `n²` is not a multiple of the block; a non-square stack is refused.
 
 # %%
 for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)):
     A, A2 = (torch.randn(3, 47, 47, generator=gen).to(dev, dtype) for _ in range(2))
     f = torch.rand(3, generator=gen).to(dev) + 0.5
-    for has_a2, has_f, into in ((True, True, "A2"), (True, False, "A"), (False, True, "A"), (False, False, "new")):
+    for has_a2, has_f in ((True, True), (True, False), (False, True), (False, False)):
         eye = torch.eye(47, dtype=torch.float64, device=dev)
         want = 0.7 * A.double() + (-1.3 * A2.double() if has_a2 else 0) + 2.5 * eye
         want = want * f.double()[:, None, None] if has_f else want
         for impl in ("triton", "torch"):
             a_, a2_ = A.clone(), A2.clone()
-            out = dict(A=a_, A2=a2_, new=torch.empty_like(A))[into]
-            got = ns_poly(a_, a2_ if has_a2 else None, a=2.5, b=0.7, c=-1.3, scale=f if has_f else None, out=out,
-                          impl=impl)
-            assert got is out
+            got = ns_poly(a_, a2_ if has_a2 else None, a=2.5, b=0.7, c=-1.3, scale=f if has_f else None, impl=impl)
+            assert got is (a2_ if has_a2 else a_)
             err = ((got.double() - want).abs() - bound * want.abs()).max().item()
-            assert err <= 1e-6, (dtype, has_a2, has_f, into, impl, err)
+            assert err <= 1e-6, (dtype, has_a2, has_f, impl, err)
     print(dtype, f"ns_poly, both paths, against float64: within {bound:.1e} relative")
 try:
     ns_poly(torch.zeros(2, 4, 6, device=dev), None, a=1.0, b=1.0, c=0.0)

@@ -152,9 +152,10 @@ assert all(p.dtype == torch.float32 for p in mixed.parameters())          # the 
 # `X ← a X + (b A + c A²) X` with `A = X Xᵀ` and `(a, b, c) = (3.4445, −4.7750, 2.0315)`, which pushes every singular
 # value into roughly [0.7, 1.2] using matmuls only. A tall matrix takes the same iteration on its transpose, written
 # as `A = XᵀX` and `X ← a X + X (b A + c A²)` so that the result keeps the matrix's layout. Each step is three
-# products: `A`, `A²`, and `B X` with `B = a I + b A + c A²` (a small matrix, one pass: ops/19 `ns_poly`). `M/‖M‖` is never written: `‖M‖² = trace(M Mᵀ)`,
-# so the first step forms `M Mᵀ`, scales it by `1/‖M‖²` and its `B` by `1/‖M‖`, which gives the same `B X` and
-# spends two passes over a small matrix instead of three over `M`. It applies to the 2-D
+# products, `A`, `A²` and `B X`, with the small matrix `B = a I + b A + c A²` made in one pass (ops/19 `ns_poly`).
+# `M/‖M‖` is never written: `‖M‖² = trace(M Mᵀ)`, so the first step forms `M Mᵀ`, scales it by `1/‖M‖²` and its `B`
+# by `1/‖M‖`, which gives the same `B X` for one more pass over a small matrix instead of a norm and a divide over
+# `M`. It applies to the 2-D
 # weights inside the layers (attention projections, dense MLPs, shared experts) and to each routed expert's matrix
 # (a stacked `(E, out, in)` tensor is E matrices); the embedding, the head, the router, norms and biases keep AdamW,
 # as in the published Muon setups (the router's rows are per-expert scores, not a feature map). The momentum with
@@ -205,7 +206,7 @@ def orthogonalize(m: Tensor, steps: int = 5) -> Tensor:
             s = s.sqrt_().add_(1e-7)
             ns_poly(A, None, a=0.0, b=1.0, c=0.0, scale=s.pow(-2))
         B = ns_poly(A, A @ A, a=a, b=b, c=c, scale=None if s is None else s.reciprocal())   # into A²'s storage
-        x = x @ B if tall else B.mT @ x   # B is symmetric; cuBLAS runs Bᵀ's layout faster (RESULTS, "Muon")
+        x = x @ B if tall else B.mT @ x   # B is symmetric; Bᵀ's layout runs faster on the H200 (RESULTS, "Muon")
     return x.view(*lead, *x.shape[-2:]).to(m.dtype)
 
 

@@ -185,21 +185,21 @@ def _ns_poly_kernel(a_ptr, a2_ptr, out_ptr, f_ptr, nn, n, alpha, beta, gamma, HA
 
 
 def ns_poly(A: torch.Tensor, A2: torch.Tensor | None, *, a: float, b: float, c: float,
-            scale: torch.Tensor | None = None, out: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
-    """`out = f·(a·I + b·A + c·A2)` for a stack of square matrices `A (N, n, n)` (and `A2`, or none), `f = scale
-    (N,)` per matrix or 1; fp32 math rounded once. `out` defaults to `A2` (else `A`); it may be either input. One
-    Triton pass on CUDA, PyTorch elsewhere and for float64."""
+            scale: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
+    """`f·(a·I + b·A + c·A2)` for a stack of square matrices `A (N, n, n)` (and `A2`, or none), `f = scale (N,)` per
+    matrix or 1, fp32 math rounded once, written over `A2` (else over `A`) and returned. One Triton pass on CUDA,
+    PyTorch elsewhere and for float64."""
     if A.dim() != 3 or A.shape[1] != A.shape[2] or (scale is not None and scale.shape != A.shape[:1]):
         raise ValueError(f"ns_poly wants a stack of square matrices (N, n, n) and a scale (N,), got "
                          f"{tuple(A.shape)} and {None if scale is None else tuple(scale.shape)}")
-    out = (A2 if A2 is not None else A) if out is None else out
-    _one_shape("ns_poly", *(t for t in (A, A2, out) if t is not None))
+    out = A2 if A2 is not None else A
+    _one_shape("ns_poly", A, out)
     if choose_impl(impl or ("torch" if A.dtype == torch.float64 else None), A) == "torch":
         wide = torch.promote_types(A.dtype, torch.float32)
         y = b * A.to(wide) + (c * A2.to(wide) if A2 is not None else 0)
         y = y + a * torch.eye(A.shape[1], dtype=wide, device=A.device)
         return out.copy_(y if scale is None else y * scale.to(wide)[:, None, None])
-    _contiguous("ns_poly", *(t for t in (A, A2, out) if t is not None))
+    _contiguous("ns_poly", A, out)
     N, n = A.shape[:2]
     if N and n:
         _ns_poly_kernel[(triton.cdiv(n * n, NS_BLOCK), N)](
