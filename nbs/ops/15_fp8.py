@@ -1119,12 +1119,12 @@ print(f"row-scaled GEMMs (forward, input and weight gradients) vs reference: max
 
 # %%
 #| export
-def _group_cols(g: Tensor, counts: Tensor, r: Fp8Rows, row_mult: Tensor | None, act: str | None = None,
+def _group_cols(g: Tensor, counts: Tensor, col_amax: Tensor, row_mult: Tensor | None, act: str | None = None,
                 dh: Tensor | None = None):
-    """The weight gradient's A operand from a row pass's column maxima: the columns of `g ⊙ row_mult` (the other
-    operand's row scales) quantized per expert, and their scales."""
-    cols = quantize_act(g, counts, rows=False, cols=True, act=act, dh=dh, col_amax=r.col_amax, row_mult=row_mult)
-    return cols.qt, pow2_scale(r.col_amax)
+    """The weight gradient's A operand from a row pass's column maxima (`Fp8Rows.col_amax`): the columns of
+    `g ⊙ row_mult` (the other operand's row scales) quantized per expert, and their scales."""
+    cols = quantize_act(g, counts, rows=False, cols=True, act=act, dh=dh, col_amax=col_amax, row_mult=row_mult)
+    return cols.qt, pow2_scale(col_amax)
 
 
 def _wgrad(g_cols, x_cols, counts, dtype, rows):
@@ -1154,7 +1154,9 @@ def _triton_backward(dy, w, counts, saved, need_dx, need_dw, weight, rows, act=N
         sx = saved[1] if need_dw else None
         g = quantize_rows(dy, counts, act=act, dh=dh, mult=sw, col_amax=need_dw, row_mult=sx)
         dx = fp8_grouped_mm(g.q, g.s, qwt, None, counts, dy.dtype) if need_dx else None
-        g_cols = _group_cols(dy, counts, g, sx, act, dh) if need_dw else None
+        col_amax = g.col_amax
+        del qwt, g                             # the rows, and a weight copy made for this use, go before the columns
+        g_cols = _group_cols(dy, counts, col_amax, sx, act, dh) if need_dw else None
     else:
         g = quantize_act(dy, counts, rows=need_dx, cols=need_dw, act=act, dh=dh)
         dx = fp8_grouped_mm(g.q, g.s, *weight(True, quantize_weight), counts, dy.dtype) if need_dx else None
@@ -1455,6 +1457,13 @@ for bad, msg in [
 # it is one autograd function around the fused passes; it saves what the two layers and SwiGLU saved apart (the
 # input's and `h`'s quantizations for the weight gradients, and `gate_up` for SwiGLU's gradient) and defers
 # both weight gradients to a queue the same way. The torch implementation is the two layers and SwiGLU apart.
+#
+# One node holds longer what three nodes would hand on, so its backward frees as it goes: the down projection's
+# weight gradient is made (or queued) before the gate/up half starts, which frees `dY`'s column layout; within each
+# half the rows and a weight copy made for this use go once `dX` is computed, before the column pass; and `dh` goes
+# once both quantizations of the SwiGLU gradient are made, before the gate/up weight gradient. engine/37 counts the
+# moments that are left (`fp8_backward_bytes`).
+#
 # GPT-OSS's experts (biases, a clamped SwiGLU on interleaved columns) call the layers one by one.
 
 # %%
@@ -1477,8 +1486,10 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
         dy = dy.contiguous()
         dh, wgrad2 = _triton_backward(dy, w2, counts, hs, True, keep2, weight2, rows)
+        dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)   # made now, it frees dY's column layout
+        del wgrad2
         dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, need_dx, keep1, weight1, rows, "swiglu_grad", dh)
-        dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)
+        del dh                                                  # both quantizations of the SwiGLU gradient are made
         dw1 = deliver_wgrad(ctx.queue, ctx.params[0], wgrad1)
         return dx, dw1, dw2, None, None, None, None, None
 

@@ -600,12 +600,12 @@ ROW_GEMM = GemmConfig(128, 256, 128, 8, 3, promote=None)     # fp8_grouped_mm wi
 ROW_WGRAD = GemmConfig(128, 256, 128, 8, 3, promote=None)    # fp8_grouped_wgrad with group scales (block_k <= 128)
 
 # %% ../../nbs/ops/15_fp8.ipynb #61691572
-def _group_cols(g: Tensor, counts: Tensor, r: Fp8Rows, row_mult: Tensor | None, act: str | None = None,
+def _group_cols(g: Tensor, counts: Tensor, col_amax: Tensor, row_mult: Tensor | None, act: str | None = None,
                 dh: Tensor | None = None):
-    """The weight gradient's A operand from a row pass's column maxima: the columns of `g ⊙ row_mult` (the other
-    operand's row scales) quantized per expert, and their scales."""
-    cols = quantize_act(g, counts, rows=False, cols=True, act=act, dh=dh, col_amax=r.col_amax, row_mult=row_mult)
-    return cols.qt, pow2_scale(r.col_amax)
+    """The weight gradient's A operand from a row pass's column maxima (`Fp8Rows.col_amax`): the columns of
+    `g ⊙ row_mult` (the other operand's row scales) quantized per expert, and their scales."""
+    cols = quantize_act(g, counts, rows=False, cols=True, act=act, dh=dh, col_amax=col_amax, row_mult=row_mult)
+    return cols.qt, pow2_scale(col_amax)
 
 
 def _wgrad(g_cols, x_cols, counts, dtype, rows):
@@ -635,7 +635,9 @@ def _triton_backward(dy, w, counts, saved, need_dx, need_dw, weight, rows, act=N
         sx = saved[1] if need_dw else None
         g = quantize_rows(dy, counts, act=act, dh=dh, mult=sw, col_amax=need_dw, row_mult=sx)
         dx = fp8_grouped_mm(g.q, g.s, qwt, None, counts, dy.dtype) if need_dx else None
-        g_cols = _group_cols(dy, counts, g, sx, act, dh) if need_dw else None
+        col_amax = g.col_amax
+        del qwt, g                             # the rows, and a weight copy made for this use, go before the columns
+        g_cols = _group_cols(dy, counts, col_amax, sx, act, dh) if need_dw else None
     else:
         g = quantize_act(dy, counts, rows=need_dx, cols=need_dw, act=act, dh=dh)
         dx = fp8_grouped_mm(g.q, g.s, *weight(True, quantize_weight), counts, dy.dtype) if need_dx else None
@@ -780,8 +782,10 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
         dy = dy.contiguous()
         dh, wgrad2 = _triton_backward(dy, w2, counts, hs, True, keep2, weight2, rows)
+        dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)   # made now, it frees dY's column layout
+        del wgrad2
         dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, need_dx, keep1, weight1, rows, "swiglu_grad", dh)
-        dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)
+        del dh                                                  # both quantizations of the SwiGLU gradient are made
         dw1 = deliver_wgrad(ctx.queue, ctx.params[0], wgrad1)
         return dx, dw1, dw2, None, None, None, None, None
 
