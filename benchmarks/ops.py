@@ -87,6 +87,9 @@ def permute_bench(T: int = 16384, H: int = 2048, E: int = 128, k: int = 8) -> di
         "gather bwd": (fwd_bwd(lambda a, s: gather_rows(a, s, impl="triton"), x, src, grad=gN),
                        fwd_bwd(lambda a, s: gather_rows(a, s, impl="torch"), x, src, grad=gN),
                        (N + T) * H * 2),
+        "gather bwd by row_index": (fwd_bwd(lambda a, s: gather_rows(a, s, row_index, impl="triton"), x, src, grad=gN),
+                                    fwd_bwd(lambda a, s: gather_rows(a, s, impl="torch"), x, src, grad=gN),
+                                    (N + T) * H * 2),
         "weighted_gather fwd": (lambda: weighted_gather(y, row_index, w, impl="triton"),
                                 lambda: weighted_gather(y, row_index, w, impl="torch"), (N + T) * H * 2),
         "weighted_gather bwd": (

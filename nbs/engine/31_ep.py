@@ -303,7 +303,7 @@ class EPDispatcher:
 
     def expand(self, rows: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
         "The received rows as (token, expert) pairs grouped by local expert, and the pairs per local expert."
-        return gather_rows(rows, routing.plan.expand_rows), routing.plan.counts
+        return gather_rows(rows, routing.plan.expand_rows, routing.plan.pair_row), routing.plan.counts
 
     def reduce(self, y: Tensor, routing: Routing) -> Tensor:
         "Per received row, the router-weighted sum of its pairs' outputs: what combine sends back."

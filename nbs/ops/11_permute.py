@@ -173,6 +173,13 @@ for bad, msg in [(lambda: sort_by_expert(torch.zeros(4, 2, dtype=torch.int32), 4
 # token's range of rows with `searchsorted`; then one program per (token, column block) sums its rows in fp32,
 # in row order, and stores the token's gradient once in its dtype. No atomics, no fp32 buffer, no cast pass,
 # deterministic; it moves N + T rows. Padding rows (`src = -1`) sort first and belong to no token's range.
+#
+# Where the caller has the inverse, `row_index (T, k)` (each token's grouped rows, from `sort_by_expert`, -1 for a
+# choice with no row here), the sort is not needed at all: one program per (token, column block) sums the rows
+# `row_index[t, :]` names, k of them known at compile time, in choice order. This is the un-permute's kernel of
+# section 3 with every weight 1 (`_sum_pairs_kernel`, defined here for both). The dispatchers (models/20 and
+# engine/31) pass it; the sort remains for a permute whose rows no (T, k) index describes, such as expert
+# parallelism's send buffer, where a token's row goes to each rank that holds one of its experts.
 
 # %%
 #| export
@@ -208,29 +215,52 @@ def _sum_rows_kernel(g_ptr, order_ptr, start_ptr, out_ptr, H, BLOCK_H: tl.conste
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _sum_pairs_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr,
+                      WEIGHTED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(idx_ptr + t * K + j)
+        n = tl.where(r >= 0, H, 0)             # -1: no row, reads nothing
+        v = tl.load(y_ptr + tl.maximum(r, 0) * H + cols, mask=cols < n, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v *= tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += v
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src_token):
+    def forward(ctx, x, src_token, row_index):
         x, src_token = x.contiguous(), src_token.contiguous()
         (N,), (T, H) = src_token.shape, x.shape
         out = torch.empty(N, H, dtype=x.dtype, device=x.device)
         if N and H:
             _gather_rows_kernel[(N, triton.cdiv(H, _BLOCK_H))](x, src_token, out, H, BLOCK_H=_BLOCK_H)
-        ctx.save_for_backward(src_token)
-        ctx.x_shape, ctx.x_dtype = (T, H), x.dtype
+        ctx.save_for_backward(src_token if row_index is None else row_index.contiguous())
+        ctx.x_shape, ctx.x_dtype, ctx.by_token = (T, H), x.dtype, row_index is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (src_token,), (T, H) = ctx.saved_tensors, ctx.x_shape
+        (index,), (T, H) = ctx.saved_tensors, ctx.x_shape
         grad_out = grad_out.contiguous()
-        # rows grouped by token, padding (-1) first; int32 keys halve the radix sort's passes
-        sorted_src, order = torch.sort(src_token.to(torch.int32), stable=True)
-        start = torch.searchsorted(sorted_src, torch.arange(T + 1, dtype=torch.int32, device=src_token.device))
         grad_x = torch.empty(T, H, dtype=ctx.x_dtype, device=grad_out.device)
-        if T and H:
-            _sum_rows_kernel[(T, triton.cdiv(H, _BLOCK_H))](grad_out, order, start, grad_x, H, BLOCK_H=_BLOCK_H)
-        return grad_x, None
+        if not (T and H):
+            return grad_x, None, None
+        grid = (T, triton.cdiv(H, _BLOCK_H))
+        if ctx.by_token:    # index = row_index (T, k): each token's rows, no sort
+            _sum_pairs_kernel[grid](grad_out, index, index, grad_x, H, K=index.shape[1], BLOCK_H=_BLOCK_H,
+                                    WEIGHTED=False)
+            return grad_x, None, None
+        # rows grouped by token, padding (-1) first; int32 keys halve the radix sort's passes
+        sorted_src, order = torch.sort(index.to(torch.int32), stable=True)
+        start = torch.searchsorted(sorted_src, torch.arange(T + 1, dtype=torch.int32, device=index.device))
+        _sum_rows_kernel[grid](grad_out, order, start, grad_x, H, BLOCK_H=_BLOCK_H)
+        return grad_x, None, None
 
 # %% [markdown]
 # Which implementation runs is decided here, in sight (ops/10's `choose_impl`): Triton on CUDA, the reference
@@ -238,14 +268,20 @@ class _GatherRows(torch.autograd.Function):
 
 # %%
 #| export
-def gather_rows(x: Tensor, src_token: Tensor, impl: str | None = None) -> Tensor:
+def gather_rows(x: Tensor, src_token: Tensor, row_index: Tensor | None = None, impl: str | None = None) -> Tensor:
     """Permute: `out[n] = x[src_token[n]]` for `x (T, H)`, `src_token (N,)`; rows with `src_token = -1` are zero.
-    Backward scatter-adds into (T, H) in fp32. `impl`: "triton", "torch", or None (Triton on CUDA)."""
+    Backward sums each token's rows in fp32: through `row_index (T, k)` where given (the grouped row of each of a
+    token's choices, -1 for none; it must name exactly the rows `src_token` gives that token), else by sorting
+    `src_token`. `impl`: "triton", "torch", or None (Triton on CUDA)."""
     if x.dim() != 2 or src_token.dim() != 1 or src_token.dtype != torch.int64:
         raise ValueError(f"gather_rows wants x (T, H) and src_token (N,) int64, got x {tuple(x.shape)}, "
                          f"src_token {tuple(src_token.shape)} {src_token.dtype}")
+    if row_index is not None and (row_index.dim() != 2 or row_index.shape[0] != x.shape[0]
+                                  or row_index.dtype != torch.int64):
+        raise ValueError(f"gather_rows wants row_index (T, k) int64 with T = {x.shape[0]}, got "
+                         f"{tuple(row_index.shape)} {row_index.dtype}")
     if choose_impl(impl, x) == "triton":
-        return _GatherRows.apply(x, src_token)
+        return _GatherRows.apply(x, src_token, row_index)
     return gather_rows_torch(x, src_token)
 
 # %% [markdown]
@@ -263,21 +299,21 @@ def check_gather(T, k, E, H, pad_to, dtype=torch.float32):
     x64 = x.detach().double().requires_grad_()
     want = gather_rows(x64, src, impl="torch")
     want.backward(g.double())
-    for impl in ("triton", "torch"):
+    for impl, index in [("triton", None), ("triton", row_index), ("torch", None)]:
         x.grad = None
-        out = gather_rows(x, src, impl=impl)
+        out = gather_rows(x, src, index, impl=impl)
         out.backward(g)
         assert out.dtype == dtype and torch.equal(out.double(), want.detach().to(dtype).double()), impl
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(x.grad.double(), x64.grad, rtol=tol, atol=tol)
         assert (out[src < 0] == 0).all()
         if impl == "triton":
-            assert torch.equal(torch.autograd.grad(gather_rows(x, src, impl="triton"), x, g)[0], x.grad)
+            assert torch.equal(torch.autograd.grad(gather_rows(x, src, index, impl="triton"), x, g)[0], x.grad)
 
 for T, k, E, H, pad_to in [(13, 3, 6, 1500, 4), (13, 3, 6, 7, 1), (1, 1, 2, 5, 1), (1, 2, 4, 33, 8), (0, 2, 4, 9, 1)]:
     check_gather(T, k, E, H, pad_to)
 check_gather(9, 2, 5, 1030, 4, torch.bfloat16)
-print("gather_rows: triton == torch == float64 reference")
+print("gather_rows: triton (backward by sort and by row_index) == torch == float64 reference")
 
 # %% [markdown]
 # ## 3. Un-permute fused with the weighted sum: `weighted_gather`
@@ -285,7 +321,8 @@ print("gather_rows: triton == torch == float64 reference")
 # Stage 3 ends with `out[t] = Σ_j weights[t, j] · y[row_index[t, j]]`. Eager PyTorch gathers `y[row_index]` into a
 # (T, k, H) tensor (read N rows, write N rows), multiplies by the weights (read and write them again) and sums
 # over k (read once more): about 5 × N × H × 2 B and 3 launches, plus a (T, k, H) fp32 intermediate if it
-# accumulates in fp32. The fused kernel reads each grouped row once and writes each token row once:
+# accumulates in fp32. The fused kernel (section 2's `_sum_pairs_kernel`, weighted) reads each grouped row once and
+# writes each token row once:
 # (N + T) × H × 2 B, accumulating in fp32 in registers and rounding once to `y`'s dtype.
 #
 # **Backward.** `grad_y[row_index[t, j]] = weights[t, j] · grad_out[t]` and
@@ -314,20 +351,6 @@ def weighted_gather_torch(y: Tensor, row_index: Tensor, weights: Tensor) -> Tens
 # %%
 #| export
 @triton.jit
-def _weighted_gather_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(K):
-        r = tl.load(idx_ptr + t * K + j)
-        w = tl.load(w_ptr + t * K + j).to(tl.float32)
-        n = tl.where(r >= 0, H, 0)             # -1: no row, reads nothing
-        acc += w * tl.load(y_ptr + tl.maximum(r, 0) * H + cols, mask=cols < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _weighted_gather_bwd_kernel(go_ptr, y_ptr, idx_ptr, w_ptr, gy_ptr, gw_ptr, H, K: tl.constexpr,
                                 BLOCK_H: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)          # one (token, j) pair
@@ -353,8 +376,8 @@ class _WeightedGather(torch.autograd.Function):
         (T, K), H = row_index.shape, y.shape[1]
         out = torch.empty(T, H, dtype=y.dtype, device=y.device)
         if T and H:
-            _weighted_gather_kernel[(T, triton.cdiv(H, _BLOCK_H))](y, row_index, weights, out, H, K=K,
-                                                                     BLOCK_H=_BLOCK_H)
+            _sum_pairs_kernel[(T, triton.cdiv(H, _BLOCK_H))](y, row_index, weights, out, H, K=K, BLOCK_H=_BLOCK_H,
+                                                               WEIGHTED=True)
         ctx.save_for_backward(y, row_index, weights)
         return out
 
@@ -468,7 +491,7 @@ ids = torch.randn(T, E, device="cuda").topk(k, dim=1).indices
 src, row_index, counts = sort_by_expert(ids, E)
 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 w = torch.rand(T, k, device="cuda", requires_grad=True)
-xp = gather_rows(x, src)
+xp = gather_rows(x, src, row_index)
 assert torch.equal(xp, x.detach()[src])
 out = weighted_gather(xp, row_index, w)
 want = weighted_gather_torch(xp.detach().double(), row_index, w.detach().double())

@@ -84,7 +84,7 @@ class LocalDispatcher:
         return x
 
     def expand(self, rows: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
-        return gather_rows(rows, routing.plan.src_token), routing.counts
+        return gather_rows(rows, routing.plan.src_token, routing.plan.row_index), routing.counts
 
     def reduce(self, y: Tensor, routing: Routing) -> Tensor:
         return weighted_gather(y, routing.plan.row_index, routing.plan.weights)

@@ -76,39 +76,68 @@ def _sum_rows_kernel(g_ptr, order_ptr, start_ptr, out_ptr, H, BLOCK_H: tl.conste
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _sum_pairs_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr,
+                      WEIGHTED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(idx_ptr + t * K + j)
+        n = tl.where(r >= 0, H, 0)             # -1: no row, reads nothing
+        v = tl.load(y_ptr + tl.maximum(r, 0) * H + cols, mask=cols < n, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v *= tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += v
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src_token):
+    def forward(ctx, x, src_token, row_index):
         x, src_token = x.contiguous(), src_token.contiguous()
         (N,), (T, H) = src_token.shape, x.shape
         out = torch.empty(N, H, dtype=x.dtype, device=x.device)
         if N and H:
             _gather_rows_kernel[(N, triton.cdiv(H, _BLOCK_H))](x, src_token, out, H, BLOCK_H=_BLOCK_H)
-        ctx.save_for_backward(src_token)
-        ctx.x_shape, ctx.x_dtype = (T, H), x.dtype
+        ctx.save_for_backward(src_token if row_index is None else row_index.contiguous())
+        ctx.x_shape, ctx.x_dtype, ctx.by_token = (T, H), x.dtype, row_index is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (src_token,), (T, H) = ctx.saved_tensors, ctx.x_shape
+        (index,), (T, H) = ctx.saved_tensors, ctx.x_shape
         grad_out = grad_out.contiguous()
-        # rows grouped by token, padding (-1) first; int32 keys halve the radix sort's passes
-        sorted_src, order = torch.sort(src_token.to(torch.int32), stable=True)
-        start = torch.searchsorted(sorted_src, torch.arange(T + 1, dtype=torch.int32, device=src_token.device))
         grad_x = torch.empty(T, H, dtype=ctx.x_dtype, device=grad_out.device)
-        if T and H:
-            _sum_rows_kernel[(T, triton.cdiv(H, _BLOCK_H))](grad_out, order, start, grad_x, H, BLOCK_H=_BLOCK_H)
-        return grad_x, None
+        if not (T and H):
+            return grad_x, None, None
+        grid = (T, triton.cdiv(H, _BLOCK_H))
+        if ctx.by_token:    # index = row_index (T, k): each token's rows, no sort
+            _sum_pairs_kernel[grid](grad_out, index, index, grad_x, H, K=index.shape[1], BLOCK_H=_BLOCK_H,
+                                    WEIGHTED=False)
+            return grad_x, None, None
+        # rows grouped by token, padding (-1) first; int32 keys halve the radix sort's passes
+        sorted_src, order = torch.sort(index.to(torch.int32), stable=True)
+        start = torch.searchsorted(sorted_src, torch.arange(T + 1, dtype=torch.int32, device=index.device))
+        _sum_rows_kernel[grid](grad_out, order, start, grad_x, H, BLOCK_H=_BLOCK_H)
+        return grad_x, None, None
 
 # %% ../../nbs/ops/11_permute.ipynb #4397efe3
-def gather_rows(x: Tensor, src_token: Tensor, impl: str | None = None) -> Tensor:
+def gather_rows(x: Tensor, src_token: Tensor, row_index: Tensor | None = None, impl: str | None = None) -> Tensor:
     """Permute: `out[n] = x[src_token[n]]` for `x (T, H)`, `src_token (N,)`; rows with `src_token = -1` are zero.
-    Backward scatter-adds into (T, H) in fp32. `impl`: "triton", "torch", or None (Triton on CUDA)."""
+    Backward sums each token's rows in fp32: through `row_index (T, k)` where given (the grouped row of each of a
+    token's choices, -1 for none; it must name exactly the rows `src_token` gives that token), else by sorting
+    `src_token`. `impl`: "triton", "torch", or None (Triton on CUDA)."""
     if x.dim() != 2 or src_token.dim() != 1 or src_token.dtype != torch.int64:
         raise ValueError(f"gather_rows wants x (T, H) and src_token (N,) int64, got x {tuple(x.shape)}, "
                          f"src_token {tuple(src_token.shape)} {src_token.dtype}")
+    if row_index is not None and (row_index.dim() != 2 or row_index.shape[0] != x.shape[0]
+                                  or row_index.dtype != torch.int64):
+        raise ValueError(f"gather_rows wants row_index (T, k) int64 with T = {x.shape[0]}, got "
+                         f"{tuple(row_index.shape)} {row_index.dtype}")
     if choose_impl(impl, x) == "triton":
-        return _GatherRows.apply(x, src_token)
+        return _GatherRows.apply(x, src_token, row_index)
     return gather_rows_torch(x, src_token)
 
 # %% ../../nbs/ops/11_permute.ipynb #49e2600e
@@ -120,20 +149,6 @@ def weighted_gather_torch(y: Tensor, row_index: Tensor, weights: Tensor) -> Tens
     return (rows * weights.to(acc).unsqueeze(-1)).sum(1).to(y.dtype)
 
 # %% ../../nbs/ops/11_permute.ipynb #74838c32
-@triton.jit
-def _weighted_gather_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(K):
-        r = tl.load(idx_ptr + t * K + j)
-        w = tl.load(w_ptr + t * K + j).to(tl.float32)
-        n = tl.where(r >= 0, H, 0)             # -1: no row, reads nothing
-        acc += w * tl.load(y_ptr + tl.maximum(r, 0) * H + cols, mask=cols < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @triton.jit
 def _weighted_gather_bwd_kernel(go_ptr, y_ptr, idx_ptr, w_ptr, gy_ptr, gw_ptr, H, K: tl.constexpr,
                                 BLOCK_H: tl.constexpr):
@@ -160,8 +175,8 @@ class _WeightedGather(torch.autograd.Function):
         (T, K), H = row_index.shape, y.shape[1]
         out = torch.empty(T, H, dtype=y.dtype, device=y.device)
         if T and H:
-            _weighted_gather_kernel[(T, triton.cdiv(H, _BLOCK_H))](y, row_index, weights, out, H, K=K,
-                                                                     BLOCK_H=_BLOCK_H)
+            _sum_pairs_kernel[(T, triton.cdiv(H, _BLOCK_H))](y, row_index, weights, out, H, K=K, BLOCK_H=_BLOCK_H,
+                                                               WEIGHTED=True)
         ctx.save_for_backward(y, row_index, weights)
         return out
 
