@@ -474,21 +474,23 @@ assert rank_units(tied, Workload())[-1].late == 0
 #
 # In the compute dtype the experts' backward is three autograd nodes (down, SwiGLU, gate/up), each freeing what it
 # read before the next runs, and each weight gradient goes to autograd as soon as it is made. Under `train.fp8` it is
-# one node (ops/15 `_Fp8SwiGLUExperts.backward`), and what it makes stays until it returns. For `M` routed rows over
-# `E` local experts, the FP8 column layouts are `C = 128 · (⌈M/128⌉ + E − 1)` tokens wide (each expert's rows padded
-# to whole 128-row tiles, as `quantize_act` lays them out). On top of what the layer keeps (the output gradient `dy`,
-# M × H, takes the place of the expert outputs, which the weighted sum's backward has freed), it holds:
+# one node (ops/15 `_Fp8SwiGLUExperts.backward`), which frees as it goes but returns its gradients together. For `M`
+# routed rows over `E` local experts, the FP8 column layouts are `C = 128 · (⌈M/128⌉ + E − 1)` tokens wide (each
+# expert's rows padded to whole 128-row tiles, as `quantize_act` lays them out). On top of what the layer keeps (the
+# output gradient `dy`, M × H, takes the place of the expert outputs, which the weighted sum's backward has freed),
+# the node's highest moment is the largest of three:
 #
-# - from the down projection's `_triton_backward`: `dh`, the gradient of the SwiGLU output (`fp8_grouped_mm`, M × I
-#   in the compute dtype), and `dy`'s column layout for the weight gradient (`_group_cols`, H × C in FP8), which the
-#   weight-gradient closure keeps;
-# - from gate/up's: `dx`, the gradient of the expanded rows (M × H in the compute dtype), and the SwiGLU gradient's
-#   column layout (2I × C in FP8);
-# - then the larger of two moments. Either both weight gradients at once, E · 3 · H · I in the compute dtype:
-#   `deliver_wgrad` runs the down closure and then the gate/up closure before the node returns either (a zero-bubble
-#   backward leaves them to W, whose closures `deferred_per_row` counts). Or, earlier, inside gate/up's
-#   `_triton_backward`: the transposed FP8 copy of its weight (E · 2I · H bytes, where the copies are not kept for
-#   the step; `quantize_weight_rows`) and the SwiGLU gradient quantized by rows (M × 2I in FP8, `quantize_rows`).
+# - in the down projection's half, with `dh` (the SwiGLU output's gradient, M × I in the compute dtype) made or being
+#   made: either `dy` quantized by rows (M × H in FP8) beside the down weight's transposed FP8 copy (E · H · I bytes,
+#   where the copies are not kept for the step), or, once both are freed, `dy`'s column layout (H × C in FP8) beside
+#   the down weight's gradient (E · H · I in the compute dtype) when the node makes it;
+# - in the gate/up half, with `dh` and what the down half left (its weight gradient if made, else `dy`'s columns,
+#   which the queued closure keeps for W) and `dx`, the rows' gradient (M × H in the compute dtype): either the
+#   SwiGLU gradient quantized by rows (M × 2I in FP8) beside the gate/up weight's copy (E · 2I · H), or, once both
+#   are freed, the SwiGLU gradient's column layout (2I × C in FP8);
+# - at the end, `dh` freed: the gate/up weight gradient being made (E · 2I · H in the compute dtype) beside those
+#   columns, `dx` and what the down half left. A zero-bubble backward leaves both weight gradients to W, whose
+#   closures `deferred_per_row` counts.
 #
 # Scales are left out: 4 bytes a row, an expert's column or a tile's column (1/32 of a column layout, while
 # `quantize_act` runs), a few percent of the total at the tiny shapes below, well under 1% at the real widths. In the
@@ -509,17 +511,25 @@ def fp8_backward_bytes(rows: int, E: int, H: int, inter: int, b: int, weight_gra
     """Bytes the FP8 SwiGLU experts' backward (ops/15) holds at its highest moment on top of what the layer keeps, for
     `rows` routed rows over `E` local experts of width `inter` (see above). `weight_grads`: the bytes of both weight
     gradients made before it returns (0 when W makes them); `copy`: the transposed FP8 copy of the gate/up weight
-    made for this use (0 when the copies are kept for the step)."""
+    made for this use (0 when the copies are kept for the step; the down weight's is half as large)."""
     cols = 128 * (-(-rows // 128) + E - 1)                 # the column layouts' width, in tokens
-    held = rows * b * (inter + H) + cols * (H + 2 * inter)   # dh and dx; dy's and the SwiGLU gradient's columns
-    return held + max(weight_grads, copy + 2 * inter * rows)
+    dh, dx = rows * inter * b, rows * H * b
+    dw_down = weight_grads / 3                              # E·H·I of the E·3·H·I
+    down = dh + max(copy / 2 + rows * H, cols * H + dw_down)
+    left = dw_down if weight_grads else cols * H            # the down half's weight gradient, or dy's columns for W
+    up = dh + left + dx + max(copy + 2 * inter * rows, cols * 2 * inter)
+    end = left + dx + cols * 2 * inter + weight_grads - dw_down
+    return max(down, up, end)
 
 # %% [markdown]
 # **Checked on the CPU.** Triton's interpreter runs the same kernels on CPU tensors, with the same allocations. A
 # dispatch mode keeps a weak reference to the storage of every tensor an operator returns and sums the live ones after
-# each operator; the highest sum during the backward, less the sum when it starts, is what the node holds. Two shapes:
-# one where the weight gradients are the larger moment, and one with more rows per expert, where the weight copy and
-# the rows' quantization are.
+# each operator; the highest sum during the backward, less the sum when it starts, is what the node holds. The
+# interpreter leaves a launch's arguments in reference cycles, so the probe collects garbage before each sum, with
+# what existed before the backward frozen out of the collector's way (`gc.freeze`; a collection of the youngest
+# generation only is faster and counts some of those cycles as live). Two shapes: one whose highest
+# moment is the end (the gate/up weight gradient), and one with more rows per expert, where it is the gate/up half's
+# rows and weight copy.
 
 # %%
 import json
@@ -541,6 +551,7 @@ class Live(TorchDispatchMode):
         super().__init__()
         self.refs, self.peak = {}, 0
     def now(self):
+        gc.collect()
         self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
         return sum(n for _, n in self.refs.values())
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -565,24 +576,26 @@ for E, H, I, counts in json.loads(sys.argv[1]):
         x = torch.randn(M, H).bfloat16().requires_grad_()   # the expanded rows: their gradient is made
         y = fp8_swiglu_experts(x, w1, w2, counts, impl="triton", scaling="rows")
         dy = torch.randn(M, H).bfloat16()
-        gc.collect()   # the interpreter leaves a launch's arguments in a reference cycle
+        gc.collect()
+        gc.freeze()    # what exists now is alive through the backward: the collections in now() skip it
         start = live.now()
         live.peak = 0
         y.backward(dy)
+        gc.unfreeze()
     out.append(live.peak - start)
 print(json.dumps(out))
 """
 cases = [(4, 256, 128, [130, 0, 200, 182]), (2, 128, 128, [700, 324])]
+moments = ["the end", "the gate/up half"]
 probe = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], capture_output=True, text=True, timeout=300,
                        env=os.environ | {"TRITON_INTERPRET": "1"})
 assert probe.returncode == 0, probe.stderr[-3000:]
-for (E, H, I, counts), got in zip(cases, json.loads(probe.stdout)):
+for (E, H, I, counts), moment, got in zip(cases, moments, json.loads(probe.stdout)):
     M = sum(counts)
     grads, copy = E * 3 * H * I * 2, E * 2 * I * H
     want = fp8_backward_bytes(M, E, H, I, 2, grads, copy)
-    larger = "weight gradients" if grads > copy + 2 * I * M else "weight copy and rows"
     print(f"E {E}, H {H}, I {I}, {M} rows: measured {got:,} bytes, predicted {want:,.0f} ({want / got - 1:+.2%}; "
-          f"the {larger})")
+          f"the highest moment: {moment})")
     assert abs(want / got - 1) < 0.03, (E, H, I, got, want)
 
 # %% [markdown]
@@ -902,7 +915,9 @@ for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
 # bf16 and in FP8 (row scales; every dense projection in FP8 on the H200, those 4096 wide both ways on the H100).
 # FP8's peak is in the backward of the first layer with experts, the last to run its backward, where the experts' node
 # makes both weight gradients: every gradient of the step but the embedding's is there, with the activations of the
-# layers before.
+# layers before. The FP8 peaks were measured before that backward freed as it goes (ops/15, 87ce1f4), when it held
+# `dh`, `dx`, both column layouts and both weight gradients at once, and the walk then predicted them within 0.4%;
+# it now predicts 1.4–2.0% under them, which the check below holds it to until they are measured again.
 # With a few wide layers the gradients outweigh the activations, so that moment lies above the loss, where the walk
 # puts bf16's peak (and both peaks of the Qwen3 bench above, with its 12 narrower layers).
 
@@ -922,5 +937,8 @@ for (width, layers, fp8), got in MEASURED_WIDE_PEAKS.items():
     p = estimate(c, meta_of(c), replace(bench, seq_len=seq, fp8=fp8)).peak
     print(f"{width:4s} {layers} layers, {'FP8 ' if fp8 else 'bf16'}: predicted {p.gib():6.2f} GiB, measured {got:6.2f} "
           f"({p.gib() / got - 1:+.1%}), at the {p.where}")
-    assert abs(p.gib() / got - 1) < (0.02 if fp8 else 0.025), (width, layers, fp8, p.gib(), got)
+    if fp8:   # measured before the backward freed as it goes (87ce1f4): the walk now predicts less
+        assert -0.03 < p.gib() / got - 1 < 0, (width, layers, p.gib(), got)
+    else:
+        assert abs(p.gib() / got - 1) < 0.025, (width, layers, p.gib(), got)
     assert p.where.startswith("backward" if fp8 else "loss"), (width, layers, fp8, p.where)

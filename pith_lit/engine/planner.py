@@ -232,10 +232,15 @@ def fp8_backward_bytes(rows: int, E: int, H: int, inter: int, b: int, weight_gra
     """Bytes the FP8 SwiGLU experts' backward (ops/15) holds at its highest moment on top of what the layer keeps, for
     `rows` routed rows over `E` local experts of width `inter` (see above). `weight_grads`: the bytes of both weight
     gradients made before it returns (0 when W makes them); `copy`: the transposed FP8 copy of the gate/up weight
-    made for this use (0 when the copies are kept for the step)."""
+    made for this use (0 when the copies are kept for the step; the down weight's is half as large)."""
     cols = 128 * (-(-rows // 128) + E - 1)                 # the column layouts' width, in tokens
-    held = rows * b * (inter + H) + cols * (H + 2 * inter)   # dh and dx; dy's and the SwiGLU gradient's columns
-    return held + max(weight_grads, copy + 2 * inter * rows)
+    dh, dx = rows * inter * b, rows * H * b
+    dw_down = weight_grads / 3                              # E·H·I of the E·3·H·I
+    down = dh + max(copy / 2 + rows * H, cols * H + dw_down)
+    left = dw_down if weight_grads else cols * H            # the down half's weight gradient, or dy's columns for W
+    up = dh + left + dx + max(copy + 2 * inter * rows, cols * 2 * inter)
+    end = left + dx + cols * 2 * inter + weight_grads - dw_down
+    return max(down, up, end)
 
 # %% ../../nbs/engine/37_planner.ipynb #5bb9461a
 @dataclass
