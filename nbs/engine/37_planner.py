@@ -915,9 +915,10 @@ for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
 # bf16 and in FP8 (row scales; every dense projection in FP8 on the H200, those 4096 wide both ways on the H100).
 # FP8's peak is in the backward of the first layer with experts, the last to run its backward, where the experts' node
 # makes both weight gradients: every gradient of the step but the embedding's is there, with the activations of the
-# layers before. The FP8 peaks were measured before that backward freed as it goes (ops/15, 87ce1f4), when it held
-# `dh`, `dx`, both column layouts and both weight gradients at once, and the walk then predicted them within 0.4%;
-# it now predicts 1.4–2.0% under them, which the check below holds it to until they are measured again.
+# layers before. The FP8 peaks at 2 layers were measured after that backward came to free as it goes (ops/15,
+# 87ce1f4), 0.8–0.9 GiB under those before it; the two at 3 layers before it, when the node held `dh`, `dx`, both
+# column layouts and both weight gradients at once (the walk then predicted them within 0.3%). It predicts 1.4–1.5%
+# under those two, which the check holds it to until an H200 measures them again.
 # With a few wide layers the gradients outweigh the activations, so that moment lies above the loss, where the walk
 # puts bf16's peak (and both peaks of the Qwen3 bench above, with its 12 narrower layers).
 
@@ -929,16 +930,17 @@ WIDE = {   # the bench config, its sequence length, the [model] overrides
                                                 num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
                                                 n_routed_experts=64, num_experts_per_tok=8, q_lora_rank=1536))}
 MEASURED_WIDE_PEAKS = {("235B", 3, False): 67.99, ("235B", 3, True): 70.12, ("V3", 3, False): 66.10,
-                       ("V3", 3, True): 67.72, ("235B", 2, False): 49.44, ("235B", 2, True): 51.58,
-                       ("V3", 2, False): 43.37, ("V3", 2, True): 44.99}   # GiB; 3 layers on the H200, 2 on the H100
+                       ("V3", 3, True): 67.72, ("235B", 2, False): 49.44, ("235B", 2, True): 50.64,
+                       ("V3", 2, False): 43.37, ("V3", 2, True): 44.24}   # GiB; 3 layers on the H200, 2 on the H100
+BEFORE_FREEING = {("235B", 3, True), ("V3", 3, True)}   # FP8 peaks measured before ops/15's backward freed as it goes
 for (width, layers, fp8), got in MEASURED_WIDE_PEAKS.items():
     name, seq, extra = WIDE[width]
     c = config_model(name, **extra, num_hidden_layers=layers)
     p = estimate(c, meta_of(c), replace(bench, seq_len=seq, fp8=fp8)).peak
     print(f"{width:4s} {layers} layers, {'FP8 ' if fp8 else 'bf16'}: predicted {p.gib():6.2f} GiB, measured {got:6.2f} "
           f"({p.gib() / got - 1:+.1%}), at the {p.where}")
-    if fp8:   # measured before the backward freed as it goes (87ce1f4): the walk now predicts less
+    if (width, layers, fp8) in BEFORE_FREEING:   # the walk now predicts less than these held
         assert -0.03 < p.gib() / got - 1 < 0, (width, layers, p.gib(), got)
     else:
-        assert abs(p.gib() / got - 1) < 0.025, (width, layers, p.gib(), got)
+        assert abs(p.gib() / got - 1) < (0.01 if fp8 else 0.025), (width, layers, fp8, p.gib(), got)
     assert p.where.startswith("backward" if fp8 else "loss"), (width, layers, fp8, p.where)
