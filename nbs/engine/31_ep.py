@@ -159,7 +159,8 @@ assert torch.equal(xa.grad, 2 * g)
 # - the send buffer is sorted by destination rank, tokens in order within a rank;
 # - the received rows are therefore in (source rank, token) order; `sort_by_expert` of their slots (L is one
 #   extra group that sorts last and is dropped) gives `expand_rows`, the received row each grouped pair copies,
-#   and `pair_row[r, j]`, the grouped row of received row r's slot j (-1 elsewhere);
+#   and `pair_row[r, j]`, the grouped row of received row r's slot j (-1 elsewhere), through which `expand`'s
+#   backward sums each received row's pairs without a sort;
 # - `reduce` is `weighted_gather(y, pair_row, weights)`: per received row the weighted sum of its pairs, with
 #   the weights' gradient in its backward; combine sends each source rank one row per row it received, in the
 #   received order, so the home rank gets back exactly the layout it sent;

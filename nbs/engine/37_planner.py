@@ -915,10 +915,8 @@ for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
 # bf16 and in FP8 (row scales; every dense projection in FP8 on the H200, those 4096 wide both ways on the H100).
 # FP8's peak is in the backward of the first layer with experts, the last to run its backward, where the experts' node
 # makes both weight gradients: every gradient of the step but the embedding's is there, with the activations of the
-# layers before. The FP8 peaks at 2 layers were measured after that backward came to free as it goes (ops/15,
-# 87ce1f4), 0.8–0.9 GiB under those before it; the two at 3 layers before it, when the node held `dh`, `dx`, both
-# column layouts and both weight gradients at once (the walk then predicted them within 0.3%). It predicts 1.4–1.5%
-# under those two, which the check holds it to until an H200 measures them again.
+# layers before. The two FP8 peaks at 3 layers (`BEFORE_FREEING`) were measured while that node still held `dh`,
+# `dx`, both column layouts and both weight gradients at once; the check holds the walk under them, by at most 3%.
 # With a few wide layers the gradients outweigh the activations, so that moment lies above the loss, where the walk
 # puts bf16's peak (and both peaks of the Qwen3 bench above, with its 12 narrower layers).
 

@@ -241,7 +241,7 @@ class _GatherRows(torch.autograd.Function):
         if N and H:
             _gather_rows_kernel[(N, triton.cdiv(H, _BLOCK_H))](x, src_token, out, H, BLOCK_H=_BLOCK_H)
         ctx.save_for_backward(src_token if row_index is None else row_index.contiguous())
-        ctx.x_shape, ctx.x_dtype, ctx.by_token = (T, H), x.dtype, row_index is not None
+        ctx.x_shape, ctx.x_dtype = (T, H), x.dtype
         return out
 
     @staticmethod
@@ -252,7 +252,7 @@ class _GatherRows(torch.autograd.Function):
         if not (T and H):
             return grad_x, None, None
         grid = (T, triton.cdiv(H, _BLOCK_H))
-        if ctx.by_token:    # index = row_index (T, k): each token's rows, no sort
+        if index.dim() == 2:    # row_index (T, k): each token's rows, no sort
             _sum_pairs_kernel[grid](grad_out, index, index, grad_x, H, K=index.shape[1], BLOCK_H=_BLOCK_H,
                                     WEIGHTED=False)
             return grad_x, None, None

@@ -1486,7 +1486,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
         dy = dy.contiguous()
         dh, wgrad2 = _triton_backward(dy, w2, counts, hs, True, keep2, weight2, rows)
-        dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)   # made now, it frees dY's column layout
+        dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)   # made now (freeing dY's columns) or queued for W
         del wgrad2
         dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, need_dx, keep1, weight1, rows, "swiglu_grad", dh)
         del dh                                                  # both quantizations of the SwiGLU gradient are made
