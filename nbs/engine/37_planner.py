@@ -492,6 +492,10 @@ assert rank_units(tied, Workload())[-1].late == 0
 #   columns, `dx` and what the down half left. A zero-bubble backward leaves both weight gradients to W, whose
 #   closures `deferred_per_row` counts.
 #
+# Two of the layer's kept tensors go inside the node (ops/15 `_release`), so those moments count them as negative:
+# `h`'s FP8 rows (I × C) once the down weight gradient is made, through the gate/up half and the end (not when W
+# makes it: its closure reads them), and the saved `gate_up` output (M × 2I in the compute dtype) at the end.
+#
 # Scales are left out: 4 bytes a row, an expert's column or a tile's column (1/32 of a column layout, while
 # `quantize_act` runs), a few percent of the total at the tiny shapes below, well under 1% at the real widths. In the
 # compute dtype the walk counts at this point the gradient of the gate/up output and, while it is added into an
@@ -517,8 +521,9 @@ def fp8_backward_bytes(rows: int, E: int, H: int, inter: int, b: int, weight_gra
     dw_down = weight_grads / 3                              # E·H·I of the E·3·H·I
     down = dh + max(copy / 2 + rows * H, cols * H + dw_down)
     left = dw_down if weight_grads else cols * H            # the down half's weight gradient, or dy's columns for W
-    up = dh + left + dx + max(copy + 2 * inter * rows, cols * 2 * inter)
-    end = left + dx + cols * 2 * inter + weight_grads - dw_down
+    h_rows = inter * cols if weight_grads else 0            # h's saved FP8 rows, emptied once dW2 is made
+    up = dh + left + dx + max(copy + 2 * inter * rows, cols * 2 * inter) - h_rows
+    end = left + dx + cols * 2 * inter + weight_grads - dw_down - h_rows - rows * 2 * inter * b   # gate_up emptied
     return max(down, up, end)
 
 # %% [markdown]
@@ -585,7 +590,7 @@ for E, H, I, counts in json.loads(sys.argv[1]):
     out.append(live.peak - start)
 print(json.dumps(out))
 """
-cases = [(4, 256, 128, [130, 0, 200, 182]), (2, 128, 128, [700, 324])]
+cases = [(4, 256, 128, [60, 0, 40, 28]), (2, 128, 128, [700, 324])]
 moments = ["the end", "the gate/up half"]
 probe = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], capture_output=True, text=True, timeout=300,
                        env=os.environ | {"TRITON_INTERPRET": "1"})
@@ -915,8 +920,9 @@ for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
 # bf16 and in FP8 (row scales; every dense projection in FP8 on the H200, those 4096 wide both ways on the H100).
 # FP8's peak is in the backward of the first layer with experts, the last to run its backward, where the experts' node
 # makes both weight gradients: every gradient of the step but the embedding's is there, with the activations of the
-# layers before. The two FP8 peaks at 3 layers (`BEFORE_FREEING`) were measured while that node still held `dh`,
-# `dx`, both column layouts and both weight gradients at once; the check holds the walk under them, by at most 3%.
+# layers before. The FP8 peaks (`MEASURED_BEFORE`) were measured while that node still held its saved `gate_up` and
+# `h`'s rows to the end (and, at 3 layers, `dh`, both column layouts and both weight gradients at once); the walk
+# counts what the node holds now, so the check holds it under them, by at most 3.5%, until a GPU measures them again.
 # With a few wide layers the gradients outweigh the activations, so that moment lies above the loss, where the walk
 # puts bf16's peak (and both peaks of the Qwen3 bench above, with its 12 narrower layers).
 
@@ -930,15 +936,15 @@ WIDE = {   # the bench config, its sequence length, the [model] overrides
 MEASURED_WIDE_PEAKS = {("235B", 3, False): 67.99, ("235B", 3, True): 70.12, ("V3", 3, False): 66.10,
                        ("V3", 3, True): 67.72, ("235B", 2, False): 49.44, ("235B", 2, True): 50.64,
                        ("V3", 2, False): 43.37, ("V3", 2, True): 44.24}   # GiB; 3 layers on the H200, 2 on the H100
-BEFORE_FREEING = {("235B", 3, True), ("V3", 3, True)}   # FP8 peaks measured before ops/15's backward freed as it goes
+MEASURED_BEFORE = {k for k in MEASURED_WIDE_PEAKS if k[2]}   # every FP8 peak: measured before ops/15's `_release`
 for (width, layers, fp8), got in MEASURED_WIDE_PEAKS.items():
     name, seq, extra = WIDE[width]
     c = config_model(name, **extra, num_hidden_layers=layers)
     p = estimate(c, meta_of(c), replace(bench, seq_len=seq, fp8=fp8)).peak
     print(f"{width:4s} {layers} layers, {'FP8 ' if fp8 else 'bf16'}: predicted {p.gib():6.2f} GiB, measured {got:6.2f} "
           f"({p.gib() / got - 1:+.1%}), at the {p.where}")
-    if (width, layers, fp8) in BEFORE_FREEING:   # the walk now predicts less than these held
-        assert -0.03 < p.gib() / got - 1 < 0, (width, layers, p.gib(), got)
+    if (width, layers, fp8) in MEASURED_BEFORE:   # the walk now predicts less than these held
+        assert -0.035 < p.gib() / got - 1 < 0, (width, layers, p.gib(), got)
     else:
         assert abs(p.gib() / got - 1) < (0.01 if fp8 else 0.025), (width, layers, fp8, p.gib(), got)
     assert p.where.startswith("backward" if fp8 else "loss"), (width, layers, fp8, p.where)

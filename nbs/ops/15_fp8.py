@@ -1459,10 +1459,13 @@ for bad, msg in [
 # both weight gradients to a queue the same way. The torch implementation is the two layers and SwiGLU apart.
 #
 # One node holds longer what three nodes would hand on, so its backward frees as it goes: the down projection's
-# weight gradient is made (or queued) before the gate/up half starts, which frees `dY`'s column layout; within each
-# half the rows and a weight copy made for this use go once `dX` is computed, before the column pass; and `dh` goes
-# once both quantizations of the SwiGLU gradient are made, before the gate/up weight gradient. engine/37 counts the
-# moments that are left (`fp8_backward_bytes`).
+# weight gradient is made (or queued) before the gate/up half starts, which frees `dY`'s column layout, and when it is
+# made then, `h`'s saved FP8 rows go with it; within each half the rows and a weight copy made for this use go once
+# `dX` is computed, before the column pass; and `dh` and the saved `gate_up` go once both quantizations of the SwiGLU
+# gradient are made, before the gate/up weight gradient. Autograd keeps a node's saved tensors until its backward
+# returns, so the node empties those two in place (`_release`, the tensor left with no elements), as three nodes
+# would have freed them; a second backward through the same graph (`retain_graph=True`) then stops with an error
+# instead of reading freed memory. engine/37 counts the moments that are left (`fp8_backward_bytes`).
 #
 # GPT-OSS's experts (biases, a clamped SwiGLU on interleaved columns) call the layers one by one.
 
@@ -1481,6 +1484,9 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if getattr(ctx, "released", False):
+            raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
+                               "the same graph (retain_graph=True) is not supported; run the forward again")
         w1, w2, counts, gate_up, *saved = ctx.saved_tensors
         (keep1, keep2), (weight1, weight2), need_dx, rows = ctx.keep, ctx.weights, ctx.needs_input_grad[0], ctx.rows
         xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
@@ -1488,10 +1494,21 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         dh, wgrad2 = _triton_backward(dy, w2, counts, hs, True, keep2, weight2, rows)
         dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)   # made now (freeing dY's columns) or queued for W
         del wgrad2
+        if ctx.queue is None:                                   # h's FP8 rows served dW2: none of them is read again
+            _release(*hs)
         dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, need_dx, keep1, weight1, rows, "swiglu_grad", dh)
         del dh                                                  # both quantizations of the SwiGLU gradient are made
+        _release(gate_up)                                       # and they were its last readers
+        ctx.released = True
         dw1 = deliver_wgrad(ctx.queue, ctx.params[0], wgrad1)
         return dx, dw1, dw2, None, None, None, None, None
+
+
+def _release(*tensors: Tensor) -> None:
+    """Free the memory of tensors the node saved, now: autograd holds them until the node's backward returns, so
+    dropping the name is not enough. Each is left with no elements (the node refuses a second backward, `released`)."""
+    for t in tensors:
+        t.data = t.new_empty(0)
 
 
 def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
@@ -1566,6 +1583,28 @@ def check_fused_experts(counts, n_in, inter, extra, seed, scaling="block"):
 
 check_fused_experts([70, 0, 1, 131], 160, 72, 3, seed=10)
 check_fused_experts([70, 0, 1, 131], 160, 72, 3, seed=10, scaling="rows")
+
+# The saved `gate_up` and `h`'s rows are emptied by the backward (not `h`'s when dW2 waits in a queue, whose closure
+# reads them), a second backward says what to do, and no rows at all is not mistaken for a released node.
+for queue in (None, WeightGradQueue()):
+    x, w1, w2, dy = randn(11, (40, 128), (2, 64, 128), (2, 128, 32), (40, 128))
+    x, w1, w2 = x.requires_grad_(), w1.requires_grad_(), w2.requires_grad_()
+    y = fp8_swiglu_experts(x, w1, w2, torch.tensor([30, 10]), queue, impl="triton", scaling="rows")
+    gate_up, hq, hs = y.grad_fn.saved_tensors[3], *y.grad_fn.saved_tensors[-2:]
+    y.backward(dy, retain_graph=True)
+    assert gate_up.numel() == 0 and (hq.numel() == 0) == (queue is None) and x.grad.shape == x.shape
+    try:
+        y.backward(dy)
+    except RuntimeError as e:
+        assert "retain_graph=True" in str(e), e
+    else:
+        raise AssertionError("a second backward through the released node ran")
+    if queue is not None:
+        queue.drain()
+        assert w2.grad is not None and w2.grad.abs().sum() > 0
+x = torch.zeros(0, 128, requires_grad=True)
+fp8_swiglu_experts(x, w1, w2, torch.tensor([0, 0]), impl="triton", scaling="rows").sum().backward()
+assert x.grad.shape == (0, 128)
 for bad, msg in [(lambda: quantize_act(torch.zeros(4, 9), act="swiglu"), "even width"),
                  (lambda: quantize_act(torch.zeros(4, 8), act="swiglu_grad"), "dh (M, I)"),
                  (lambda: quantize_act(torch.zeros(4, 8), act="gelu"), "act must be"),

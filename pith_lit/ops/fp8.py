@@ -777,6 +777,9 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if getattr(ctx, "released", False):
+            raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
+                               "the same graph (retain_graph=True) is not supported; run the forward again")
         w1, w2, counts, gate_up, *saved = ctx.saved_tensors
         (keep1, keep2), (weight1, weight2), need_dx, rows = ctx.keep, ctx.weights, ctx.needs_input_grad[0], ctx.rows
         xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
@@ -784,10 +787,21 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         dh, wgrad2 = _triton_backward(dy, w2, counts, hs, True, keep2, weight2, rows)
         dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)   # made now (freeing dY's columns) or queued for W
         del wgrad2
+        if ctx.queue is None:                                   # h's FP8 rows served dW2: none of them is read again
+            _release(*hs)
         dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, need_dx, keep1, weight1, rows, "swiglu_grad", dh)
         del dh                                                  # both quantizations of the SwiGLU gradient are made
+        _release(gate_up)                                       # and they were its last readers
+        ctx.released = True
         dw1 = deliver_wgrad(ctx.queue, ctx.params[0], wgrad1)
         return dx, dw1, dw2, None, None, None, None, None
+
+
+def _release(*tensors: Tensor) -> None:
+    """Free the memory of tensors the node saved, now: autograd holds them until the node's backward returns, so
+    dropping the name is not enough. Each is left with no elements (the node refuses a second backward, `released`)."""
+    for t in tensors:
+        t.data = t.new_empty(0)
 
 
 def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
