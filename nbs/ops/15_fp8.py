@@ -1478,13 +1478,14 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         gate_up, xs = _triton_forward(x, counts, keep1, weight1, rows)
         y, hs = _triton_forward(gate_up, counts, keep2, weight2, rows, act="swiglu")
         ctx.queue, ctx.weights, ctx.keep, ctx.rows = wgrad_queue, (weight1, weight2), (keep1, keep2), rows
+        ctx.released = False
         ctx.params = (w1, w2) if wgrad_queue is not None else (None, None)
         ctx.save_for_backward(w1, w2, counts, gate_up, *xs, *hs)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        if getattr(ctx, "released", False):
+        if ctx.released:
             raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
                                "the same graph (retain_graph=True) is not supported; run the forward again")
         w1, w2, counts, gate_up, *saved = ctx.saved_tensors
@@ -1585,12 +1586,12 @@ check_fused_experts([70, 0, 1, 131], 160, 72, 3, seed=10)
 check_fused_experts([70, 0, 1, 131], 160, 72, 3, seed=10, scaling="rows")
 
 # The saved `gate_up` and `h`'s rows are emptied by the backward (not `h`'s when dW2 waits in a queue, whose closure
-# reads them), a second backward says what to do, and no rows at all is not mistaken for a released node.
+# reads them), a second backward says what to do, and a node with no rows at all runs.
 for queue in (None, WeightGradQueue()):
     x, w1, w2, dy = randn(11, (40, 128), (2, 64, 128), (2, 128, 32), (40, 128))
     x, w1, w2 = x.requires_grad_(), w1.requires_grad_(), w2.requires_grad_()
     y = fp8_swiglu_experts(x, w1, w2, torch.tensor([30, 10]), queue, impl="triton", scaling="rows")
-    gate_up, hq, hs = y.grad_fn.saved_tensors[3], *y.grad_fn.saved_tensors[-2:]
+    gate_up, hq = y.grad_fn.saved_tensors[3], y.grad_fn.saved_tensors[-2]
     y.backward(dy, retain_graph=True)
     assert gate_up.numel() == 0 and (hq.numel() == 0) == (queue is None) and x.grad.shape == x.shape
     try:

@@ -771,13 +771,14 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         gate_up, xs = _triton_forward(x, counts, keep1, weight1, rows)
         y, hs = _triton_forward(gate_up, counts, keep2, weight2, rows, act="swiglu")
         ctx.queue, ctx.weights, ctx.keep, ctx.rows = wgrad_queue, (weight1, weight2), (keep1, keep2), rows
+        ctx.released = False
         ctx.params = (w1, w2) if wgrad_queue is not None else (None, None)
         ctx.save_for_backward(w1, w2, counts, gate_up, *xs, *hs)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        if getattr(ctx, "released", False):
+        if ctx.released:
             raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
                                "the same graph (retain_graph=True) is not supported; run the forward again")
         w1, w2, counts, gate_up, *saved = ctx.saved_tensors
