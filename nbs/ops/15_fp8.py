@@ -70,8 +70,11 @@ from pith_lit.ops.swiglu import swiglu, swiglu_grad_tiles, swiglu_tile
 # than fp32, about 1e-4 relative (`EXACT` 1e-3 there).
 
 # %%
+import gc
 import os
 import time
+
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # %%
 if torch.cuda.is_available():
@@ -1454,60 +1457,76 @@ for bad, msg in [
 # quantization passes").
 #
 # `fp8_swiglu_experts(x, w_gate_up, w_down, counts)` is `down(swiglu(gate_up(x)))` in FP8. With the Triton kernels
-# it is one autograd function around the fused passes; it saves what the two layers and SwiGLU saved apart (the
-# input's and `h`'s quantizations for the weight gradients, and `gate_up` for SwiGLU's gradient) and defers
-# both weight gradients to a queue the same way. The torch implementation is the two layers and SwiGLU apart.
+# it is two autograd functions around the fused passes. The first computes `gate_up` and saves it with the input's
+# quantization; the second quantizes `swiglu(gate_up)` as it reads it, runs the down projection and saves `h`'s
+# quantization. Between them `h` exists only as a stand-in of its shape that holds no bytes (one zero, expanded), so
+# the down half's backward hands `dh` to the gate/up half through autograd. Together they save what the two layers
+# and SwiGLU saved apart, and defer both weight gradients to a queue the same way. The torch implementation is the
+# two layers and SwiGLU apart.
 #
-# One node holds longer what three nodes would hand on, so its backward frees as it goes: the down projection's
-# weight gradient is made (or queued) before the gate/up half starts, which frees `dY`'s column layout, and when it is
-# made then, `h`'s saved FP8 rows go with it; within each half the rows and a weight copy made for this use go once
-# `dX` is computed, before the column pass; and `dh` and the saved `gate_up` go once both quantizations of the SwiGLU
-# gradient are made, before the gate/up weight gradient. Autograd keeps a node's saved tensors until its backward
-# returns, so the node empties those two in place (`_release`, the tensor left with no elements), as three nodes
-# would have freed them; a second backward through the same graph (`retain_graph=True`) then stops with an error
-# instead of reading freed memory. engine/37 counts the moments that are left (`fp8_backward_bytes`).
+# The split is where the memory goes. Autograd holds a node's incoming gradient and its saved tensors until its
+# backward returns; as two nodes, the down half's `dY` (as wide as the model, one row per routed row: the largest
+# tensor of the backward) and its `h` rows are gone before the gate/up half starts, as bf16's separate nodes free
+# them. Within each half the rows and a weight copy made for this use go once `dX` is computed, before the column
+# pass. The gate/up half's incoming `dh` and its saved `gate_up` are read last by the two quantizations of the
+# SwiGLU gradient, so the node empties both in place then (`_release`, the tensor left with no elements), before
+# the gate/up weight gradient; a second backward through the same graph (`retain_graph=True`) then stops with an
+# error instead of reading freed memory. engine/37 counts the moments (`fp8_backward_bytes`).
 #
 # GPT-OSS's experts (biases, a clamped SwiGLU on interleaved columns) call the layers one by one.
 
 # %%
 #| export
-class _Fp8SwiGLUExperts(torch.autograd.Function):
+class _Fp8GateUp(torch.autograd.Function):
+    "The experts' first half: `x` to `gate_up`, saved for SwiGLU, and a stand-in for `h` that carries `dh` back."
     @staticmethod
-    def forward(ctx, x, w1, w2, counts, wgrad_queue, weight1, weight2, rows):
-        keep1, keep2 = ctx.needs_input_grad[1:3]
-        gate_up, xs = _triton_forward(x, counts, keep1, weight1, rows)
-        y, hs = _triton_forward(gate_up, counts, keep2, weight2, rows, act="swiglu")
-        ctx.queue, ctx.weights, ctx.keep, ctx.rows = wgrad_queue, (weight1, weight2), (keep1, keep2), rows
+    def forward(ctx, x, w1, counts, wgrad_queue, weight1, rows):
+        keep = ctx.needs_input_grad[1]
+        gate_up, xs = _triton_forward(x, counts, keep, weight1, rows)
+        ctx.queue, ctx.weight, ctx.keep, ctx.rows = wgrad_queue, weight1, keep, rows
         ctx.released = False
-        ctx.params = (w1, w2) if wgrad_queue is not None else (None, None)
-        ctx.save_for_backward(w1, w2, counts, gate_up, *xs, *hs)
+        ctx.param = w1 if wgrad_queue is not None else None
+        ctx.save_for_backward(w1, counts, gate_up, *xs)
+        ctx.mark_non_differentiable(gate_up)
+        ctx.set_materialize_grads(False)
+        return gate_up, gate_up.new_zeros(()).expand(gate_up.shape[0], gate_up.shape[1] // 2)   # h's shape, no bytes
+
+    @staticmethod
+    def backward(ctx, _, dh):
+        if ctx.released:
+            raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
+                               "the same graph (retain_graph=True) is not supported; run the forward again")
+        w1, counts, gate_up, *xs = ctx.saved_tensors
+        dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, ctx.needs_input_grad[0], ctx.keep, ctx.weight,
+                                      ctx.rows, "swiglu_grad", dh)
+        _release(dh, gate_up)        # both quantizations of the SwiGLU gradient are made: they were the last readers
+        ctx.released = True
+        return dx, deliver_wgrad(ctx.queue, ctx.param, wgrad1), None, None, None, None
+
+
+class _Fp8SwiGLUDown(torch.autograd.Function):
+    "The second half: SwiGLU of `gate_up` quantized in one pass, then the down projection; `dh` goes to the stand-in."
+    @staticmethod
+    def forward(ctx, gate_up, h, w2, counts, wgrad_queue, weight2, rows):
+        keep = ctx.needs_input_grad[2]
+        y, hs = _triton_forward(gate_up, counts, keep, weight2, rows, act="swiglu")
+        ctx.queue, ctx.weight, ctx.keep, ctx.rows = wgrad_queue, weight2, keep, rows
+        ctx.param = w2 if wgrad_queue is not None else None
+        ctx.save_for_backward(w2, counts, *hs)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        if ctx.released:
-            raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
-                               "the same graph (retain_graph=True) is not supported; run the forward again")
-        w1, w2, counts, gate_up, *saved = ctx.saved_tensors
-        (keep1, keep2), (weight1, weight2), need_dx, rows = ctx.keep, ctx.weights, ctx.needs_input_grad[0], ctx.rows
-        xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
-        dy = dy.contiguous()
-        dh, wgrad2 = _triton_backward(dy, w2, counts, hs, True, keep2, weight2, rows)
-        dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)   # made now (freeing dY's columns) or queued for W
-        del wgrad2
-        if ctx.queue is None:                                   # h's FP8 rows served dW2: none of them is read again
-            _release(*hs)
-        dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, need_dx, keep1, weight1, rows, "swiglu_grad", dh)
-        del dh                                                  # both quantizations of the SwiGLU gradient are made
-        _release(gate_up)                                       # and they were its last readers
-        ctx.released = True
-        dw1 = deliver_wgrad(ctx.queue, ctx.params[0], wgrad1)
-        return dx, dw1, dw2, None, None, None, None, None
+        w2, counts, *hs = ctx.saved_tensors
+        dh, wgrad2 = _triton_backward(dy.contiguous(), w2, counts, hs, ctx.needs_input_grad[1], ctx.keep, ctx.weight,
+                                      ctx.rows)
+        return None, dh, deliver_wgrad(ctx.queue, ctx.param, wgrad2), None, None, None, None
 
 
 def _release(*tensors: Tensor) -> None:
-    """Free the memory of tensors the node saved, now: autograd holds them until the node's backward returns, so
-    dropping the name is not enough. Each is left with no elements (the node refuses a second backward, `released`)."""
+    """Free the memory of tensors a node saved or received, now: autograd holds them until the node's backward returns,
+    so dropping the name is not enough. Each is left with no elements (the node refuses a second backward,
+    `released`)."""
     for t in tensors:
         t.data = t.new_empty(0)
 
@@ -1525,8 +1544,9 @@ def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Ten
     if impl == "torch":
         h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up, scaling), impl="torch")
         return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down, scaling)
-    return _Fp8SwiGLUExperts.apply(x, w_gate_up, w_down, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up),
-                                   weight_down or _own_weight(w_down), scaling == "rows")
+    rows = scaling == "rows"
+    gate_up, h = _Fp8GateUp.apply(x, w_gate_up, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up), rows)
+    return _Fp8SwiGLUDown.apply(gate_up, h, w_down, counts, wgrad_queue, weight_down or _own_weight(w_down), rows)
 
 # %% [markdown]
 # The fused passes quantize exactly what the unfused ones do: in fp32 (under the interpreter, or in fp32 on a GPU)
@@ -1585,17 +1605,25 @@ def check_fused_experts(counts, n_in, inter, extra, seed, scaling="block"):
 check_fused_experts([70, 0, 1, 131], 160, 72, 3, seed=10)
 check_fused_experts([70, 0, 1, 131], 160, 72, 3, seed=10, scaling="rows")
 
-# The saved `gate_up` and `h`'s rows are emptied by the backward (not `h`'s when dW2 waits in a queue, whose closure
-# reads them), a second backward says what to do, and a node with no rows at all runs.
+# The down half's incoming `dY` is freed before the gate/up half runs (a product's backward makes it, as the
+# experts' reduce does in the model); the gate/up half empties its saved `gate_up`, a second backward says what to
+# do, and a node with no rows at all runs.
 for queue in (None, WeightGradQueue()):
     x, w1, w2, dy = randn(11, (40, 128), (2, 64, 128), (2, 128, 32), (40, 128))
     x, w1, w2 = x.requires_grad_(), w1.requires_grad_(), w2.requires_grad_()
     y = fp8_swiglu_experts(x, w1, w2, torch.tensor([30, 10]), queue, impl="triton", scaling="rows")
-    gate_up, hq = y.grad_fn.saved_tensors[3], y.grad_fn.saved_tensors[-2]
-    y.backward(dy, retain_graph=True)
-    assert gate_up.numel() == 0 and (hq.numel() == 0) == (queue is None) and x.grad.shape == x.shape
+    up = y.grad_fn.next_functions[1][0]                   # the gate/up half, through the stand-in for h
+    gate_up, seen = up.saved_tensors[2], {}
+    y.register_hook(lambda g: seen.update(dy=StorageWeakRef(g.untyped_storage())))
+
+    def before_up(grads):   # the interpreter leaves a launch's arguments in reference cycles: collect them first
+        gc.collect()
+        seen["freed"] = seen["dy"].expired()
+    up.register_prehook(before_up)
+    (2 * y).backward(dy, retain_graph=True)
+    assert seen["freed"] and gate_up.numel() == 0 and x.grad.shape == x.shape
     try:
-        y.backward(dy)
+        (2 * y).backward(dy)
     except RuntimeError as e:
         assert "retain_graph=True" in str(e), e
     else:

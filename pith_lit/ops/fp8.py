@@ -764,43 +764,56 @@ def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | Non
     return impl
 
 # %% ../../nbs/ops/15_fp8.ipynb #bfe52a85
-class _Fp8SwiGLUExperts(torch.autograd.Function):
+class _Fp8GateUp(torch.autograd.Function):
+    "The experts' first half: `x` to `gate_up`, saved for SwiGLU, and a stand-in for `h` that carries `dh` back."
     @staticmethod
-    def forward(ctx, x, w1, w2, counts, wgrad_queue, weight1, weight2, rows):
-        keep1, keep2 = ctx.needs_input_grad[1:3]
-        gate_up, xs = _triton_forward(x, counts, keep1, weight1, rows)
-        y, hs = _triton_forward(gate_up, counts, keep2, weight2, rows, act="swiglu")
-        ctx.queue, ctx.weights, ctx.keep, ctx.rows = wgrad_queue, (weight1, weight2), (keep1, keep2), rows
+    def forward(ctx, x, w1, counts, wgrad_queue, weight1, rows):
+        keep = ctx.needs_input_grad[1]
+        gate_up, xs = _triton_forward(x, counts, keep, weight1, rows)
+        ctx.queue, ctx.weight, ctx.keep, ctx.rows = wgrad_queue, weight1, keep, rows
         ctx.released = False
-        ctx.params = (w1, w2) if wgrad_queue is not None else (None, None)
-        ctx.save_for_backward(w1, w2, counts, gate_up, *xs, *hs)
+        ctx.param = w1 if wgrad_queue is not None else None
+        ctx.save_for_backward(w1, counts, gate_up, *xs)
+        ctx.mark_non_differentiable(gate_up)
+        ctx.set_materialize_grads(False)
+        return gate_up, gate_up.new_zeros(()).expand(gate_up.shape[0], gate_up.shape[1] // 2)   # h's shape, no bytes
+
+    @staticmethod
+    def backward(ctx, _, dh):
+        if ctx.released:
+            raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
+                               "the same graph (retain_graph=True) is not supported; run the forward again")
+        w1, counts, gate_up, *xs = ctx.saved_tensors
+        dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, ctx.needs_input_grad[0], ctx.keep, ctx.weight,
+                                      ctx.rows, "swiglu_grad", dh)
+        _release(dh, gate_up)        # both quantizations of the SwiGLU gradient are made: they were the last readers
+        ctx.released = True
+        return dx, deliver_wgrad(ctx.queue, ctx.param, wgrad1), None, None, None, None
+
+
+class _Fp8SwiGLUDown(torch.autograd.Function):
+    "The second half: SwiGLU of `gate_up` quantized in one pass, then the down projection; `dh` goes to the stand-in."
+    @staticmethod
+    def forward(ctx, gate_up, h, w2, counts, wgrad_queue, weight2, rows):
+        keep = ctx.needs_input_grad[2]
+        y, hs = _triton_forward(gate_up, counts, keep, weight2, rows, act="swiglu")
+        ctx.queue, ctx.weight, ctx.keep, ctx.rows = wgrad_queue, weight2, keep, rows
+        ctx.param = w2 if wgrad_queue is not None else None
+        ctx.save_for_backward(w2, counts, *hs)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        if ctx.released:
-            raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
-                               "the same graph (retain_graph=True) is not supported; run the forward again")
-        w1, w2, counts, gate_up, *saved = ctx.saved_tensors
-        (keep1, keep2), (weight1, weight2), need_dx, rows = ctx.keep, ctx.weights, ctx.needs_input_grad[0], ctx.rows
-        xs, hs = (saved[:2], saved[2:]) if keep1 else ((), saved)
-        dy = dy.contiguous()
-        dh, wgrad2 = _triton_backward(dy, w2, counts, hs, True, keep2, weight2, rows)
-        dw2 = deliver_wgrad(ctx.queue, ctx.params[1], wgrad2)   # made now (freeing dY's columns) or queued for W
-        del wgrad2
-        if ctx.queue is None:                                   # h's FP8 rows served dW2: none of them is read again
-            _release(*hs)
-        dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, need_dx, keep1, weight1, rows, "swiglu_grad", dh)
-        del dh                                                  # both quantizations of the SwiGLU gradient are made
-        _release(gate_up)                                       # and they were its last readers
-        ctx.released = True
-        dw1 = deliver_wgrad(ctx.queue, ctx.params[0], wgrad1)
-        return dx, dw1, dw2, None, None, None, None, None
+        w2, counts, *hs = ctx.saved_tensors
+        dh, wgrad2 = _triton_backward(dy.contiguous(), w2, counts, hs, ctx.needs_input_grad[1], ctx.keep, ctx.weight,
+                                      ctx.rows)
+        return None, dh, deliver_wgrad(ctx.queue, ctx.param, wgrad2), None, None, None, None
 
 
 def _release(*tensors: Tensor) -> None:
-    """Free the memory of tensors the node saved, now: autograd holds them until the node's backward returns, so
-    dropping the name is not enough. Each is left with no elements (the node refuses a second backward, `released`)."""
+    """Free the memory of tensors a node saved or received, now: autograd holds them until the node's backward returns,
+    so dropping the name is not enough. Each is left with no elements (the node refuses a second backward,
+    `released`)."""
     for t in tensors:
         t.data = t.new_empty(0)
 
@@ -818,8 +831,9 @@ def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Ten
     if impl == "torch":
         h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up, scaling), impl="torch")
         return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down, scaling)
-    return _Fp8SwiGLUExperts.apply(x, w_gate_up, w_down, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up),
-                                   weight_down or _own_weight(w_down), scaling == "rows")
+    rows = scaling == "rows"
+    gate_up, h = _Fp8GateUp.apply(x, w_gate_up, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up), rows)
+    return _Fp8SwiGLUDown.apply(gate_up, h, w_down, counts, wgrad_queue, weight_down or _own_weight(w_down), rows)
 
 # %% ../../nbs/ops/15_fp8.ipynb #7005f562
 def _single(x: Tensor) -> Tensor:
