@@ -335,7 +335,7 @@ class _Walk:
             E, k, inter = _moe_shape(self.c)
             rows = self.T * k * (w.ep if w.sync_free else 1)
             experts = [u for u in self.layer_units.get(key, []) if u.experts]
-            if w.fp8:   # one node: both weight gradients at once, unless W makes them
+            if w.fp8:   # two nodes, both weight gradients made within them unless W makes them
                 grads = 0 if zero_bubble or not experts else experts[0].numel * w.compute_bytes
                 transient = fp8_backward_bytes(rows, E // w.ep, self.c.hidden_size, inter, w.compute_bytes, grads,
                                                self._fp8_copy(key))
