@@ -1465,13 +1465,13 @@ for bad, msg in [
 # two layers and SwiGLU apart.
 #
 # The split is where the memory goes. Autograd holds a node's incoming gradient and its saved tensors until its
-# backward returns; as two nodes, the down half's `dY` (as wide as the model, one row per routed row: the largest
-# tensor of the backward) and its `h` rows are gone before the gate/up half starts, as bf16's separate nodes free
-# them. Within each half the rows and a weight copy made for this use go once `dX` is computed, before the column
-# pass. The gate/up half's incoming `dh` and its saved `gate_up` are read last by the two quantizations of the
-# SwiGLU gradient, so the node empties both in place then (`_release`, the tensor left with no elements), before
-# the gate/up weight gradient; a second backward through the same graph (`retain_graph=True`) then stops with an
-# error instead of reading freed memory. engine/37 counts the moments (`fp8_backward_bytes`).
+# backward returns; as two nodes, the down half's `dY` (as wide as the model, one row per routed row) and its `h` rows
+# are gone before the gate/up half starts, as bf16's separate nodes free them. Within each half the rows and a weight
+# copy made for this use go once `dX` is computed, before the column pass. The gate/up half's incoming `dh` and its
+# saved `gate_up` are read last by the two quantizations of the SwiGLU gradient, so the node empties both in place
+# then (`_release`, the tensor left with no elements), before the gate/up weight gradient; a second backward through
+# the same graph (`retain_graph=True`) then stops with an error instead of reading freed memory. engine/37 counts the
+# moments (`fp8_backward_bytes`).
 #
 # GPT-OSS's experts (biases, a clamped SwiGLU on interleaved columns) call the layers one by one.
 
