@@ -523,7 +523,7 @@ def fp8_backward_bytes(rows: int, E: int, H: int, inter: int, b: int, weight_gra
     down = dh + max(copy / 2 + rows * H, cols * H + dw_down)
     left = dw_down if weight_grads else cols * H            # the down half's weight gradient, or dy's columns for W
     h_rows = inter * cols if weight_grads else 0            # h's saved FP8 rows, freed with the down half (not for W)
-    gone = dx + h_rows                                      # dy (as large as dx), gone with the down half's node
+    gone = rows * H * b + h_rows                            # dy and h's rows, gone with the down half's node
     up = dh + left + dx + max(copy + 2 * inter * rows, cols * 2 * inter) - gone
     end = left + dx + cols * 2 * inter + weight_grads - dw_down - gone - rows * 2 * inter * b   # gate_up emptied
     return max(down, up, end)
