@@ -73,6 +73,7 @@ from pith_lit.ops.swiglu import swiglu, swiglu_grad_tiles, swiglu_tile
 import gc
 import os
 import time
+from contextlib import contextmanager
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -834,7 +835,8 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 @triton.jit
 def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr, amax_ptr, row_offs_ptr,
                        tile_offs_ptr, M, K, E, LDT, MULT: tl.constexpr, RMULT: tl.constexpr, AMAX: tl.constexpr,
-                       TRANS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr):
+                       ROWS: tl.constexpr, TRANS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr,
+                       BM: tl.constexpr):
     t = tl.program_id(0)
     e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
     if e >= E:
@@ -866,7 +868,8 @@ def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr,
         if MULT:
             x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
         q = _to_e4m3(x * inv[:, None])
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+        if ROWS:
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
         if TRANS:                                  # rows past the expert's end are zeros: the tile's padding
             tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * BM + tl.arange(0, BM))[:, None], q,
                      mask=col_ok[None, :])
@@ -889,7 +892,7 @@ def _expert_max_kernel(tile_max_ptr, amax_ptr, tile_offs_ptr, K, TILES: tl.const
 
 class Fp8Rows(NamedTuple):
     "An activation quantized one scale per row; when asked, the same values transposed, and its columns' maxima."
-    q: Tensor                # (M, K) e4m3
+    q: Tensor | None         # (M, K) e4m3
     s: Tensor                # (M,) fp32
     col_amax: Tensor | None  # (E, K) fp32: max |x · row_mult| of each column over each expert's rows (before `mult`)
     qt: Tensor | None        # (K, 128·T) e4m3: q transposed in tiles of 128 tokens per expert, zero-padded
@@ -901,11 +904,12 @@ ROWS_WARPS = 4    # warps per program (benchmarks/fp8_rows.py --parts rowsweep t
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
                   mult: Tensor | None = None, col_amax: bool = False, row_mult: Tensor | None = None,
-                  trans: bool = False) -> Fp8Rows:
+                  trans: bool = False, rows: bool = True) -> Fp8Rows:
     """Quantize `x (M, K)` (or `act` of it, as in `quantize_act`) one power-of-two scale per row over all of K.
     `mult (E, K)`: quantize `x[m, k] · mult[e, k]` for the expert e of row m. `col_amax`: also return each column's
     max |x[m, k] · row_mult[m]| (`row_mult (M,)`, or 1) over each expert's rows. `trans`: also return the FP8 values
-    transposed, in `quantize_act`'s column layout. Rows past `counts`' sum are not quantized."""
+    transposed, in `quantize_act`'s column layout; `rows=False` (with `trans`): return only those and the scales,
+    for a weight gradient that reads no rows. Rows past `counts`' sum are not quantized."""
     x, dh, M, K = _act_input(x, act, dh)
     counts = x.new_full((1,), M, dtype=torch.int64) if counts is None else counts
     E, T128 = counts.numel(), _max_tiles(M, counts.numel(), 128)
@@ -915,7 +919,9 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
     if row_mult is not None and (row_mult.shape != (M,) or row_mult.dtype != torch.float32 or not col_amax):
         raise ValueError(f"row_mult must be fp32 ({M},) and comes with col_amax, got {tuple(row_mult.shape)} "
                          f"{row_mult.dtype}, col_amax={col_amax}")
-    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    if not (rows or trans):
+        raise ValueError("quantize_rows writes its rows, their transpose (trans=True) or both; rows=False needs trans")
+    q = torch.empty(M, K, dtype=FP8, device=x.device) if rows else None
     s = torch.empty(M, dtype=torch.float32, device=x.device)
     qt = torch.empty(K, 128 * T128, dtype=FP8, device=x.device) if trans else None
     tile_max = torch.empty(T, K, dtype=torch.float32, device=x.device) if col_amax else None
@@ -923,10 +929,11 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
     tile_offs = tile_offs * (128 // ROWS_BM)   # each expert's 128-row tiles, split: a tile never holds two experts
     if T > 0 and K > 0:
         _quant_rows_kernel[(T,)](x, x if dh is None else dh, s if mult is None else mult.contiguous(),
-                                 s if row_mult is None else row_mult.contiguous(), q, s, q if qt is None else qt,
-                                 s if tile_max is None else tile_max, row_offs, tile_offs, M, K, E, 128 * T128,
-                                 MULT=mult is not None, RMULT=row_mult is not None, AMAX=col_amax, TRANS=trans,
-                                 E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM, num_warps=ROWS_WARPS)
+                                 s if row_mult is None else row_mult.contiguous(), qt if q is None else q, s,
+                                 q if qt is None else qt, s if tile_max is None else tile_max, row_offs, tile_offs,
+                                 M, K, E, 128 * T128, MULT=mult is not None, RMULT=row_mult is not None,
+                                 AMAX=col_amax, ROWS=rows, TRANS=trans, E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM,
+                                 num_warps=ROWS_WARPS)
     amax = None
     if col_amax:                               # each tile's column maxima, reduced per expert
         amax = torch.empty(E, K, dtype=torch.float32, device=x.device)
@@ -1000,7 +1007,8 @@ ROW_WGRAD = GemmConfig(128, 256, 128, 8, 3, promote=None)    # fp8_grouped_wgrad
 
 # %% [markdown]
 # Checks against plain torch in float64: the row quantization (`quantize_ref` with one block per row) bit for
-# bit, with a multiplier and through both SwiGLU activations, and its transpose with the padding zero; the column
+# bit, with a multiplier and through both SwiGLU activations, and its transpose with the padding zero (alone too,
+# without the rows); the column
 # maxima per expert, with and without a row multiplier; the column pass with those maxima against each expert's rows
 # quantized one block per column; the weights both ways, from a weight stored transposed too; then the two GEMMs
 # against their float64 references, with an empty expert, a one-row expert and rows past the last expert.
@@ -1033,6 +1041,9 @@ def check_rows(counts, M, K, seed):
                 if b > a:
                     qe, _ = quantize_ref(scaled[a:b], (b - a, 1))
                     assert torch.equal(c.qt[:, cols][:, :b - a].float(), qe.float().T), (act, e)
+    t = quantize_rows(x, counts, trans=True, rows=False)                 # the transpose alone: the same values
+    r, used = quantize_rows(x, counts, trans=True), slice(0, 128 * tile[-1])
+    assert t.q is None and torch.equal(t.qt[:, used].float(), r.qt[:, used].float()) and torch.equal(t.s[:n], r.s[:n])
     r = quantize_rows(x, counts, mult=mult)
     q, s = quantize_ref(x[:n] * mult[expert], (1, K))
     assert torch.equal(r.q[:n].float(), q.float()) and torch.equal(r.s[:n], s[:, 0])
@@ -1692,7 +1703,7 @@ def _stacked(weights: list[Tensor]) -> Tensor:
 def _input_cols(x: Tensor, counts: Tensor, rows: bool) -> tuple:
     "What the weight gradient reads of the layer's input, as `_triton_forward` keeps it."
     if rows:
-        a = quantize_rows(x, counts, trans=True)
+        a = quantize_rows(x, counts, trans=True, rows=False)
         return a.qt, a.s
     a = quantize_act(x, counts, rows=False, cols=True)
     return a.qt, a.st
@@ -1849,6 +1860,159 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 #
 # `train.fp8_scaling` chooses between the two recipes; benchmarks/RESULTS.md has the figures for all of the above,
 # both recipes against bf16 end to end, and their loss curves (`nbs/validate/v05_fp8`).
+
+# %% [markdown]
+# ## Passes over memory, layer by layer
+#
+# What FP8 adds to a layer is the passes that read an operand in bf16 and write it in E4M3, and what fusion takes
+# away is passes. The table below counts them for the three FP8 layers, per row that runs through the layer (a
+# routed row for the experts, a token for a dense projection), in bytes of values read and written: bf16 is 2 bytes,
+# E4M3 1, and the fp32 scales and maxima (one per row or column, under 1% of the values) are left out. The experts
+# are shown three ways: in bf16, where the only passes are SwiGLU's and its gradient's (ops/14's kernels); in FP8
+# with SwiGLU computed apart (each FP8 projection fed by a bf16 `h` or `dgate_up`, as the layers composed by hand
+# run), which is how the experts ran before SwiGLU moved into the quantization passes; and in FP8 as
+# `fp8_swiglu_experts` runs now. The weights' passes are counted per weight element and step: with one micro-batch
+# a step each weight is read twice (its forward layout made in the forward, its transposed one in the backward),
+# with several it is read once for both layouts (ops/18's step copies).
+#
+# The cell after the table runs each FP8 layer under a counter that records every quantization pass it launches,
+# in order, with the bytes of values passed in and out, and checks both against the table, at a shape where the
+# column layouts need no padding tiles (one expert, rows a multiple of 128).
+
+# %%
+QUANT_PASSES = ("quantize_rows", "quantize_act", "quantize_weight_rows")
+
+
+def _value_bytes(obj) -> int:
+    "Bytes of the bf16 and E4M3 tensors in obj (a tensor, or a tuple or list of them); scales and counts excluded."
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size() if obj.element_size() <= 2 else 0
+    return sum(_value_bytes(o) for o in obj) if isinstance(obj, (tuple, list)) else 0
+
+
+@contextmanager
+def counting_passes():
+    "Within, every call of a quantization pass this notebook defines appends (name, act, bytes in, bytes out)."
+    log, names, g = [], QUANT_PASSES, globals()
+    saved = {n: g[n] for n in names}
+
+    def counted(name, f):
+        def run(*args, **kwargs):
+            out = f(*args, **kwargs)
+            log.append((name, kwargs.get("act"), _value_bytes(list(args) + list(kwargs.values())), _value_bytes(out)))
+            return out
+        return run
+
+    g.update({n: counted(n, f) for n, f in saved.items()})
+    try:
+        yield log
+    finally:
+        g.update(saved)
+
+
+# Each pass: (what it passes over, the function that runs it or None for ops/14's SwiGLU kernels, its act, bytes
+# read and bytes written per row, each as (a, b) for a·H + b·I: the experts' hidden and expert widths, or a
+# dense projection's input and output widths)
+EXPERT_PASSES = {
+    "bf16": [
+        ("SwiGLU", None, None, (0, 4), (0, 2)),
+        ("SwiGLU's gradient", None, None, (0, 6), (0, 4))],
+    "FP8, SwiGLU apart": [
+        ("x: rows and their transpose", "quantize_rows", None, (2, 0), (2, 0)),
+        ("SwiGLU", None, None, (0, 4), (0, 2)),
+        ("h: rows and their transpose", "quantize_rows", None, (0, 2), (0, 2)),
+        ("dY ⊙ s_W2: rows, column maxima", "quantize_rows", None, (2, 0), (1, 0)),
+        ("dY ⊙ s_h: columns", "quantize_act", None, (2, 0), (1, 0)),
+        ("SwiGLU's gradient", None, None, (0, 6), (0, 4)),
+        ("dgate_up ⊙ s_W1: rows, column maxima", "quantize_rows", None, (0, 4), (0, 2)),
+        ("dgate_up ⊙ s_x: columns", "quantize_act", None, (0, 4), (0, 2))],
+    "FP8, SwiGLU inside": [
+        ("x: rows and their transpose", "quantize_rows", None, (2, 0), (2, 0)),
+        ("SwiGLU: rows and their transpose", "quantize_rows", "swiglu", (0, 4), (0, 2)),
+        ("dY ⊙ s_W2: rows, column maxima", "quantize_rows", None, (2, 0), (1, 0)),
+        ("dY ⊙ s_h: columns", "quantize_act", None, (2, 0), (1, 0)),
+        ("SwiGLU's gradient ⊙ s_W1: rows, column maxima", "quantize_rows", "swiglu_grad", (0, 6), (0, 2)),
+        ("SwiGLU's gradient ⊙ s_x: columns", "quantize_act", "swiglu_grad", (0, 6), (0, 2))]}
+DENSE_PASSES = [   # fp8_linear; bf16's F.linear has none
+    ("x: rows (forward)", "quantize_rows", None, (2, 0), (1, 0)),
+    ("x: the transpose alone, from the saved bf16 x (backward)", "quantize_rows", None, (2, 0), (1, 0)),
+    ("dY ⊙ s_W: rows, column maxima", "quantize_rows", None, (0, 2), (0, 1)),
+    ("dY ⊙ s_x: columns", "quantize_act", None, (0, 2), (0, 1))]
+WEIGHT_PASSES = {1: (2, 6), 4: (1, 4)}   # micro-batches a step: passes over a weight, bytes per element a step
+
+
+def row_bytes(coef, widths) -> int:
+    return coef[0] * widths[0] + coef[1] * widths[1]
+
+
+def per_row(passes, widths) -> tuple[int, int]:
+    "Passes, and bytes read and written per row."
+    return len(passes), sum(row_bytes(r, widths) + row_bytes(w, widths) for *_, r, w in passes)
+
+
+WIDTHS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3-235B-A22B": (4096, 1536), "DeepSeek-V3": (7168, 2048)}
+print(f"{'the expert MLP, per routed row':30s}" + "".join(f"{m:>22s}" for m in WIDTHS))
+for way, passes in EXPERT_PASSES.items():
+    cells = ["%d passes, %s B" % (n, format(b, ",")) for n, b in (per_row(passes, w) for w in WIDTHS.values())]
+    print(f"  {way:28s}" + "".join(f"{c:>22s}" for c in cells))
+for m, (n, b) in WEIGHT_PASSES.items():
+    print(f"  each expert weight, {m} micro-batch(es) a step: {n} pass(es), {b} B per element a step")
+print("a dense projection in FP8, per token (bf16: no passes)")
+for name, widths in {"235B's q, 4096 → 8192": (4096, 8192), "V3's o, 16384 → 7168": (16384, 7168)}.items():
+    n, b = per_row(DENSE_PASSES, widths)
+    print(f"  {name:28s}{n} passes, {b:,d} B; its weight: 2 passes, 6 B per element, each micro-batch")
+fused, apart = (per_row(EXPERT_PASSES[k], WIDTHS["Qwen3-30B-A3B"]) for k in ("FP8, SwiGLU inside", "FP8, SwiGLU apart"))
+assert fused[0] == apart[0] - 2 and fused[1] < apart[1]
+
+# %%
+def check_passes(expected, got, rows, widths):
+    "The passes a layer ran over `rows` rows (`counting_passes`' log) against a table's quantization passes."
+    want = [(f, act, rows * row_bytes(r, widths), rows * row_bytes(w, widths)) for _, f, act, r, w in expected
+            if f is not None]
+    assert [(n, a) for n, a, _, _ in got] == [(f, a) for f, a, _, _ in want], (got, want)
+    assert [(i, o) for _, _, i, o in got] == [(r, w) for _, _, r, w in want], (got, want)
+
+
+H, I, M = 128, 256, 256            # one expert, M a multiple of 128: the column layouts have no spare tiles
+counts = torch.tensor([M])
+x, w1, w2, dy = randn(14, (M, H), (1, 2 * I, H), (1, H, I), (M, H))
+x, dy, w1, w2 = (t.bfloat16() for t in (x, dy, w1 / 16, w2 / 16))
+for way, run in {"FP8, SwiGLU inside": lambda a, b, c: fp8_swiglu_experts(a, b, c, counts, impl="triton",
+                                                                          scaling="rows"),
+                 "FP8, SwiGLU apart": lambda a, b, c: fp8_grouped_linear(
+                     swiglu(fp8_grouped_linear(a, b, counts, impl="triton", scaling="rows"), impl="torch"), c,
+                     counts, impl="triton", scaling="rows")}.items():
+    xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
+    with counting_passes() as log:
+        run(xl, w1l, w2l).backward(dy)
+    weights = [p for p in log if p[0] == "quantize_weight_rows"]
+    assert [(i, o) for _, _, i, o in weights] == [(2 * w.numel(), w.numel()) for w in (w1, w2, w2, w1)], weights
+    check_passes(EXPERT_PASSES[way], [p for p in log if p[0] != "quantize_weight_rows"], M, (H, I))
+    print(f"{way}: {len(log) - len(weights)} quantization passes over activations and {len(weights)} over weights,"
+          " as the table has")
+
+K, N = 128, 384
+x, w, dy = (t.bfloat16() for t in randn(15, (M, K), (N, K), (M, N)))
+xl, wl = x.clone().requires_grad_(), (w / 16).clone().requires_grad_()
+with counting_passes() as log:
+    fp8_linear(xl, [wl], impl="triton").backward(dy)
+weights = [p for p in log if p[0] == "quantize_weight_rows"]
+assert [(i, o) for _, _, i, o in weights] == [(2 * w.numel(), w.numel())] * 2, weights
+check_passes(DENSE_PASSES, [p for p in log if p[0] != "quantize_weight_rows"], M, (K, N))
+print(f"fp8_linear: {len(log) - len(weights)} quantization passes over activations and {len(weights)} over weights, "
+      "as the table has")
+
+# %% [markdown]
+# Moving SwiGLU into the quantization passes took two passes and a bf16 `h` and `dgate_up` out of the experts; what
+# remains is one pass per FP8 operand. Two more could go into their producers, and are not done: an RMSNorm sees
+# whole rows, so it could write the FP8 rows and scale of its output beside (or, where every reader is FP8, instead
+# of) its bf16 output, taking the forward's `x` pass out of the projection after it; the attention kernel could do
+# the same for the o projection's input. Neither helps the backward's `x` pass, whose transposed layout the weight
+# gradient reads: its column scales need every token's value. A dense projection's gradient pass stays a pass of
+# its own under row scales: a row's scale needs the maximum of the whole row of `dY ⊙ s_W`, and the kernel that
+# produces `dY` (the next layer's input-gradient GEMM) writes each row in tiles from different programs. The
+# experts' `dY` comes from the backward of the dispatcher's combine, which handles whole rows and could quantize
+# them, but it runs on the engine's side of the layer protocol, for the same reason as the input's gather above.
 
 # %% [markdown]
 # ## On the GPU

@@ -450,7 +450,8 @@ def fp8_grouped_wgrad(qat: Tensor, sat: Tensor, qbt: Tensor, sbt: Tensor | None,
 @triton.jit
 def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr, amax_ptr, row_offs_ptr,
                        tile_offs_ptr, M, K, E, LDT, MULT: tl.constexpr, RMULT: tl.constexpr, AMAX: tl.constexpr,
-                       TRANS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr):
+                       ROWS: tl.constexpr, TRANS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr,
+                       BM: tl.constexpr):
     t = tl.program_id(0)
     e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
     if e >= E:
@@ -482,7 +483,8 @@ def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr,
         if MULT:
             x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
         q = _to_e4m3(x * inv[:, None])
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+        if ROWS:
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
         if TRANS:                                  # rows past the expert's end are zeros: the tile's padding
             tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * BM + tl.arange(0, BM))[:, None], q,
                      mask=col_ok[None, :])
@@ -505,7 +507,7 @@ def _expert_max_kernel(tile_max_ptr, amax_ptr, tile_offs_ptr, K, TILES: tl.const
 
 class Fp8Rows(NamedTuple):
     "An activation quantized one scale per row; when asked, the same values transposed, and its columns' maxima."
-    q: Tensor                # (M, K) e4m3
+    q: Tensor | None         # (M, K) e4m3
     s: Tensor                # (M,) fp32
     col_amax: Tensor | None  # (E, K) fp32: max |x · row_mult| of each column over each expert's rows (before `mult`)
     qt: Tensor | None        # (K, 128·T) e4m3: q transposed in tiles of 128 tokens per expert, zero-padded
@@ -517,11 +519,12 @@ ROWS_WARPS = 4    # warps per program (benchmarks/fp8_rows.py --parts rowsweep t
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
                   mult: Tensor | None = None, col_amax: bool = False, row_mult: Tensor | None = None,
-                  trans: bool = False) -> Fp8Rows:
+                  trans: bool = False, rows: bool = True) -> Fp8Rows:
     """Quantize `x (M, K)` (or `act` of it, as in `quantize_act`) one power-of-two scale per row over all of K.
     `mult (E, K)`: quantize `x[m, k] · mult[e, k]` for the expert e of row m. `col_amax`: also return each column's
     max |x[m, k] · row_mult[m]| (`row_mult (M,)`, or 1) over each expert's rows. `trans`: also return the FP8 values
-    transposed, in `quantize_act`'s column layout. Rows past `counts`' sum are not quantized."""
+    transposed, in `quantize_act`'s column layout; `rows=False` (with `trans`): return only those and the scales,
+    for a weight gradient that reads no rows. Rows past `counts`' sum are not quantized."""
     x, dh, M, K = _act_input(x, act, dh)
     counts = x.new_full((1,), M, dtype=torch.int64) if counts is None else counts
     E, T128 = counts.numel(), _max_tiles(M, counts.numel(), 128)
@@ -531,7 +534,9 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
     if row_mult is not None and (row_mult.shape != (M,) or row_mult.dtype != torch.float32 or not col_amax):
         raise ValueError(f"row_mult must be fp32 ({M},) and comes with col_amax, got {tuple(row_mult.shape)} "
                          f"{row_mult.dtype}, col_amax={col_amax}")
-    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    if not (rows or trans):
+        raise ValueError("quantize_rows writes its rows, their transpose (trans=True) or both; rows=False needs trans")
+    q = torch.empty(M, K, dtype=FP8, device=x.device) if rows else None
     s = torch.empty(M, dtype=torch.float32, device=x.device)
     qt = torch.empty(K, 128 * T128, dtype=FP8, device=x.device) if trans else None
     tile_max = torch.empty(T, K, dtype=torch.float32, device=x.device) if col_amax else None
@@ -539,10 +544,11 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
     tile_offs = tile_offs * (128 // ROWS_BM)   # each expert's 128-row tiles, split: a tile never holds two experts
     if T > 0 and K > 0:
         _quant_rows_kernel[(T,)](x, x if dh is None else dh, s if mult is None else mult.contiguous(),
-                                 s if row_mult is None else row_mult.contiguous(), q, s, q if qt is None else qt,
-                                 s if tile_max is None else tile_max, row_offs, tile_offs, M, K, E, 128 * T128,
-                                 MULT=mult is not None, RMULT=row_mult is not None, AMAX=col_amax, TRANS=trans,
-                                 E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM, num_warps=ROWS_WARPS)
+                                 s if row_mult is None else row_mult.contiguous(), qt if q is None else q, s,
+                                 q if qt is None else qt, s if tile_max is None else tile_max, row_offs, tile_offs,
+                                 M, K, E, 128 * T128, MULT=mult is not None, RMULT=row_mult is not None,
+                                 AMAX=col_amax, ROWS=rows, TRANS=trans, E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM,
+                                 num_warps=ROWS_WARPS)
     amax = None
     if col_amax:                               # each tile's column maxima, reduced per expert
         amax = torch.empty(E, K, dtype=torch.float32, device=x.device)
@@ -849,7 +855,7 @@ def _stacked(weights: list[Tensor]) -> Tensor:
 def _input_cols(x: Tensor, counts: Tensor, rows: bool) -> tuple:
     "What the weight gradient reads of the layer's input, as `_triton_forward` keeps it."
     if rows:
-        a = quantize_rows(x, counts, trans=True)
+        a = quantize_rows(x, counts, trans=True, rows=False)
         return a.qt, a.s
     a = quantize_act(x, counts, rows=False, cols=True)
     return a.qt, a.st
