@@ -1481,21 +1481,26 @@ for bad, msg in [
 # copy made for this use go once `dX` is computed, before the column pass. The gate/up half's incoming `dh` and its
 # saved `gate_up` are read last by the two quantizations of the SwiGLU gradient, so the node empties both in place
 # then (`_release`, the tensor left with no elements), before the gate/up weight gradient; a second backward through
-# the same graph (`retain_graph=True`) then stops with an error instead of reading freed memory. engine/37 counts the
+# the same graph (`retain_graph=True`) then stops with an error instead of reading freed memory, in the down half
+# before it adds a second weight gradient, since both halves share the flag. engine/37 counts the
 # moments (`fp8_backward_bytes`).
 #
 # GPT-OSS's experts (biases, a clamped SwiGLU on interleaved columns) call the layers one by one.
 
 # %%
 #| export
+_SECOND_BACKWARD = ("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through the "
+                    "same graph (retain_graph=True) is not supported; run the forward again")
+
+
 class _Fp8GateUp(torch.autograd.Function):
     "The experts' first half: `x` to `gate_up`, saved for SwiGLU, and a stand-in for `h` that carries `dh` back."
     @staticmethod
-    def forward(ctx, x, w1, counts, wgrad_queue, weight1, rows):
+    def forward(ctx, x, w1, counts, wgrad_queue, weight1, rows, released):
         keep = ctx.needs_input_grad[1]
         gate_up, xs = _triton_forward(x, counts, keep, weight1, rows)
         ctx.queue, ctx.weight, ctx.keep, ctx.rows = wgrad_queue, weight1, keep, rows
-        ctx.released = False
+        ctx.released = released                 # [False], shared with the down half, True once emptied
         ctx.param = w1 if wgrad_queue is not None else None
         ctx.save_for_backward(w1, counts, gate_up, *xs)
         ctx.mark_non_differentiable(gate_up)
@@ -1504,39 +1509,40 @@ class _Fp8GateUp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _, dh):
-        if ctx.released:
-            raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
-                               "the same graph (retain_graph=True) is not supported; run the forward again")
+        if ctx.released[0]:
+            raise RuntimeError(_SECOND_BACKWARD)
         w1, counts, gate_up, *xs = ctx.saved_tensors
         dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, ctx.needs_input_grad[0], ctx.keep, ctx.weight,
                                       ctx.rows, "swiglu_grad", dh)
         _release(dh, gate_up)        # both quantizations of the SwiGLU gradient are made: they were the last readers
-        ctx.released = True
-        return dx, deliver_wgrad(ctx.queue, ctx.param, wgrad1), None, None, None, None
+        ctx.released[0] = True
+        return dx, deliver_wgrad(ctx.queue, ctx.param, wgrad1), None, None, None, None, None
 
 
 class _Fp8SwiGLUDown(torch.autograd.Function):
     "The second half: SwiGLU of `gate_up` quantized in one pass, then the down projection; `dh` goes to the stand-in."
     @staticmethod
-    def forward(ctx, gate_up, h, w2, counts, wgrad_queue, weight2, rows):
+    def forward(ctx, gate_up, h, w2, counts, wgrad_queue, weight2, rows, released):
         keep = ctx.needs_input_grad[2]
         y, hs = _triton_forward(gate_up, counts, keep, weight2, rows, act="swiglu")
-        ctx.queue, ctx.weight, ctx.keep, ctx.rows = wgrad_queue, weight2, keep, rows
+        ctx.queue, ctx.weight, ctx.keep, ctx.rows, ctx.released = wgrad_queue, weight2, keep, rows, released
         ctx.param = w2 if wgrad_queue is not None else None
         ctx.save_for_backward(w2, counts, *hs)
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.released[0]:          # refused before this half adds a second weight gradient the other half cannot
+            raise RuntimeError(_SECOND_BACKWARD)
         w2, counts, *hs = ctx.saved_tensors
         dh, wgrad2 = _triton_backward(dy.contiguous(), w2, counts, hs, ctx.needs_input_grad[1], ctx.keep, ctx.weight,
                                       ctx.rows)
-        return None, dh, deliver_wgrad(ctx.queue, ctx.param, wgrad2), None, None, None, None
+        return None, dh, deliver_wgrad(ctx.queue, ctx.param, wgrad2), None, None, None, None, None
 
 
 def _release(*tensors: Tensor) -> None:
     """Free the memory of tensors a node saved or received, now: autograd holds them until the node's backward returns,
-    so dropping the name is not enough. Each is left with no elements (the node refuses a second backward,
+    so dropping the name is not enough. Each is left with no elements (both halves then refuse a second backward,
     `released`)."""
     for t in tensors:
         t.data = t.new_empty(0)
@@ -1555,9 +1561,11 @@ def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Ten
     if impl == "torch":
         h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up, scaling), impl="torch")
         return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down, scaling)
-    rows = scaling == "rows"
-    gate_up, h = _Fp8GateUp.apply(x, w_gate_up, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up), rows)
-    return _Fp8SwiGLUDown.apply(gate_up, h, w_down, counts, wgrad_queue, weight_down or _own_weight(w_down), rows)
+    rows, released = scaling == "rows", [False]
+    gate_up, h = _Fp8GateUp.apply(x, w_gate_up, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up), rows,
+                                  released)
+    return _Fp8SwiGLUDown.apply(gate_up, h, w_down, counts, wgrad_queue, weight_down or _own_weight(w_down), rows,
+                                released)
 
 # %% [markdown]
 # The fused passes quantize exactly what the unfused ones do: in fp32 (under the interpreter, or in fp32 on a GPU)
@@ -1633,12 +1641,14 @@ for queue in (None, WeightGradQueue()):
     up.register_prehook(before_up)
     (2 * y).backward(dy, retain_graph=True)
     assert seen["freed"] and gate_up.numel() == 0 and x.grad.shape == x.shape
+    before = (len(queue) if queue is not None else 0, None if w2.grad is None else w2.grad.clone())
     try:
         (2 * y).backward(dy)
     except RuntimeError as e:
         assert "retain_graph=True" in str(e), e
     else:
         raise AssertionError("a second backward through the released node ran")
+    assert len(queue or ()) == before[0] and (before[1] is None or torch.equal(w2.grad, before[1]))   # nothing added
     if queue is not None:
         queue.drain()
         assert w2.grad is not None and w2.grad.abs().sum() > 0

@@ -770,14 +770,18 @@ def _check_args(name: str, x: Tensor, w: Tensor, counts: Tensor, impl: str | Non
     return impl
 
 # %% ../../nbs/ops/15_fp8.ipynb #bfe52a85
+_SECOND_BACKWARD = ("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through the "
+                    "same graph (retain_graph=True) is not supported; run the forward again")
+
+
 class _Fp8GateUp(torch.autograd.Function):
     "The experts' first half: `x` to `gate_up`, saved for SwiGLU, and a stand-in for `h` that carries `dh` back."
     @staticmethod
-    def forward(ctx, x, w1, counts, wgrad_queue, weight1, rows):
+    def forward(ctx, x, w1, counts, wgrad_queue, weight1, rows, released):
         keep = ctx.needs_input_grad[1]
         gate_up, xs = _triton_forward(x, counts, keep, weight1, rows)
         ctx.queue, ctx.weight, ctx.keep, ctx.rows = wgrad_queue, weight1, keep, rows
-        ctx.released = False
+        ctx.released = released                 # [False], shared with the down half, True once emptied
         ctx.param = w1 if wgrad_queue is not None else None
         ctx.save_for_backward(w1, counts, gate_up, *xs)
         ctx.mark_non_differentiable(gate_up)
@@ -786,39 +790,40 @@ class _Fp8GateUp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _, dh):
-        if ctx.released:
-            raise RuntimeError("fp8_swiglu_experts frees what it saved as its backward goes: a second backward through "
-                               "the same graph (retain_graph=True) is not supported; run the forward again")
+        if ctx.released[0]:
+            raise RuntimeError(_SECOND_BACKWARD)
         w1, counts, gate_up, *xs = ctx.saved_tensors
         dx, wgrad1 = _triton_backward(gate_up, w1, counts, xs, ctx.needs_input_grad[0], ctx.keep, ctx.weight,
                                       ctx.rows, "swiglu_grad", dh)
         _release(dh, gate_up)        # both quantizations of the SwiGLU gradient are made: they were the last readers
-        ctx.released = True
-        return dx, deliver_wgrad(ctx.queue, ctx.param, wgrad1), None, None, None, None
+        ctx.released[0] = True
+        return dx, deliver_wgrad(ctx.queue, ctx.param, wgrad1), None, None, None, None, None
 
 
 class _Fp8SwiGLUDown(torch.autograd.Function):
     "The second half: SwiGLU of `gate_up` quantized in one pass, then the down projection; `dh` goes to the stand-in."
     @staticmethod
-    def forward(ctx, gate_up, h, w2, counts, wgrad_queue, weight2, rows):
+    def forward(ctx, gate_up, h, w2, counts, wgrad_queue, weight2, rows, released):
         keep = ctx.needs_input_grad[2]
         y, hs = _triton_forward(gate_up, counts, keep, weight2, rows, act="swiglu")
-        ctx.queue, ctx.weight, ctx.keep, ctx.rows = wgrad_queue, weight2, keep, rows
+        ctx.queue, ctx.weight, ctx.keep, ctx.rows, ctx.released = wgrad_queue, weight2, keep, rows, released
         ctx.param = w2 if wgrad_queue is not None else None
         ctx.save_for_backward(w2, counts, *hs)
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.released[0]:          # refused before this half adds a second weight gradient the other half cannot
+            raise RuntimeError(_SECOND_BACKWARD)
         w2, counts, *hs = ctx.saved_tensors
         dh, wgrad2 = _triton_backward(dy.contiguous(), w2, counts, hs, ctx.needs_input_grad[1], ctx.keep, ctx.weight,
                                       ctx.rows)
-        return None, dh, deliver_wgrad(ctx.queue, ctx.param, wgrad2), None, None, None, None
+        return None, dh, deliver_wgrad(ctx.queue, ctx.param, wgrad2), None, None, None, None, None
 
 
 def _release(*tensors: Tensor) -> None:
     """Free the memory of tensors a node saved or received, now: autograd holds them until the node's backward returns,
-    so dropping the name is not enough. Each is left with no elements (the node refuses a second backward,
+    so dropping the name is not enough. Each is left with no elements (both halves then refuse a second backward,
     `released`)."""
     for t in tensors:
         t.data = t.new_empty(0)
@@ -837,9 +842,11 @@ def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Ten
     if impl == "torch":
         h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up, scaling), impl="torch")
         return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down, scaling)
-    rows = scaling == "rows"
-    gate_up, h = _Fp8GateUp.apply(x, w_gate_up, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up), rows)
-    return _Fp8SwiGLUDown.apply(gate_up, h, w_down, counts, wgrad_queue, weight_down or _own_weight(w_down), rows)
+    rows, released = scaling == "rows", [False]
+    gate_up, h = _Fp8GateUp.apply(x, w_gate_up, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up), rows,
+                                  released)
+    return _Fp8SwiGLUDown.apply(gate_up, h, w_down, counts, wgrad_queue, weight_down or _own_weight(w_down), rows,
+                                released)
 
 # %% ../../nbs/ops/15_fp8.ipynb #7005f562
 def _single(x: Tensor) -> Tensor:
