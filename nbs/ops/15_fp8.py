@@ -1008,10 +1008,10 @@ ROW_WGRAD = GemmConfig(128, 256, 128, 8, 3, promote=None)    # fp8_grouped_wgrad
 # %% [markdown]
 # Checks against plain torch in float64: the row quantization (`quantize_ref` with one block per row) bit for
 # bit, with a multiplier and through both SwiGLU activations, and its transpose with the padding zero (alone too,
-# without the rows); the column
-# maxima per expert, with and without a row multiplier; the column pass with those maxima against each expert's rows
-# quantized one block per column; the weights both ways, from a weight stored transposed too; then the two GEMMs
-# against their float64 references, with an empty expert, a one-row expert and rows past the last expert.
+# without the rows); the column maxima per expert, with and without a row multiplier; the column pass with those
+# maxima against each expert's rows quantized one block per column; the weights both ways, from a weight stored
+# transposed too; then the two GEMMs against their float64 references, with an empty expert, a one-row expert and
+# rows past the last expert.
 
 # %%
 def check_rows(counts, M, K, seed):
@@ -1481,9 +1481,9 @@ for bad, msg in [
 # copy made for this use go once `dX` is computed, before the column pass. The gate/up half's incoming `dh` and its
 # saved `gate_up` are read last by the two quantizations of the SwiGLU gradient, so the node empties both in place
 # then (`_release`, the tensor left with no elements), before the gate/up weight gradient; a second backward through
-# the same graph (`retain_graph=True`) then stops with an error instead of reading freed memory, in the down half
-# before it adds a second weight gradient, since both halves share the flag. engine/37 counts the
-# moments (`fp8_backward_bytes`).
+# the same graph (`retain_graph=True`) then stops with an error instead of reading freed memory, already in the down
+# half, before it adds a second weight gradient, since both halves share the flag. engine/37 counts the moments
+# (`fp8_backward_bytes`).
 #
 # GPT-OSS's experts (biases, a clamped SwiGLU on interleaved columns) call the layers one by one.
 
