@@ -1874,18 +1874,17 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 # %% [markdown]
 # ## Passes over memory, layer by layer
 #
-# What FP8 adds to a layer is the passes that read an operand in bf16 and write it in E4M3, and what fusion takes
-# away is passes. The table below counts them for the three FP8 layers, per row that runs through the layer (a
-# routed row for the experts, a token for a dense projection), in bytes of values read and written: bf16 is 2 bytes,
-# E4M3 1. Left out are the fp32 scales (one per row or column, 0.1% of the bytes or less) and the column maxima
-# that the passes marked so write for each tile of 32 rows and then reduce per expert (an eighth of a byte per value,
-# written once and read once: about 8% on top of those passes' bytes). The experts
-# are shown three ways: in bf16, where the only passes are SwiGLU's and its gradient's (ops/14's kernels); in FP8
-# with SwiGLU computed apart (each FP8 projection fed by a bf16 `h` or `dgate_up`, as the layers composed by hand
-# run), which is how the experts ran before SwiGLU moved into the quantization passes; and in FP8 as
-# `fp8_swiglu_experts` runs now. The weights' passes are counted per weight element and step: with one micro-batch
-# a step each weight is read twice (its forward layout made in the forward, its transposed one in the backward),
-# with several it is read once for both layouts (ops/18's step copies).
+# What FP8 adds to a layer is the passes that read an operand in bf16 and write it in E4M3, and what fusion takes away
+# is passes. The table below counts them for each FP8 layer, per row that runs through the layer (a routed row
+# for the experts, a token for a dense projection), in bytes of values read and written: bf16 is 2 bytes, E4M3 1. Left
+# out are the fp32 scales (one per row or column, 0.1% of the bytes or less) and the column maxima that the passes
+# marked so write for each tile of 32 rows and then reduce per expert (an eighth of a byte per value, written once and
+# read once: about 8% on top of those passes' bytes). The experts are shown three ways: in bf16, where the only passes
+# are SwiGLU's and its gradient's (ops/14's kernels); in FP8 with SwiGLU computed apart (each FP8 projection fed by a
+# bf16 `h` or `dgate_up`, as the layers composed by hand run), which is how the experts ran before SwiGLU moved into
+# the quantization passes; and in FP8 as `fp8_swiglu_experts` runs now. The weights' passes are counted per weight
+# element and step: with one micro-batch a step each weight is read twice (its forward layout made in the forward, its
+# transposed one in the backward), with several it is read once for both layouts (ops/18's step copies).
 #
 # The cell after the table runs each FP8 layer under a counter that records every quantization pass it launches,
 # in order, with the bytes of values passed in and out, and checks both against the table, at a shape where the
