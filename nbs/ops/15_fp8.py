@@ -1875,16 +1875,16 @@ print(f"CPU checks done in {time.time() - T0:.1f} s")
 # ## Passes over memory, layer by layer
 #
 # What FP8 adds to a layer is the passes that read an operand in bf16 and write it in E4M3, and what fusion takes away
-# is passes. The table below counts them for each FP8 layer, per row that runs through the layer (a routed row
-# for the experts, a token for a dense projection), in bytes of values read and written: bf16 is 2 bytes, E4M3 1. Left
-# out are the fp32 scales (one per row or column, 0.1% of the bytes or less) and the column maxima that the passes
-# marked so write for each tile of 32 rows and then reduce per expert (an eighth of a byte per value, written once and
-# read once: about 8% on top of those passes' bytes). The experts are shown three ways: in bf16, where the only passes
-# are SwiGLU's and its gradient's (ops/14's kernels); in FP8 with SwiGLU computed apart (each FP8 projection fed by a
-# bf16 `h` or `dgate_up`, as the layers composed by hand run), which is how the experts ran before SwiGLU moved into
-# the quantization passes; and in FP8 as `fp8_swiglu_experts` runs now. The weights' passes are counted per weight
-# element and step: with one micro-batch a step each weight is read twice (its forward layout made in the forward, its
-# transposed one in the backward), with several it is read once for both layouts (ops/18's step copies).
+# is passes. The table below counts them for each FP8 layer, per row that runs through the layer (a routed row for the
+# experts, a token for a dense projection), in bytes of values read and written: bf16 is 2 bytes, E4M3 1. Left out are
+# the fp32 scales (one per row or column, 0.1% of the bytes or less) and the column maxima that the passes marked so
+# write for each tile of 32 rows and then reduce per expert (an eighth of a byte per value, written once and read
+# once: about 8% on top of those passes' bytes). The experts are shown three ways: in bf16, where the only passes are
+# SwiGLU's and its gradient's (ops/14's kernels); in FP8 with SwiGLU computed apart (each FP8 projection fed by a bf16
+# `h` or `dgate_up`, as the layers composed by hand run); and in FP8 as `fp8_swiglu_experts` runs, SwiGLU inside the
+# quantization passes. The weights' passes are counted per weight element and step: with one micro-batch a step each
+# weight is read twice (its forward layout made in the forward, its transposed one in the backward), with several it
+# is read once for both layouts (ops/18's step copies).
 #
 # The cell after the table runs each FP8 layer under a counter that records every quantization pass it launches,
 # in order, with the bytes of values passed in and out, and checks both against the table, at a shape where the
@@ -2014,16 +2014,17 @@ print(f"fp8_linear: {len(log) - len(weights)} quantization passes over activatio
       "as the table has")
 
 # %% [markdown]
-# Moving SwiGLU into the quantization passes took two passes and a bf16 `h` and `dgate_up` out of the experts; what
-# remains is one pass per FP8 operand. Two more could go into their producers, and are not done: an RMSNorm sees
-# whole rows, so it could write the FP8 rows and scale of its output beside (or, where every reader is FP8, instead
-# of) its bf16 output, taking the forward's `x` pass out of the projection after it; the attention kernel could do
-# the same for the o projection's input. Neither helps the backward's `x` pass, whose transposed layout the weight
-# gradient reads: its column scales need every token's value. A dense projection's gradient pass stays a pass of
-# its own under row scales: a row's scale needs the maximum of the whole row of `dY ⊙ s_W`, and the kernel that
-# produces `dY` (the next layer's input-gradient GEMM) writes each row in tiles from different programs. The
-# experts' `dY` comes from the backward of the dispatcher's combine, which handles whole rows and could quantize
-# them, but it runs on the engine's side of the layer protocol, for the same reason as the input's gather above.
+# With SwiGLU inside the quantization passes the experts make two passes fewer and write no bf16 `h` or
+# `dgate_up`; what remains is one pass for each FP8 input and two for each gradient (its rows, then its columns). Two
+# more could go into their producers, and are not done: an RMSNorm sees whole rows, so it could write the FP8 rows and
+# scale of its output beside (or, where every reader is FP8, instead of) its bf16 output, taking the forward's `x`
+# pass out of the projection after it; the attention kernel could do the same for the o projection's input. Neither
+# helps the backward's `x` pass, whose transposed layout the weight gradient reads: its column scales need every
+# token's value. A dense projection's gradient pass stays a pass of its own under row scales: a row's scale needs the
+# maximum of the whole row of `dY ⊙ s_W`, and the kernel that produces `dY` (the next layer's input-gradient GEMM)
+# writes each row in tiles from different programs. The experts' `dY` comes from the backward of the dispatcher's
+# combine, which handles whole rows and could quantize them, but it runs on the engine's side of the layer protocol,
+# for the same reason as the input's gather above.
 
 # %% [markdown]
 # ## On the GPU
