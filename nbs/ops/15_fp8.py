@@ -1493,15 +1493,19 @@ _SECOND_BACKWARD = ("fp8_swiglu_experts frees what it saved as its backward goes
                     "same graph (retain_graph=True) is not supported; run the forward again")
 
 
+def _keep_half(ctx, w, wgrad_queue, weight, keep, rows, released) -> None:
+    "What either half's backward reads besides its saved tensors; `released` is the flag the two halves share."
+    ctx.queue, ctx.weight, ctx.keep, ctx.rows, ctx.released = wgrad_queue, weight, keep, rows, released
+    ctx.param = w if wgrad_queue is not None else None     # the tensor a deferred closure back-propagates into
+
+
 class _Fp8GateUp(torch.autograd.Function):
     "The experts' first half: `x` to `gate_up`, saved for SwiGLU, and a stand-in for `h` that carries `dh` back."
     @staticmethod
     def forward(ctx, x, w1, counts, wgrad_queue, weight1, rows, released):
         keep = ctx.needs_input_grad[1]
         gate_up, xs = _triton_forward(x, counts, keep, weight1, rows)
-        ctx.queue, ctx.weight, ctx.keep, ctx.rows = wgrad_queue, weight1, keep, rows
-        ctx.released = released                 # [False], shared with the down half, True once emptied
-        ctx.param = w1 if wgrad_queue is not None else None
+        _keep_half(ctx, w1, wgrad_queue, weight1, keep, rows, released)
         ctx.save_for_backward(w1, counts, gate_up, *xs)
         ctx.mark_non_differentiable(gate_up)
         ctx.set_materialize_grads(False)
@@ -1525,8 +1529,7 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
     def forward(ctx, gate_up, h, w2, counts, wgrad_queue, weight2, rows, released):
         keep = ctx.needs_input_grad[2]
         y, hs = _triton_forward(gate_up, counts, keep, weight2, rows, act="swiglu")
-        ctx.queue, ctx.weight, ctx.keep, ctx.rows, ctx.released = wgrad_queue, weight2, keep, rows, released
-        ctx.param = w2 if wgrad_queue is not None else None
+        _keep_half(ctx, w2, wgrad_queue, weight2, keep, rows, released)
         ctx.save_for_backward(w2, counts, *hs)
         return y
 
@@ -1561,7 +1564,7 @@ def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Ten
     if impl == "torch":
         h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up, scaling), impl="torch")
         return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down, scaling)
-    rows, released = scaling == "rows", [False]
+    rows, released = scaling == "rows", [False]   # True once the gate/up half has emptied what it saved
     gate_up, h = _Fp8GateUp.apply(x, w_gate_up, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up), rows,
                                   released)
     return _Fp8SwiGLUDown.apply(gate_up, h, w_down, counts, wgrad_queue, weight_down or _own_weight(w_down), rows,
