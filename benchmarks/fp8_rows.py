@@ -93,7 +93,7 @@ def bench_gemms(name, shape, tokens):
         r, (qw, sw) = fp8.quantize_rows(x, counts, trans=True), fp8.quantize_weight_rows(w)
         qwt, _ = fp8.quantize_weight_rows(w, transposed=True)
         rg = fp8.quantize_rows(dy, counts, mult=sw, col_amax=True, row_mult=r.s)
-        gt, sg = fp8._group_cols(dy, counts, rg, r.s)          # columns of dY ⊙ s_X; B is X's FP8 rows transposed
+        gt, sg = fp8._group_cols(dy, counts, rg.col_amax, r.s)  # columns of dY ⊙ s_X; B is X's FP8 rows transposed
         d = lambda t: t.double()
         bounds = [0] + counts[:4].cumsum(0).tolist()
         ex_fwd = torch.cat([(d(r.q[a:b]) * d(r.s[a:b, None])) @ (d(qw[i]) * d(sw[i])[:, None]).T
@@ -168,7 +168,7 @@ def bench_quant(name, shape, tokens):
             (f"quantize_rows swiglu ({I})", lambda: fp8.quantize_rows(gate_up, counts, act="swiglu"), n * I * 5),
             (f"quantize_rows swiglu, trans ({I})", lambda: fp8.quantize_rows(gate_up, counts, act="swiglu", trans=True),
              n * I * 6),
-            (f"columns per expert x ({H})", lambda: fp8._group_cols(x, counts, r, s), n * H * 3),
+            (f"columns per expert x ({H})", lambda: fp8._group_cols(x, counts, r.col_amax, s), n * H * 3),
             (f"quantize_act rows+cols x ({H})", lambda: fp8.quantize_act(x, counts, cols=True), n * H * 4),
             ("quantize_weight_rows w1", lambda: fp8.quantize_weight_rows(w), w.numel() * 3),
             ("quantize_weight_rows w1 transposed", lambda: fp8.quantize_weight_rows(w, True), w.numel() * 3),
@@ -228,10 +228,10 @@ def bench_wgrad(name, shape, tokens):
         flops = 2 * dy.shape[0] * dy.shape[1] * b.shape[1]
         rb = fp8.quantize_rows(src, counts, act=act, col_amax=True, trans=True)
         rg = fp8.quantize_rows(dy, counts, col_amax=True)                       # both operands by columns
-        gc, sg = fp8._group_cols(dy, counts, rg, None)
-        bc, sb = fp8._group_cols(src, counts, rb, None, act=act)
+        gc, sg = fp8._group_cols(dy, counts, rg.col_amax, None)
+        bc, sb = fp8._group_cols(src, counts, rb.col_amax, None, act=act)
         rf = fp8.quantize_rows(dy, counts, col_amax=True, row_mult=rb.s)         # dY ⊙ s_B by columns, B's rows
-        fc, sf = fp8._group_cols(dy, counts, rf, rb.s)
+        fc, sf = fp8._group_cols(dy, counts, rf.col_amax, rb.s)
         cols = lambda qt, s, i: expert_cols(qt, counts, i) * (1 if s is None else d(s[i])[:, None])
         ways = {"columns of dY and B": (gc, sg, bc, sb), "columns of dY*s_B, B's rows": (fc, sf, rb.qt, None)}
         for way, ops in ways.items():
@@ -283,7 +283,7 @@ def bench_dense(name, d, tokens):
             _, sw = fp8.quantize_weight_rows(w, True)
             a = fp8.quantize_rows(x, counts, trans=True)
             r = fp8.quantize_rows(dy, counts, mult=sw, col_amax=True, row_mult=a.s)
-            fp8._group_cols(dy, counts, r, a.s)
+            fp8._group_cols(dy, counts, r.col_amax, a.s)
 
         with torch.no_grad():
             ref = torch.cat([F.linear(x, w) for w in ws], -1)
