@@ -104,17 +104,17 @@ def fp8_copies_kept(cfg: Config) -> bool:
 #
 # FP8's speed against bf16 depends on the model's width: the FP8 products gain in proportion to the matmuls, the
 # quantization passes cost in proportion to the activations and weights they read. `FP8_MEASURED` holds what one
-# H200 measured side by side (benchmarks/RESULTS.md, "FP8 end to end"); a run with `train.fp8` on a GPU whose model
+# GPU measured side by side with the default `train.fp8_dense_min` (benchmarks/RESULTS.md, "FP8 end to end"); a run with `train.fp8` on a GPU whose model
 # is nearest in hidden size to a width where FP8 was slower says so in one line at start-up (`fp8_note`), with
 # what was measured and the setting to change. It does not refuse: the loss and memory are the user's call too.
 
 # %%
 #| export
-# FP8 (row scales) tokens/s over bf16's, one H200, compiled, one micro-batch of 4 sequences per step, every dense
-# projection in FP8 (train.fp8_dense_min = 0): (hidden size, routed expert width, ratio, the run)
-FP8_MEASURED = ((2048, 768, 0.93, "the Qwen3-30B-A3B bench"),
-                (4096, 1536, 1.01, "Qwen3-235B-A22B's width, 3 layers"),
-                (7168, 2048, 1.02, "DeepSeek-V3's width, 3 layers"))
+# FP8 (row scales) tokens/s over bf16's in the same call, compiled, one micro-batch of 4 sequences per step, the
+# default 4096 gate on the dense projections: (hidden size, routed expert width, ratio, the run)
+FP8_MEASURED = ((2048, 768, 0.93, "the Qwen3-30B-A3B bench cut to 6 layers, one H100"),
+                (4096, 1536, 0.98, "Qwen3-235B-A22B's width, 2 layers, one H100"),
+                (7168, 2048, 1.01, "DeepSeek-V3's width, 2 layers, one H100"))
 
 
 def fp8_note(cfg: Config, device: torch.device) -> str | None:
@@ -126,8 +126,8 @@ def fp8_note(cfg: Config, device: torch.device) -> str | None:
     if ratio >= 1:
         return None
     return (f"pith_lit: train.fp8 = true is likely slower than bf16 here: at the nearest measured width (hidden {h}, "
-            f"experts {inter} wide; this model's hidden is {hidden}) FP8 ran at {ratio:.2f}× bf16's tokens/s on one "
-            f"H200 ({what}, benchmarks/RESULTS.md \"FP8 end to end\"); set train.fp8=false for speed")
+            f"experts {inter} wide; this model's hidden is {hidden}) FP8 ran at {ratio:.2f}× bf16's tokens/s "
+            f"({what}, benchmarks/RESULTS.md \"FP8 end to end\"); set train.fp8=false for speed")
 
 # %% [markdown]
 # The note reads only the device's type, so the check asks for it on a CPU too: FP8 on at the Qwen3 bench's width

@@ -60,11 +60,11 @@ def fp8_copies_kept(cfg: Config) -> bool:
     return cfg.num_micro_batches > 1
 
 # %% ../../nbs/train/45_trainer.ipynb #5dccb262
-# FP8 (row scales) tokens/s over bf16's, one H200, compiled, one micro-batch of 4 sequences per step, every dense
-# projection in FP8 (train.fp8_dense_min = 0): (hidden size, routed expert width, ratio, the run)
-FP8_MEASURED = ((2048, 768, 0.93, "the Qwen3-30B-A3B bench"),
-                (4096, 1536, 1.01, "Qwen3-235B-A22B's width, 3 layers"),
-                (7168, 2048, 1.02, "DeepSeek-V3's width, 3 layers"))
+# FP8 (row scales) tokens/s over bf16's in the same call, compiled, one micro-batch of 4 sequences per step, the
+# default 4096 gate on the dense projections: (hidden size, routed expert width, ratio, the run)
+FP8_MEASURED = ((2048, 768, 0.93, "the Qwen3-30B-A3B bench cut to 6 layers, one H100"),
+                (4096, 1536, 0.98, "Qwen3-235B-A22B's width, 2 layers, one H100"),
+                (7168, 2048, 1.01, "DeepSeek-V3's width, 2 layers, one H100"))
 
 
 def fp8_note(cfg: Config, device: torch.device) -> str | None:
@@ -76,8 +76,8 @@ def fp8_note(cfg: Config, device: torch.device) -> str | None:
     if ratio >= 1:
         return None
     return (f"pith_lit: train.fp8 = true is likely slower than bf16 here: at the nearest measured width (hidden {h}, "
-            f"experts {inter} wide; this model's hidden is {hidden}) FP8 ran at {ratio:.2f}× bf16's tokens/s on one "
-            f"H200 ({what}, benchmarks/RESULTS.md \"FP8 end to end\"); set train.fp8=false for speed")
+            f"experts {inter} wide; this model's hidden is {hidden}) FP8 ran at {ratio:.2f}× bf16's tokens/s "
+            f"({what}, benchmarks/RESULTS.md \"FP8 end to end\"); set train.fp8=false for speed")
 
 # %% ../../nbs/train/45_trainer.ipynb #4022aab6
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12}  # dense bf16 peaks by GPU name
