@@ -281,7 +281,7 @@ def bench_dense(name, d, tokens):
             fp8.quantize_rows(x, counts)
             fp8.quantize_weight_rows(w)
             _, sw = fp8.quantize_weight_rows(w, True)
-            a = fp8.quantize_rows(x, counts, trans=True)
+            a = fp8.quantize_rows(x, counts, trans=True, rows=False)   # the backward's input pass, as _input_cols
             r = fp8.quantize_rows(dy, counts, mult=sw, col_amax=True, row_mult=a.s)
             fp8._group_cols(dy, counts, r.col_amax, a.s)
 
