@@ -103,10 +103,11 @@ def fp8_copies_kept(cfg: Config) -> bool:
 # ### Where FP8 pays
 #
 # FP8's speed against bf16 depends on the model's width: the FP8 products gain in proportion to the matmuls, the
-# quantization passes cost in proportion to the activations and weights they read. `FP8_MEASURED` holds what one
-# GPU measured side by side with the default `train.fp8_dense_min` (benchmarks/RESULTS.md, "FP8 end to end"); a run with `train.fp8` on a GPU whose model
-# is nearest in hidden size to a width where FP8 was slower says so in one line at start-up (`fp8_note`), with
-# what was measured and the setting to change. It does not refuse: the loss and memory are the user's call too.
+# quantization passes cost in proportion to the activations and weights they read. `FP8_MEASURED` holds what one GPU
+# measured side by side with the default `train.fp8_dense_min` (benchmarks/RESULTS.md, "FP8 end to end"); a run with
+# `train.fp8` on a GPU whose model is nearest in hidden size to a width where FP8 was slower says so in one line at
+# start-up (`fp8_note`), with what was measured and the setting to change. It does not refuse: the loss and memory are
+# the user's call too.
 
 # %%
 #| export
