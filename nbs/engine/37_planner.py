@@ -925,10 +925,10 @@ for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
 # experts, the last to run its backward, where the experts' gate/up half makes its weight gradient: every gradient of
 # the step but the embedding's is there, with the activations of the layers before. With a few wide layers the
 # gradients outweigh the activations, so that moment lies above the loss, where the walk puts bf16's peak (and both
-# peaks of the Qwen3 bench above, with its 12 narrower layers). The experts' backward runs as two nodes, so the output
-# gradient is freed after the down half; FP8's peaks sit 0.5–0.8 GiB under bf16's at both widths and both depths. The
-# bf16 peaks at 3 layers are the H200's; the rest are an H100's (the cut runs out of its 79.2 GiB in bf16 at the
-# 235B width, 3 layers). The walk's V3 peaks are under the measured ones in both dtypes, by up to 2% in bf16.
+# peaks of the Qwen3 bench above, with its 12 narrower layers). The experts' FP8 backward runs as two nodes, so the
+# output gradient goes with the down half, as bf16's nodes free it, and FP8's peak lies under bf16's at each of these
+# cuts (benchmarks/RESULTS.md, "The FP8 experts' backward as two nodes"). The walk counts bf16's peak at the V3 width
+# less closely than the others, so bf16's bound is the wider one.
 
 # %%
 WIDE = {   # the bench config, its sequence length, the [model] overrides
@@ -939,7 +939,7 @@ WIDE = {   # the bench config, its sequence length, the [model] overrides
                                                 n_routed_experts=64, num_experts_per_tok=8, q_lora_rank=1536))}
 MEASURED_WIDE_PEAKS = {("235B", 3, False): 67.99, ("235B", 3, True): 67.22, ("V3", 3, False): 66.10,
                        ("V3", 3, True): 65.55, ("235B", 2, False): 49.44, ("235B", 2, True): 48.68,
-                       ("V3", 2, False): 43.37, ("V3", 2, True): 42.82}   # GiB; bf16 at 3 layers on the H200
+                       ("V3", 2, False): 43.37, ("V3", 2, True): 42.82}   # GiB; bf16 at 3 layers on an H200, the rest on an H100
 for (width, layers, fp8), got in MEASURED_WIDE_PEAKS.items():
     name, seq, extra = WIDE[width]
     c = config_model(name, **extra, num_hidden_layers=layers)
