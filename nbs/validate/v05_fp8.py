@@ -52,6 +52,12 @@
 # "train.global_batch=4", "train.warmup=20", "log.eval_every=0", "log.eval_windows=16", "data.corpus=/tmp/codec"]'`
 # (about 7 minutes). Three such executions (the later two with `-p fp8_first True`), pooled by a fourth with `-p runs
 # 0 -y 'runs_from: [out1, out2, out3]'`, give six runs of each recipe (benchmarks/RESULTS.md has the verdict).
+# The wider widths of issue 43 run the same way with their width's overrides in front of those above and the model's
+# bench config: Qwen3-235B-A22B's width with `configs/bench-qwen3-30b-a3b.toml` and `"model.hidden_size=4096",
+# "model.moe_intermediate_size=1536", "model.num_attention_heads=64", "model.num_key_value_heads=4"`, DeepSeek-V3's
+# with `configs/bench-deepseek-v2-lite.toml` and RESULTS' V3 cut ("FP8 end to end"), each with a layer count that fits
+# fp32 states (one MoE layer on an 80 GB GPU: "v05 at the 235B and V3 widths" has the cuts, about 6 minutes for two
+# runs of each recipe).
 
 # %% tags=["parameters"]
 config = "configs/tiny.toml"  # a path relative to the repository's root, or absolute
