@@ -1,8 +1,10 @@
-"""The measurement tools under benchmarks/ that run off the GPU: anatomy.py's reading of a step's trace."""
+"""The measurement tools under benchmarks/ on the CPU: anatomy.py's reading of a step's trace, and fp8_rows.py's
+parts at toy sizes (their figures need a GPU; what they call in the package does not)."""
 import json
+import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 
 sys.path.insert(0, str(ROOT))
 from benchmarks.anatomy import anatomy  # noqa: E402
@@ -29,3 +31,36 @@ def test_anatomy_sorts_fp8_kernels_into_their_own_classes(tmp_path):
         assert ms["norms and element-wise"] == 0
         assert ("limit_ms" in got["dense GEMMs"]) is not fp8 and ("limit_ms" in got["grouped GEMMs"]) is not fp8
         assert "limit_ms" in got["optimizer"]
+
+
+SMOKE = r'''
+import time, torch
+import benchmarks.fp8_bench as fb
+import benchmarks.fp8_rows as fr
+fb.DEV = fr.DEV = "cpu"                                  # toy sizes on the CPU, Triton's kernels interpreted
+for name in ("empty_cache", "synchronize", "reset_peak_memory_stats"):
+    setattr(torch.cuda, name, lambda *a: None)
+torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a: 0
+fr.do_bench = fb.do_bench = lambda fn, return_mode="median": (lambda t: (fn(), time.perf_counter() - t)[1] * 1e3)(
+    time.perf_counter())
+shape, tokens = dict(hidden=256, ffn=128, experts=4, top_k=2), 64
+fr.bench_dense("tiny", dict(hidden=256, outs=[256, 128, 128], o_in=256), tokens)
+for part in ("gemms", "mlp", "quant", "wgrad", "rowsweep"):
+    getattr(fr, f"bench_{part}")("tiny", shape, tokens)
+fr.WEIGHT_SWEEP = fr.WEIGHT_SWEEP[:2]
+fr.bench_weights("tiny", {"gate_up": (2, 96, 256), "o": (1, 64, 384)})
+failed = [(r["group"], r["case"], r["note"]) for r in fb.ROWS if "FAILED" in r["note"]]
+assert not failed, failed
+from pith_lit.ops import fp8
+assert (fp8.ROWS_BM, fp8.WEIGHT_ROWS) == (32, 64), "a sweep left its setting changed"
+print("cases", len(fb.ROWS))
+'''
+
+
+def test_fp8_rows_benchmark_runs_every_part_at_toy_sizes():
+    """benchmarks/fp8_rows.py needs a GPU for its figures, but its plumbing (the package functions it calls, their
+    arguments and results) runs on the CPU under the interpreter: every part but the profiler's, no case failing."""
+    proc = subprocess.run([sys.executable, "-c", SMOKE], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert int(proc.stdout.split("cases")[-1]) > 100, proc.stdout[-2000:]
