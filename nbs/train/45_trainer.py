@@ -102,52 +102,70 @@ def fp8_copies_kept(cfg: Config) -> bool:
 # %% [markdown]
 # ### Where FP8 pays
 #
-# FP8's speed against bf16 depends on the model's width: the FP8 products gain in proportion to the matmuls, the
-# quantization passes cost in proportion to the activations and weights they read. `FP8_MEASURED` holds what one GPU
-# measured side by side with the default `train.fp8_dense_min` (benchmarks/RESULTS.md, "FP8 end to end"); a run with
-# `train.fp8` on a GPU whose model is nearest in hidden size to a width where FP8 was slower says so in one line at
-# start-up (`fp8_note`), with what was measured and the setting to change. It does not refuse: the loss and memory are
-# the user's call too.
+# FP8's speed against bf16 depends on the model's width and on the tokens a micro-batch carries: the FP8 products
+# gain in proportion to the matmuls, the quantization passes cost in proportion to the activations and weights they
+# read, and at one micro-batch a step each weight is quantized at each use whatever the micro-batch's size, so larger
+# micro-batches spread that cost over more rows. `FP8_MEASURED` holds what one GPU measured side by side with the
+# default `train.fp8_dense_min` (benchmarks/RESULTS.md, "FP8 end to end"). A run with `train.fp8` on a GPU is matched
+# to the measured width nearest its hidden size, then to the measured micro-batch nearest its tokens per micro-batch
+# (`train.micro_batch` × `train.seq_len`); where FP8 was slower there it says so in one line at start-up (`fp8_note`),
+# with what was measured, a larger micro-batch of that width that measured faster if there is one, and the setting to
+# change. It does not refuse: the loss and memory are the user's call too.
 
 # %%
 #| export
-# FP8 (row scales) tokens/s over bf16's in the same call, compiled, one micro-batch of 4 sequences per step, the
-# default 4096 gate on the dense projections: (hidden size, routed expert width, ratio, the run)
-FP8_MEASURED = ((2048, 768, 0.93, "the Qwen3-30B-A3B bench cut to 6 layers, one H100"),
-                (4096, 1536, 0.98, "Qwen3-235B-A22B's width, 2 layers, one H100"),
-                (7168, 2048, 1.01, "DeepSeek-V3's width, 2 layers, one H100"))
+# FP8 (row scales) tokens/s over bf16's in the same call, compiled, one micro-batch a step, the default 4096 gate on
+# the dense projections: (hidden size, routed expert width, tokens per micro-batch, ratio, the run)
+FP8_MEASURED = ((2048, 768, 4 * 4096, 0.93, "the Qwen3-30B-A3B bench cut to 6 layers, micro-batch 4, one H100"),
+                (2048, 768, 8 * 4096, 0.96, "the Qwen3-30B-A3B bench cut to 6 layers, micro-batch 8, one H100"),
+                (4096, 1536, 4 * 4096, 0.98, "Qwen3-235B-A22B's width, 2 layers, micro-batch 4, one H100"),
+                (4096, 1536, 8 * 4096, 1.04, "Qwen3-235B-A22B's width, 2 layers, micro-batch 8, one H100"),
+                (7168, 2048, 4 * 2048, 1.01, "DeepSeek-V3's width, 2 layers, micro-batch 4, one H100"))
 
 
 def fp8_note(cfg: Config, device: torch.device) -> str | None:
-    "One line when `train.fp8` is on a GPU at a width nearest one where FP8 measured slower than bf16; else None."
+    """One line when `train.fp8` is on a GPU at a width and micro-batch nearest ones where FP8 measured slower than
+    bf16; else None."""
     if not cfg.train.fp8 or device.type != "cuda":
         return None
-    hidden = cfg.model.hidden_size
-    h, inter, ratio, what = min(FP8_MEASURED, key=lambda m: abs(math.log(m[0] / hidden)))
+    hidden, tokens = cfg.model.hidden_size, cfg.train.micro_batch * cfg.train.seq_len
+    width = min(FP8_MEASURED, key=lambda m: abs(math.log(m[0] / hidden)))[0]
+    same = [m for m in FP8_MEASURED if m[0] == width]
+    h, inter, t, ratio, what = min(same, key=lambda m: (abs(math.log(m[2] / tokens)), m[2]))
     if ratio >= 1:
         return None
+    larger = [m for m in same if m[2] > t and m[3] > ratio]
+    hint = (f"; at {larger[-1][2]:,} tokens a micro-batch it ran at {larger[-1][3]:.2f}× (a larger train.micro_batch)"
+            if larger else "")
     return (f"pith_lit: train.fp8 = true is likely slower than bf16 here: at the nearest measured width (hidden {h}, "
-            f"experts {inter} wide; this model's hidden is {hidden}) FP8 ran at {ratio:.2f}× bf16's tokens/s "
-            f"({what}, benchmarks/RESULTS.md \"FP8 end to end\"); set train.fp8=false for speed")
+            f"experts {inter} wide; this model's hidden is {hidden}) and {t:,} tokens a micro-batch (this run's: "
+            f"{tokens:,}) FP8 ran at {ratio:.2f}× bf16's tokens/s ({what}, benchmarks/RESULTS.md \"FP8 end to "
+            f"end\"){hint}; set train.fp8=false for speed")
 
 # %% [markdown]
 # The note reads only the device's type, so the check asks for it on a CPU too: FP8 on at the Qwen3 bench's width
-# gets the line, FP8 off or on a CPU gets none, and at each measured width the line appears exactly where the
-# measured ratio is below 1. `train.fp8_dense_min` reaches the model through `model_options` (models/21 checks what
-# the gate then puts in FP8).
+# gets the line, FP8 off or on a CPU gets none, and at each measured width and micro-batch the line appears exactly
+# where the measured ratio is below 1, naming the larger micro-batch that measured faster where there is one.
+# `train.fp8_dense_min` reaches the model through `model_options` (models/21 checks what the gate then puts in FP8).
 
 # %%
 from pith_lit.train.config import load_config as _cfg
 
 gpu = torch.device("cuda")   # only its type is read: nothing is allocated
-at = lambda hidden, *more: _cfg(overrides=[f"model.hidden_size={hidden}", "train.fp8=true", *more])
-assert "set train.fp8=false" in fp8_note(at(2048), gpu) and "0.93×" in fp8_note(at(2048), gpu)
-assert fp8_note(at(2048, "train.fp8=false"), gpu) is None and fp8_note(at(2048), torch.device("cpu")) is None
-for hidden, _, ratio, _ in FP8_MEASURED:
-    assert (fp8_note(at(hidden), gpu) is not None) == (ratio < 1), hidden
+at = lambda hidden, tokens=16384, *more: _cfg(overrides=[  # micro-batches of `tokens` as sequences of 1024
+    f"model.hidden_size={hidden}", "train.fp8=true", "train.seq_len=1024", f"train.micro_batch={tokens // 1024}",
+    f"train.global_batch={tokens // 1024}", *more])
+line = fp8_note(at(2048), gpu)
+assert "set train.fp8=false" in line and "0.93×" in line and "32,768 tokens a micro-batch it ran at 0.96×" in line
+assert fp8_note(at(2048, 16384, "train.fp8=false"), gpu) is None and fp8_note(at(2048), torch.device("cpu")) is None
+for hidden, _, tokens, ratio, _ in FP8_MEASURED:
+    for t in (tokens, tokens * 5 // 4, tokens * 3 // 4):          # the measured size and sizes nearest it
+        assert (fp8_note(at(hidden, t), gpu) is not None) == (ratio < 1), (hidden, t)
+assert "a larger" not in fp8_note(at(2048, 32768), gpu)            # the largest measured: nothing larger to name
+assert fp8_note(at(4096, 16384), gpu) and fp8_note(at(4096, 65536), gpu) is None   # 235B's width: 0.98×, 1.04×
 print(fp8_note(at(2048), gpu))
 assert model_options(at(2048), None).fp8_dense_min == 4096                       # the default gate
-assert model_options(at(2048, "train.fp8_dense_min=0"), None) == Options(fp8="rows", fp8_dense_min=0)
+assert model_options(at(2048, 16384, "train.fp8_dense_min=0"), None) == Options(fp8="rows", fp8_dense_min=0)
 
 # %% [markdown]
 # ## Model FLOPs and MFU

@@ -60,24 +60,33 @@ def fp8_copies_kept(cfg: Config) -> bool:
     return cfg.num_micro_batches > 1
 
 # %% ../../nbs/train/45_trainer.ipynb #5dccb262
-# FP8 (row scales) tokens/s over bf16's in the same call, compiled, one micro-batch of 4 sequences per step, the
-# default 4096 gate on the dense projections: (hidden size, routed expert width, ratio, the run)
-FP8_MEASURED = ((2048, 768, 0.93, "the Qwen3-30B-A3B bench cut to 6 layers, one H100"),
-                (4096, 1536, 0.98, "Qwen3-235B-A22B's width, 2 layers, one H100"),
-                (7168, 2048, 1.01, "DeepSeek-V3's width, 2 layers, one H100"))
+# FP8 (row scales) tokens/s over bf16's in the same call, compiled, one micro-batch a step, the default 4096 gate on
+# the dense projections: (hidden size, routed expert width, tokens per micro-batch, ratio, the run)
+FP8_MEASURED = ((2048, 768, 4 * 4096, 0.93, "the Qwen3-30B-A3B bench cut to 6 layers, micro-batch 4, one H100"),
+                (2048, 768, 8 * 4096, 0.96, "the Qwen3-30B-A3B bench cut to 6 layers, micro-batch 8, one H100"),
+                (4096, 1536, 4 * 4096, 0.98, "Qwen3-235B-A22B's width, 2 layers, micro-batch 4, one H100"),
+                (4096, 1536, 8 * 4096, 1.04, "Qwen3-235B-A22B's width, 2 layers, micro-batch 8, one H100"),
+                (7168, 2048, 4 * 2048, 1.01, "DeepSeek-V3's width, 2 layers, micro-batch 4, one H100"))
 
 
 def fp8_note(cfg: Config, device: torch.device) -> str | None:
-    "One line when `train.fp8` is on a GPU at a width nearest one where FP8 measured slower than bf16; else None."
+    """One line when `train.fp8` is on a GPU at a width and micro-batch nearest ones where FP8 measured slower than
+    bf16; else None."""
     if not cfg.train.fp8 or device.type != "cuda":
         return None
-    hidden = cfg.model.hidden_size
-    h, inter, ratio, what = min(FP8_MEASURED, key=lambda m: abs(math.log(m[0] / hidden)))
+    hidden, tokens = cfg.model.hidden_size, cfg.train.micro_batch * cfg.train.seq_len
+    width = min(FP8_MEASURED, key=lambda m: abs(math.log(m[0] / hidden)))[0]
+    same = [m for m in FP8_MEASURED if m[0] == width]
+    h, inter, t, ratio, what = min(same, key=lambda m: (abs(math.log(m[2] / tokens)), m[2]))
     if ratio >= 1:
         return None
+    larger = [m for m in same if m[2] > t and m[3] > ratio]
+    hint = (f"; at {larger[-1][2]:,} tokens a micro-batch it ran at {larger[-1][3]:.2f}× (a larger train.micro_batch)"
+            if larger else "")
     return (f"pith_lit: train.fp8 = true is likely slower than bf16 here: at the nearest measured width (hidden {h}, "
-            f"experts {inter} wide; this model's hidden is {hidden}) FP8 ran at {ratio:.2f}× bf16's tokens/s "
-            f"({what}, benchmarks/RESULTS.md \"FP8 end to end\"); set train.fp8=false for speed")
+            f"experts {inter} wide; this model's hidden is {hidden}) and {t:,} tokens a micro-batch (this run's: "
+            f"{tokens:,}) FP8 ran at {ratio:.2f}× bf16's tokens/s ({what}, benchmarks/RESULTS.md \"FP8 end to "
+            f"end\"){hint}; set train.fp8=false for speed")
 
 # %% ../../nbs/train/45_trainer.ipynb #4022aab6
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12}  # dense bf16 peaks by GPU name
