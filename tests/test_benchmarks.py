@@ -1,5 +1,5 @@
 """The measurement tools under benchmarks/ on the CPU: anatomy.py's reading of a step's trace, and fp8_rows.py's
-parts at toy sizes (their figures need a GPU; what they call in the package does not)."""
+and fp8_bench.py's parts at toy sizes (their figures need a GPU; what they call in the package does not)."""
 import json
 import subprocess
 import sys
@@ -49,17 +49,22 @@ for part in ("gemms", "mlp", "quant", "wgrad", "rowsweep"):
     getattr(fr, f"bench_{part}")("tiny", shape, tokens)
 fr.WEIGHT_SWEEP = fr.WEIGHT_SWEEP[:2]
 fr.bench_weights("tiny", {"gate_up": (2, 96, 256), "o": (1, 64, 384)})
+fb.SWEEP = fb.SWEEP[:2]                                  # fp8_bench.py's parts but its dense one (F.scaled_mm, GPU only)
+fb.bench_experts("tiny", shape, tokens, True)
+fb.bench_mlp("tiny", shape, tokens)
+fb.bench_quant_sweep("tiny", shape, tokens, warps=(4,))
 failed = [(r["group"], r["case"], r["note"]) for r in fb.ROWS if "FAILED" in r["note"]]
 assert not failed, failed
 from pith_lit.ops import fp8
-assert (fp8.ROWS_BM, fp8.WEIGHT_ROWS) == (32, 64), "a sweep left its setting changed"
+assert (fp8.ROWS_BM, fp8.WEIGHT_ROWS, fp8.QUANT_WARPS) == (32, 64, 8), "a sweep left its setting changed"
 print("cases", len(fb.ROWS))
 '''
 
 
-def test_fp8_rows_benchmark_runs_every_part_at_toy_sizes():
-    """benchmarks/fp8_rows.py needs a GPU for its figures, but its plumbing (the package functions it calls, their
-    arguments and results) runs on the CPU under the interpreter: every part but the profiler's, no case failing."""
+def test_fp8_benchmarks_run_their_parts_at_toy_sizes():
+    """benchmarks/fp8_rows.py and fp8_bench.py need a GPU for their figures, but their plumbing (the package functions
+    they call, their arguments and results) runs on the CPU under the interpreter: every part but those that only a
+    GPU has (the profiler's, F.scaled_mm's), no case failing."""
     proc = subprocess.run([sys.executable, "-c", SMOKE], cwd=ROOT, env=subprocess_env(), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
