@@ -25,7 +25,8 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
   per call, largest first (which of its passes and GEMMs a dense layer's time goes to);
 - `weights`: the weight passes a step of one micro-batch runs at the three widths of issue 43 (`WEIGHTS`: the
   experts' gate_up and down, the dense projections in FP8 under the 4096 gate), each layout alone as the forward and
-  the backward make them, at each rows-per-program and warp count of `quantize_weight_rows`; GB/s counts what the
+  the backward make them (the transposed one also given the forward's scales, as the experts' backward is), at each
+  rows-per-program and warp count of `quantize_weight_rows`; GB/s counts what the
   pass must move, 2 bytes read and 1 written per element (a second read of a block that falls out of L2 shows as a
   lower figure);
 - `rowsweep`: the row passes a SwiGLU expert MLP runs, at each rows-per-program and warp count of `quantize_rows`
@@ -220,11 +221,12 @@ def bench_rowsweep(name, shape, tokens):
         fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS = default
 
 
+# (E, N, K) of each weight, w (E, N, K); E = 1: a dense projection's (N, K)
 WEIGHTS = {"qwen3-30b-a3b": {"gate_up": (128, 1536, 2048), "down": (128, 2048, 768)},
            "qwen3-235b-a22b": {"gate_up": (128, 3072, 4096), "down": (128, 4096, 1536), "q": (1, 8192, 4096),
                                "o": (1, 4096, 8192)},
            "deepseek-v3": {"gate_up": (64, 4096, 7168), "down": (64, 7168, 2048), "o": (1, 7168, 16384),
-                           "dense gate_up": (1, 36864, 7168), "dense down": (1, 7168, 18432)}}  # (E, N, K): w is (E, N, K)
+                           "dense gate_up": (1, 36864, 7168), "dense down": (1, 7168, 18432)}}
 WEIGHT_SWEEP = [(64, 8), (32, 8), (32, 4), (16, 4), (16, 2), (8, 4), (8, 2), (128, 8)]
 
 
@@ -236,11 +238,13 @@ def bench_weights(name, weights):
         for wname, (E, N, K) in weights.items():
             w = (torch.randn(E, N, K, device=DEV, generator=g) * 0.02).bfloat16()
             w = w if E > 1 else w[0]
-            for layout in (False, True):
-                group = f"{name} {wname} {'transposed' if layout else 'forward'} {E}x{N}x{K}"
+            scales = fp8.quantize_weight_rows(w)[1]
+            for layout, given in ((False, None), (True, None), (True, scales)):   # the backward's: given the scales
+                what = ("transposed" if layout else "forward") + (", scales given" if given is not None else "")
+                group = f"{name} {wname} {what} {E}x{N}x{K}"
                 for rows, warps in WEIGHT_SWEEP:
                     fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS = rows, warps
-                    fn = lambda: fp8.quantize_weight_rows(w, layout)
+                    fn = lambda: fp8.quantize_weight_rows(w, layout, scales=given)
                     run(group, f"{rows} rows, {warps} warps", lambda: report(
                         group, f"{rows} rows, {warps} warps", do_bench(fn, return_mode="median"), nbytes=w.numel() * 3))
             del w

@@ -944,29 +944,38 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # %% [markdown]
 # Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes `WEIGHT_ROWS` rows per program, finds
 # their maxima over K, then writes them in the layouts asked, `W`'s `(E, N, K)`, transposed `(E, K, N)` (the input
-# gradient's B operand), or both (the second pass over the rows reads them again from L2, not from memory). It reads
-# W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in place.
+# gradient's B operand), or both. Finding the maxima is a read of its own: the second loop reads the rows again,
+# from L2 while they are still there, which at 4096 columns and more they mostly are not (benchmarks/RESULTS.md,
+# "Where the FP8 step's time goes"). A row's scale depends on nothing but the row, so a pass given the scales of an
+# earlier pass over the same, unchanged W (`scales`) skips the first loop and reads W once: an expert layer that
+# quantizes its weight at each use gives its backward's transposed pass the forward's scales (`weight_each_use`,
+# below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds them again. It
+# reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in place.
 
 # %%
 #| export
-WEIGHT_ROWS = 64        # rows of W per program (the second pass reads them again from L2)
+WEIGHT_ROWS = 64        # rows of W per program
 WEIGHT_ROWS_WARPS = 8   # benchmarks/fp8_rows.py --parts rowsweep times others
 
 
 @triton.jit
 def _quant_weight_rows_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_e, s_n, s_k, FWD: tl.constexpr,
-                              TRANS: tl.constexpr, BN: tl.constexpr):
+                              TRANS: tl.constexpr, BN: tl.constexpr, GIVEN: tl.constexpr):
     e = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < N
     base = w_ptr + e.to(tl.int64) * s_e + n.to(tl.int64)[:, None] * s_n
-    r_max = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in range(0, K, 128):
-        k = k0 + tl.arange(0, 128)
-        w = tl.load(base + k[None, :] * s_k, mask=n_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        r_max = tl.maximum(r_max, tl.max(tl.abs(w), axis=1))
-    s, inv = _pow2_scale(r_max)
-    tl.store(s_ptr + e * N + n, s, mask=n_ok)
+    if GIVEN:                                   # the scales s = 2^k of an earlier pass: 1/s = 2^-k from their bits
+        s_bits = tl.load(s_ptr + e * N + n, mask=n_ok, other=1.0).to(tl.int32, bitcast=True)
+        inv = ((254 - ((s_bits >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
+    else:
+        r_max = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in range(0, K, 128):
+            k = k0 + tl.arange(0, 128)
+            w = tl.load(base + k[None, :] * s_k, mask=n_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            r_max = tl.maximum(r_max, tl.max(tl.abs(w), axis=1))
+        s, inv = _pow2_scale(r_max)
+        tl.store(s_ptr + e * N + n, s, mask=n_ok)
     off = e.to(tl.int64) * N * K
     for k0 in range(0, K, 128):
         k = k0 + tl.arange(0, 128)
@@ -978,19 +987,26 @@ def _quant_weight_rows_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_e, s_n, s_k, 
             tl.store(qt_ptr + off + k[None, :] * N + n[:, None], q, mask=mask)
 
 
-def quantize_weight_rows(w: Tensor, transposed: bool | str = False):
+def quantize_weight_rows(w: Tensor, transposed: bool | str = False, scales: Tensor | None = None):
     """One power-of-two scale per row of `w (E, N, K)` or `(N, K)` over K: e4m3 values of w's shape (with
     `transposed`, of `wᵀ`: `(E, K, N)`) and scales `(E, N)` (no E for 2-D), the same either way; with
-    `transposed="both"`, both from one pass, `((q, s), (qt, s))`."""
+    `transposed="both"`, both from one pass, `((q, s), (qt, s))`. `scales`: the scales an earlier call returned for
+    this w, unchanged since; they are used as given (and returned), and w is read once."""
     layouts = _layouts(transposed)
     w3 = w if w.dim() == 3 else w[None]
     E, N, K = w3.shape
-    s = torch.empty(E, N, dtype=torch.float32, device=w.device)
+    if scales is not None:
+        if scales.shape != w.shape[:-1] or scales.dtype != torch.float32:
+            raise ValueError(f"scales must be float32 of shape {tuple(w.shape[:-1])} (w's rows), got "
+                             f"{scales.dtype} {tuple(scales.shape)}")
+        s = scales.contiguous().view(E, N)
+    else:
+        s = torch.empty(E, N, dtype=torch.float32, device=w.device)
     outs = [(torch.empty((E, K, N) if t else (E, N, K), dtype=FP8, device=w.device), s) for t in layouts]
     if E * N * K > 0:
         _quant_weight_rows_kernel[(E, triton.cdiv(N, WEIGHT_ROWS))](
             w3, outs[0][0], outs[-1][0], s, N, K, *w3.stride(), FWD=False in layouts, TRANS=True in layouts,
-            BN=WEIGHT_ROWS, num_warps=WEIGHT_ROWS_WARPS)
+            BN=WEIGHT_ROWS, GIVEN=scales is not None, num_warps=WEIGHT_ROWS_WARPS)
     return _weight_result(w, outs, transposed)
 
 # %% [markdown]
@@ -1068,6 +1084,17 @@ for stored_t in (False, True):
     assert torch.equal(qt.float(), q.float().mT) and torch.equal(st, s)
     assert same(quantize_weight_rows(src, "both"), ((q, s), (qt, s)))
 assert same(quantize_weight_rows(w[2], "both"), ((q[2], s[2]), (q[2].T, s[2])))
+for src, sc, ref in ((w.mT.contiguous().mT, s, q), (w[2], s[2], q[2])):   # given scales: w read once, same values
+    for layout in (False, True):
+        qg, sg = quantize_weight_rows(src, layout, scales=sc)
+        assert torch.equal(qg.float(), ref.float().mT if layout else ref.float()) and torch.equal(sg, sc)
+qg, _ = quantize_weight_rows(w, True, scales=2 * s)                   # used as given, not found again
+assert torch.equal(qg.float(), (w.double() / (2 * s.double())[..., None]).to(FP8).float().mT)
+try:
+    quantize_weight_rows(w, True, scales=s[0])
+    raise AssertionError("scales of the wrong shape were taken")
+except ValueError as e:
+    assert "scales must be float32 of shape (3, 70)" in str(e), e
 print(f"row quantization (activations, weights, per-expert columns) equals the reference ({time.time() - t:.1f} s)")
 
 
@@ -1251,7 +1278,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, counts, wgrad_queue, impl, weight, rows):
         keep = ctx.needs_input_grad[1]
-        weight = weight or _own_weight(w)
+        weight = weight or weight_each_use(w)
         if impl == "triton":
             y, saved = _triton_forward(x, counts, keep, weight, rows)
         else:
@@ -1273,9 +1300,18 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         return dx, deliver_wgrad(ctx.queue, ctx.param, wgrad), None, None, None, None, None
 
 
-def _own_weight(w: Tensor):
-    "The `weight(transposed, quantize)` of a layer given no copy: quantize w itself, in the direction asked."
-    return lambda transposed, quantize: quantize(w, transposed)
+def weight_each_use(w: Tensor):
+    """The `weight(transposed, quantize)` of a layer that keeps no copy: quantize w itself at each use, in the
+    direction asked. With row scales (`quantize_weight_rows`) a use after the first passes the first's scales on, so
+    it reads w once: w does not change between a layer's forward and its backward."""
+    first = []
+    def weight(transposed: bool, quantize):
+        if quantize is not quantize_weight_rows:
+            return quantize(w, transposed)
+        q, s = quantize(w, transposed, scales=first[0] if first else None)
+        first[:] = [s]
+        return q, s
+    return weight
 
 
 def fp8_grouped_linear(x: Tensor, w: Tensor, counts: Tensor, wgrad_queue: WeightGradQueue | None = None,
@@ -1381,6 +1417,20 @@ for counts, n_in, n_out, extra in [([70, 0, 1, 131], 256, 192, 6), ([0, 0, 9], 1
     err, quant = check_rows_layer(counts, n_in, n_out, extra)
     print(f"rows, counts {counts}: triton vs torch {err:.1e}, {quant:.3f} vs exact")
 print(f"({time.time() - t:.1f} s)")
+
+# The layer quantizes its weight at each use (`weight_each_use`): the backward's transposed pass gets the forward's
+# row scales, the values the checks above compared. Seen here by standing in for the pass under its own name.
+calls, real_pass = [], quantize_weight_rows
+def quantize_weight_rows(w, transposed=False, scales=None):
+    calls.append((transposed, scales is not None))
+    return real_pass(w, transposed, scales)
+try:
+    x, w, dy = randn(3, (40, 128), (2, 64, 128), (40, 64))
+    fp8_grouped_linear(x.requires_grad_(), w.requires_grad_(), torch.tensor([30, 10]), impl="triton",
+                       scaling="rows").backward(dy)
+finally:
+    quantize_weight_rows = real_pass
+assert calls == [(False, False), (True, True)], calls
 
 # %% [markdown]
 # **Deferred equals immediate, bitwise**, as in ops/grouped_linear: two layers, two backward passes accumulating
@@ -1565,9 +1615,9 @@ def fp8_swiglu_experts(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Ten
         h = swiglu(fp8_grouped_linear(x, w_gate_up, counts, wgrad_queue, impl, weight_gate_up, scaling), impl="torch")
         return fp8_grouped_linear(h, w_down, counts, wgrad_queue, impl, weight_down, scaling)
     rows, released = scaling == "rows", [False]   # True once the gate/up half has emptied what it saved
-    gate_up, h = _Fp8GateUp.apply(x, w_gate_up, counts, wgrad_queue, weight_gate_up or _own_weight(w_gate_up), rows,
+    gate_up, h = _Fp8GateUp.apply(x, w_gate_up, counts, wgrad_queue, weight_gate_up or weight_each_use(w_gate_up), rows,
                                   released)
-    return _Fp8SwiGLUDown.apply(gate_up, h, w_down, counts, wgrad_queue, weight_down or _own_weight(w_down), rows,
+    return _Fp8SwiGLUDown.apply(gate_up, h, w_down, counts, wgrad_queue, weight_down or weight_each_use(w_down), rows,
                                 released)
 
 # %% [markdown]
@@ -1726,8 +1776,8 @@ def _input_cols(x: Tensor, counts: Tensor, rows: bool) -> tuple:
 def _fp8_linear(x: Tensor, weights: list[Tensor], impl: str, rows: bool) -> Tensor:
     w = _stacked(weights)
     if impl == "triton":
-        return _triton_forward(x, _single(x), False, _own_weight(w), rows)[0]
-    return _torch_forward(x, w, _single(x), False, _own_weight(w), rows)[0]
+        return _triton_forward(x, _single(x), False, weight_each_use(w), rows)[0]
+    return _torch_forward(x, w, _single(x), False, weight_each_use(w), rows)[0]
 
 
 @_fp8_linear.register_fake
@@ -1740,9 +1790,9 @@ def _fp8_linear_backward(dy: Tensor, x: Tensor, weights: list[Tensor], impl: str
     "dx and the stacked weights' gradient."
     w, counts, dy = _stacked(weights), _single(x), dy.contiguous()
     if impl == "triton":
-        dx, wgrad = _triton_backward(dy, w, counts, _input_cols(x, counts, rows), True, True, _own_weight(w), rows)
+        dx, wgrad = _triton_backward(dy, w, counts, _input_cols(x, counts, rows), True, True, weight_each_use(w), rows)
     else:
-        dx, wgrad = _torch_backward(dy, w, counts, (x,), True, True, _own_weight(w), rows)
+        dx, wgrad = _torch_backward(dy, w, counts, (x,), True, True, weight_each_use(w), rows)
     return [dx, wgrad()[0]]
 
 

@@ -68,9 +68,10 @@ class Fp8Weights:
         """`weight(transposed, quantize)` for `fp8_grouped_linear`: w's copy under `name`, quantized on first use.
         When gradients will flow into w (a training step: its backward asks for the transposed copy too), the
         first use makes both copies in one pass over w; otherwise only the one asked for. With `keep` off, every
-        use quantizes w in the direction it asks and nothing is kept."""
+        use quantizes w in the direction it asks (ops/15 `weight_each_use`) and nothing is kept."""
         if not self.keep:
-            return lambda transposed, quantize: quantize(w.detach(), transposed)
+            from pith_lit.ops.fp8 import weight_each_use   # the FP8 path alone loads the FP8 kernels
+            return weight_each_use(w.detach())
         both = torch.is_grad_enabled() and w.requires_grad
         def get(transposed: bool, quantize) -> tuple[Tensor, Tensor]:
             key = (name, transposed)
