@@ -26,9 +26,8 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
 - `weights`: the weight passes a step of one micro-batch runs at the three widths of issue 43 (`WEIGHTS`: the
   experts' gate_up and down, the dense projections in FP8 under the 4096 gate), each layout alone as the forward and
   the backward make them (the transposed one also given the forward's scales, as the experts' backward is), at each
-  rows-per-program and warp count of `quantize_weight_rows`; GB/s counts what the
-  pass must move, 2 bytes read and 1 written per element (a second read of a block that falls out of L2 shows as a
-  lower figure);
+  rows-per-program and warp count of `quantize_weight_rows`; GB/s counts what the pass must move, 2 bytes read and 1
+  written per element (a second read of a block that falls out of L2 shows as a lower figure);
 - `rowsweep`: the row passes a SwiGLU expert MLP runs, at each rows-per-program and warp count of `quantize_rows`
   (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), and the weight pass writing both layouts at each of its own
   (`fp8.WEIGHT_ROWS`, `fp8.WEIGHT_ROWS_WARPS`).

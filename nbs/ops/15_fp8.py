@@ -945,8 +945,8 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes `WEIGHT_ROWS` rows per program, finds
 # their maxima over K, then writes them in the layouts asked, `W`'s `(E, N, K)`, transposed `(E, K, N)` (the input
 # gradient's B operand), or both. Finding the maxima is a read of its own: the second loop reads the rows again,
-# from L2 while they are still there, which at 4096 columns and more they mostly are not (benchmarks/RESULTS.md,
-# "Where the FP8 step's time goes"). A row's scale depends on nothing but the row, so a pass given the scales of an
+# from L2 only while they are still there (at the wide widths' weights the pass's rate suggests they mostly are not:
+# benchmarks/RESULTS.md, "Where the FP8 step's time goes"). A row's scale depends on nothing but the row, so a pass given the scales of an
 # earlier pass over the same, unchanged W (`scales`) skips the first loop and reads W once: an expert layer that
 # quantizes its weight at each use gives its backward's transposed pass the forward's scales (`weight_each_use`,
 # below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds them again. It
@@ -1304,13 +1304,13 @@ def weight_each_use(w: Tensor):
     """The `weight(transposed, quantize)` of a layer that keeps no copy: quantize w itself at each use, in the
     direction asked. With row scales (`quantize_weight_rows`) a use after the first passes the first's scales on, so
     it reads w once: w does not change between a layer's forward and its backward."""
-    first = []
+    scales = None
     def weight(transposed: bool, quantize):
+        nonlocal scales
         if quantize is not quantize_weight_rows:
             return quantize(w, transposed)
-        q, s = quantize(w, transposed, scales=first[0] if first else None)
-        first[:] = [s]
-        return q, s
+        q, scales = quantize(w, transposed, scales=scales)
+        return q, scales
     return weight
 
 

@@ -134,8 +134,8 @@ def fp8_note(cfg: Config, device: torch.device) -> str | None:
     h, inter, t, ratio, what = min(same, key=lambda m: (abs(math.log(m[2] / tokens)), m[2]))
     if ratio >= 1:
         return None
-    larger = [m for m in same if m[2] > t and m[3] > ratio]
-    hint = (f"; at {larger[-1][2]:,} tokens a micro-batch it ran at {larger[-1][3]:.2f}× (a larger train.micro_batch)"
+    larger = max((m for m in same if m[2] > t and m[3] > ratio), key=lambda m: m[2], default=None)
+    hint = (f"; at {larger[2]:,} tokens a micro-batch it ran at {larger[3]:.2f}× (a larger train.micro_batch)"
             if larger else "")
     return (f"pith_lit: train.fp8 = true is likely slower than bf16 here: at the nearest measured width (hidden {h}, "
             f"experts {inter} wide; this model's hidden is {hidden}) and {t:,} tokens a micro-batch (this run's: "

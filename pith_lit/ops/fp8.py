@@ -756,13 +756,13 @@ def weight_each_use(w: Tensor):
     """The `weight(transposed, quantize)` of a layer that keeps no copy: quantize w itself at each use, in the
     direction asked. With row scales (`quantize_weight_rows`) a use after the first passes the first's scales on, so
     it reads w once: w does not change between a layer's forward and its backward."""
-    first = []
+    scales = None
     def weight(transposed: bool, quantize):
+        nonlocal scales
         if quantize is not quantize_weight_rows:
             return quantize(w, transposed)
-        q, s = quantize(w, transposed, scales=first[0] if first else None)
-        first[:] = [s]
-        return q, s
+        q, scales = quantize(w, transposed, scales=scales)
+        return q, scales
     return weight
 
 
