@@ -26,7 +26,8 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
 - `weights`: the weight passes a step of one micro-batch runs at the three widths of issue 43 (`WEIGHTS`: the
   experts' gate_up and down, the dense projections in FP8 under the 4096 gate), each layout alone as the forward and
   the backward make them (the transposed one also given the forward's scales, as the experts' backward is), at each
-  rows-per-program and warp count of `quantize_weight_rows`; GB/s counts what the pass must move, 2 bytes read and 1
+  rows-per-program and warp count of `quantize_weight_rows`'s two loops, and the forward layout with whole rows in
+  one tile (`fp8.WEIGHT_ROW_TILE`) at each tile size and warp count; GB/s counts what the pass must move, 2 bytes read and 1
   written per element (a second read of a block that falls out of L2 shows as a lower figure);
 - `rowsweep`: the row passes a SwiGLU expert MLP runs, at each rows-per-program and warp count of `quantize_rows`
   (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), and the weight pass writing both layouts at each of its own
@@ -229,9 +230,14 @@ WEIGHTS = {"qwen3-30b-a3b": {"gate_up": (128, 1536, 2048), "down": (128, 2048, 7
 WEIGHT_SWEEP = [(64, 8), (32, 8), (32, 4), (16, 4), (16, 2), (8, 4), (8, 2), (128, 8)]
 
 
+WHOLE_SWEEP = [(16384, 8), (8192, 4), (8192, 8), (16384, 4), (16384, 16), (32768, 16)]
+
+
 def bench_weights(name, weights):
-    "Each weight's forward and transposed pass alone at each (rows per program, warps) of `WEIGHT_SWEEP`."
-    default = fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS
+    """Each weight's forward and transposed pass alone at each (rows per program, warps) of `WEIGHT_SWEEP` (two loops
+    over K); the forward layout also with whole rows in a tile, at each (elements per program, warps) of
+    `WHOLE_SWEEP`."""
+    default = fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE
     g = torch.Generator(device=DEV).manual_seed(3)
     try:
         for wname, (E, N, K) in weights.items():
@@ -241,14 +247,20 @@ def bench_weights(name, weights):
             for layout, given in ((False, None), (True, None), (True, scales)):   # the backward's: given the scales
                 what = ("transposed" if layout else "forward") + (", scales given" if given is not None else "")
                 group = f"{name} {wname} {what} {E}x{N}x{K}"
+                fn = lambda: fp8.quantize_weight_rows(w, layout, scales=given)
+                time_it = lambda case: run(group, case, lambda: report(
+                    group, case, do_bench(fn, return_mode="median"), nbytes=w.numel() * 3))
+                fp8.WEIGHT_ROW_TILE = 0
                 for rows, warps in WEIGHT_SWEEP:
                     fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS = rows, warps
-                    fn = lambda: fp8.quantize_weight_rows(w, layout, scales=given)
-                    run(group, f"{rows} rows, {warps} warps", lambda: report(
-                        group, f"{rows} rows, {warps} warps", do_bench(fn, return_mode="median"), nbytes=w.numel() * 3))
+                    time_it(f"{rows} rows, {warps} warps")
+                for tile, warps in WHOLE_SWEEP if not layout and given is None else ():
+                    fp8.WEIGHT_ROW_TILE, fp8.WEIGHT_ROWS_WARPS = tile, warps
+                    if triton.next_power_of_2(K) <= tile:
+                        time_it(f"whole rows, {tile} elements, {warps} warps")
             del w
     finally:
-        fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS = default
+        fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE = default
 
 
 def bench_wgrad(name, shape, tokens):

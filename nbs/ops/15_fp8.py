@@ -946,7 +946,12 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # their maxima over K, then writes them in the layouts asked, `W`'s `(E, N, K)`, transposed `(E, K, N)` (the input
 # gradient's B operand), or both. Finding the maxima is a read of its own: the second loop reads the rows again,
 # from L2 only while they are still there (at the wide widths' weights the pass's rate suggests they mostly are not:
-# benchmarks/RESULTS.md, "Where the FP8 step's time goes"). A row's scale depends on nothing but the row, so a pass given the scales of an
+# benchmarks/RESULTS.md, "Where the FP8 step's time goes"). So the forward layout alone, the pass a layer runs
+# first, holds whole rows instead when they fit: `WEIGHT_ROW_TILE` elements per program, `WEIGHT_ROW_TILE //
+# next_pow2(K)` rows of all of K in one tile, which it loads once, reduces and writes. The transposed layout keeps
+# the two loops over 64 rows: its stores are along N, and a handful of rows would write a few bytes per line; so
+# does a weight read through `.mT` (its rows are strided, a handful of them a few bytes per line too). A
+# row's scale depends on nothing but the row, so a pass given the scales of an
 # earlier pass over the same, unchanged W (`scales`) skips the first loop and reads W once: an expert layer that
 # quantizes its weight at each use gives its backward's transposed pass the forward's scales (`weight_each_use`,
 # below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds them again. It
@@ -956,15 +961,25 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 #| export
 WEIGHT_ROWS = 64        # rows of W per program
 WEIGHT_ROWS_WARPS = 8   # benchmarks/fp8_rows.py --parts rowsweep times others
+WEIGHT_ROW_TILE = 16384  # elements of W a program holds when whole rows fit (forward layout alone; 0: never)
 
 
 @triton.jit
 def _quant_weight_rows_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_e, s_n, s_k, FWD: tl.constexpr,
-                              TRANS: tl.constexpr, BN: tl.constexpr, GIVEN: tl.constexpr):
+                              TRANS: tl.constexpr, BN: tl.constexpr, GIVEN: tl.constexpr, KP2: tl.constexpr):
     e = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < N
     base = w_ptr + e.to(tl.int64) * s_e + n.to(tl.int64)[:, None] * s_n
+    if KP2 > 0:                                 # whole rows in one tile: one read (the forward layout alone)
+        k = tl.arange(0, KP2)
+        mask = n_ok[:, None] & (k < K)[None, :]
+        w = tl.load(base + k[None, :] * s_k, mask=mask, other=0.0).to(tl.float32)
+        s, inv = _pow2_scale(tl.max(tl.abs(w), axis=1))
+        tl.store(s_ptr + e * N + n, s, mask=n_ok)
+        tl.store(q_ptr + e.to(tl.int64) * N * K + n.to(tl.int64)[:, None] * K + k[None, :],
+                 _to_e4m3(w * inv[:, None]), mask=mask)
+        return
     if GIVEN:                                   # the scales s = 2^k of an earlier pass: 1/s = 2^-k from their bits
         s_bits = tl.load(s_ptr + e * N + n, mask=n_ok, other=1.0).to(tl.int32, bitcast=True)
         inv = ((254 - ((s_bits >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
@@ -1003,10 +1018,13 @@ def quantize_weight_rows(w: Tensor, transposed: bool | str = False, scales: Tens
     else:
         s = torch.empty(E, N, dtype=torch.float32, device=w.device)
     outs = [(torch.empty((E, K, N) if t else (E, N, K), dtype=FP8, device=w.device), s) for t in layouts]
+    kp2 = triton.next_power_of_2(K)
+    whole = layouts == (False,) and scales is None and kp2 <= WEIGHT_ROW_TILE and w3.stride(2) == 1
+    bn = WEIGHT_ROW_TILE // kp2 if whole else WEIGHT_ROWS
     if E * N * K > 0:
-        _quant_weight_rows_kernel[(E, triton.cdiv(N, WEIGHT_ROWS))](
+        _quant_weight_rows_kernel[(E, triton.cdiv(N, bn))](
             w3, outs[0][0], outs[-1][0], s, N, K, *w3.stride(), FWD=False in layouts, TRANS=True in layouts,
-            BN=WEIGHT_ROWS, GIVEN=scales is not None, num_warps=WEIGHT_ROWS_WARPS)
+            BN=bn, GIVEN=scales is not None, KP2=kp2 if whole else 0, num_warps=WEIGHT_ROWS_WARPS)
     return _weight_result(w, outs, transposed)
 
 # %% [markdown]
@@ -1095,6 +1113,11 @@ try:
     raise AssertionError("scales of the wrong shape were taken")
 except ValueError as e:
     assert "scales must be float32 of shape (3, 70)" in str(e), e
+tile = WEIGHT_ROW_TILE
+for WEIGHT_ROW_TILE in (0, 512):           # the forward layout by two loops, and by whole rows one to a program
+    assert same(quantize_weight_rows(w), (q, s)) and same(quantize_weight_rows(w[2]), (q[2], s[2]))
+WEIGHT_ROW_TILE = tile
+assert same(quantize_weight_rows(w.mT.contiguous().mT), (q, s))        # strided rows: the two loops
 print(f"row quantization (activations, weights, per-expert columns) equals the reference ({time.time() - t:.1f} s)")
 
 
