@@ -27,10 +27,11 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
   experts' gate_up and down, the dense projections in FP8 under the 4096 gate), each layout alone as the forward and
   the backward make them (the transposed one also given the forward's scales, as the experts' backward is), at each
   rows-per-program and warp count of `quantize_weight_rows`'s two loops, and the forward layout with whole rows in
-  one tile (`fp8.WEIGHT_ROW_TILE`) at each tile size and warp count; GB/s counts what the pass must move, 2 bytes read and 1
-  written per element (a second read of a block that falls out of L2 shows as a lower figure);
+  one tile (`fp8.WEIGHT_ROW_TILE`) at each tile size and warp count; GB/s counts what the pass must move, 2 bytes
+  read and 1 written per element (a second read of a block that falls out of L2 shows as a lower figure);
 - `rowsweep`: the row passes a SwiGLU expert MLP runs, at each rows-per-program and warp count of `quantize_rows`
-  (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), and the weight pass writing both layouts at each of its own
+  (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), by two loops over K and with whole rows in a tile (`fp8.ROWS_TILE`), at
+  `MODELS`' widths and the wide ones of issue 43 (`WIDE`), and the weight pass writing both layouts at each of its own
   (`fp8.WEIGHT_ROWS`, `fp8.WEIGHT_ROWS_WARPS`).
 
 Every case runs inside try/except (fp8_bench's `run`). Nothing here is a test; the numbers go to RESULTS.md.
@@ -184,6 +185,10 @@ def bench_quant(name, shape, tokens):
             ("quantize_weight w1 (blocks) both", lambda: fp8.quantize_weight(w, "both"), w.numel() * 4)]:
         run(group, label, lambda: report(group, label, do_bench(fn, return_mode="median"), nbytes=nbytes))
 
+ROWS_WHOLE_SWEEP = [(8192, 4), (4096, 4), (8192, 8), (16384, 8)]   # (fp8.ROWS_TILE, warps) with whole rows
+WIDE = {"qwen3-235b-a22b": dict(hidden=4096, ffn=1536, experts=128, top_k=8),   # rowsweep's widths of issue 43 too
+        "deepseek-v3": dict(hidden=7168, ffn=2048, experts=64, top_k=8)}        # (V3 cut to 64 experts, as in e2e)
+
 
 def bench_rowsweep(name, shape, tokens):
     counts, x, w1, _, dy = mlp_inputs(shape, tokens)
@@ -199,16 +204,17 @@ def bench_rowsweep(name, shape, tokens):
                                                                        row_mult=s), n * H * 3),
               f"swiglu_grad, mult, col_amax ({2 * I})": (lambda: fp8.quantize_rows(
                   gate_up, counts, act="swiglu_grad", dh=dh, mult=mult_i, col_amax=True, row_mult=s), n * I * 8)}
-    default = fp8.ROWS_BM, fp8.ROWS_WARPS
+    default = fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE
+    cases = [(32, 4, 0), (16, 4, 0), (64, 8, 0)] + [(32, warps, tile) for tile, warps in ROWS_WHOLE_SWEEP]
     try:
-        for bm, warps in [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (16, 2), (16, 4)]:
-            fp8.ROWS_BM, fp8.ROWS_WARPS = bm, warps
+        for bm, warps, tile in cases:
+            fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE = bm, warps, tile
+            case = f"{bm} rows, {warps} warps" + (f", whole rows in {tile} elements" if tile else ", two loops")
             for label, (fn, nbytes) in passes.items():
                 group = f"{name} quantize_rows {label}"
-                run(group, f"{bm} rows, {warps} warps", lambda: report(
-                    group, f"{bm} rows, {warps} warps", do_bench(fn, return_mode="median"), nbytes=nbytes))
+                run(group, case, lambda: report(group, case, do_bench(fn, return_mode="median"), nbytes=nbytes))
     finally:
-        fp8.ROWS_BM, fp8.ROWS_WARPS = default
+        fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE = default
     default = fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS             # the weight pass writing both layouts
     group = f"{name} quantize_weight_rows w1 both"
     try:
@@ -394,6 +400,8 @@ def main():
             bench_wgrad(name, shape, args.tokens)
         if "rowsweep" in parts:
             bench_rowsweep(name, shape, args.tokens)
+    for name, shape in WIDE.items() if "rowsweep" in parts else ():
+        bench_rowsweep(name, shape, args.tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

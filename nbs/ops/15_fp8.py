@@ -823,9 +823,13 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 # A row's scale is set by its largest element over all of K, so an outlier costs the whole row precision, where a
 # 1×128 tile confines it to 128 elements; how much that matters to training is measured (`nbs/validate/v05_fp8`).
 #
-# `_quant_rows_kernel` takes `BM` rows of one expert per program and reads them twice, 128 columns at a time: the
-# first loop finds the row maxima (and, asked, the column maxima), the second quantizes and writes (and, asked,
-# writes the values transposed). Its programs cover each expert's rows rounded up to 128, so the transposed tiles'
+# `_quant_rows_kernel` takes `BM` rows of one expert per program. Where whole rows fit in `ROWS_TILE` elements it
+# takes them `ROWS_TILE // next_pow2(K)` at a time, each loaded once: the row maxima, the scales, the values (and,
+# asked, the column maxima, kept over the program's rows, and the values transposed) all come from that one tile.
+# Wider rows are read twice, 128 columns at a time: the first loop finds the row maxima (and, asked, the column
+# maxima), the second quantizes and writes (and, asked, writes the values transposed). The second read comes from
+# L2 only while the program's rows are still there, which at the wide widths, with every program in flight reading
+# its own, they mostly are not. Its programs cover each expert's rows rounded up to 128, so the transposed tiles'
 # padding is written as zeros by the programs past the expert's end.
 # It computes the same activations as `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`,
 # the weight scales of the input gradient) before taking maxima.
@@ -836,13 +840,44 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr, amax_ptr, row_offs_ptr,
                        tile_offs_ptr, M, K, E, LDT, MULT: tl.constexpr, RMULT: tl.constexpr, AMAX: tl.constexpr,
                        ROWS: tl.constexpr, TRANS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr,
-                       BM: tl.constexpr):
+                       BM: tl.constexpr, SB: tl.constexpr, KP2: tl.constexpr):
     t = tl.program_id(0)
     e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
     if e >= E:
         return
-    rows = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * BM + tl.arange(0, BM)
-    row_ok = rows < tl.load(row_offs_ptr + e + 1)
+    first, end = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * BM, tl.load(row_offs_ptr + e + 1)
+    if KP2 > 0:                                # whole rows, SB at a time: each element read once
+        cols = tl.arange(0, KP2)
+        col_ok = cols < K
+        if MULT:
+            mult = tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)
+        c_max = tl.zeros((KP2,), dtype=tl.float32)
+        for r0 in range(0, BM, SB):
+            rows = first + r0 + tl.arange(0, SB)
+            row_ok = rows < end
+            x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & col_ok[None, :], K, ACT)
+            if AMAX:
+                if RMULT:
+                    rmult = tl.load(rmult_ptr + rows, mask=row_ok, other=0.0)
+                    c_max = tl.maximum(c_max, tl.max(tl.abs(x * rmult[:, None]), axis=0))
+                else:
+                    c_max = tl.maximum(c_max, tl.max(tl.abs(x), axis=0))
+            if MULT:
+                x *= mult[None, :]
+            s, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))
+            tl.store(s_ptr + rows, s, mask=row_ok)
+            q = _to_e4m3(x * inv[:, None])
+            if ROWS:
+                tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q,
+                         mask=row_ok[:, None] & col_ok[None, :])
+            if TRANS:
+                tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * BM + r0 + tl.arange(0, SB))[:, None], q,
+                         mask=col_ok[None, :])
+        if AMAX:
+            tl.store(amax_ptr + t * K + cols, c_max, mask=col_ok)
+        return
+    rows = first + tl.arange(0, BM)
+    row_ok = rows < end
     if AMAX and RMULT:
         rmult = tl.load(rmult_ptr + rows, mask=row_ok, other=0.0)
     r_max = tl.zeros((BM,), dtype=tl.float32)
@@ -900,6 +935,7 @@ class Fp8Rows(NamedTuple):
 
 ROWS_BM = 32      # rows per program of quantize_rows (its second loop reads them again); divides 128
 ROWS_WARPS = 4    # warps per program (benchmarks/fp8_rows.py --parts rowsweep times others)
+ROWS_TILE = 8192  # elements a program holds when whole rows fit (0: never): ROWS_TILE // next_pow2(K) rows at a time
 
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
@@ -927,13 +963,15 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
     tile_max = torch.empty(T, K, dtype=torch.float32, device=x.device) if col_amax else None
     row_offs, tile_offs = _schedule(counts, 128)
     tile_offs = tile_offs * (128 // ROWS_BM)   # each expert's 128-row tiles, split: a tile never holds two experts
+    kp2 = triton.next_power_of_2(K)
+    sb = min(ROWS_BM, ROWS_TILE // kp2)        # whole rows at a time, or 0: two loops over K
     if T > 0 and K > 0:
         _quant_rows_kernel[(T,)](x, x if dh is None else dh, s if mult is None else mult.contiguous(),
                                  s if row_mult is None else row_mult.contiguous(), qt if q is None else q, s,
                                  q if qt is None else qt, s if tile_max is None else tile_max, row_offs, tile_offs,
                                  M, K, E, 128 * T128, MULT=mult is not None, RMULT=row_mult is not None,
                                  AMAX=col_amax, ROWS=rows, TRANS=trans, E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM,
-                                 num_warps=ROWS_WARPS)
+                                 SB=max(sb, 1), KP2=kp2 if sb else 0, num_warps=ROWS_WARPS)
     amax = None
     if col_amax:                               # each tile's column maxima, reduced per expert
         amax = torch.empty(E, K, dtype=torch.float32, device=x.device)
@@ -1091,6 +1129,10 @@ def check_rows(counts, M, K, seed):
 t = time.time()
 check_rows([70, 0, 1, 131], 212, 200, seed=12)
 check_rows([5], 5, 130, seed=13)
+tile = ROWS_TILE
+for ROWS_TILE in (0, 512):                 # rows too wide for a tile (two loops over K), and whole rows two at a time
+    check_rows([70, 0, 1, 131], 212, 200, seed=12)
+ROWS_TILE = tile
 (w,) = randn(14, (3, 70, 260))
 w = w * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]
 q, s = quantize_weight_rows(w)
