@@ -2,6 +2,7 @@
 an H200, torch 2.11, Triton 3.6). Run from the repository root:
 
     PYTHONPATH=. python3 benchmarks/fp8_rows.py [--tokens 16384] [--json /tmp/fp8_rows.json] [--parts gemm,mlp,quant]
+        [--only qwen3-235b-a22b,...]
 
 At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), `do_bench` medians:
 
@@ -376,8 +377,13 @@ def main():
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--json")
     parser.add_argument("--parts", default="gemm,mlp,quant")
+    parser.add_argument("--only", help="comma-separated model names (qwen3-235b-a22b, ...): run those alone")
     args = parser.parse_args()
     parts = args.parts.split(",")
+    if args.only:
+        keep = lambda d: {k: v for k, v in d.items() if k in args.only.split(",")}
+        for table in ("MODELS", "WIDE", "WEIGHTS", "DENSE"):
+            globals()[table] = keep(globals()[table])
     print(f"{datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__} triton "
           f"{triton.__version__}", flush=True)
     if "dense" in parts:
