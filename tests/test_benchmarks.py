@@ -57,7 +57,7 @@ failed = [(r["group"], r["case"], r["note"]) for r in fb.ROWS if "FAILED" in r["
 assert not failed, failed
 from pith_lit.ops import fp8
 settings = fp8.ROWS_BM, fp8.WEIGHT_ROWS, fp8.QUANT_WARPS, fp8.WEIGHT_ROW_TILE, fp8.ROWS_TILE
-assert settings == (32, 64, 8, 16384, 8192), f"a sweep left its setting changed: {settings}"
+assert settings == (32, 64, 8, 0, 0), f"a sweep left its setting changed: {settings}"
 print("cases", len(fb.ROWS))
 '''
 

@@ -823,14 +823,15 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 # A row's scale is set by its largest element over all of K, so an outlier costs the whole row precision, where a
 # 1×128 tile confines it to 128 elements; how much that matters to training is measured (`nbs/validate/v05_fp8`).
 #
-# `_quant_rows_kernel` takes `BM` rows of one expert per program. Where whole rows fit in `ROWS_TILE` elements it
-# takes them `ROWS_TILE // next_pow2(K)` at a time, each loaded once: the row maxima, the scales, the values (and,
-# asked, the column maxima, kept over the program's rows, and the values transposed) all come from that one tile.
-# Wider rows are read twice, 128 columns at a time: the first loop finds the row maxima (and, asked, the column
-# maxima), the second quantizes and writes (and, asked, writes the values transposed). The second read comes from
-# L2 only while the program's rows are still there, which at the wide widths, with every program in flight reading
-# its own, they mostly are not. Its programs cover each expert's rows rounded up to 128, so the transposed tiles'
-# padding is written as zeros by the programs past the expert's end.
+# `_quant_rows_kernel` takes `BM` rows of one expert per program and reads them twice, 128 columns at a time: the
+# first loop finds the row maxima (and, asked, the column maxima), the second quantizes and writes (and, asked,
+# writes the values transposed). The second read comes from L2 only while the program's rows are still there,
+# which at the wide widths, with every program in flight reading its own, they mostly may not be. So it can
+# instead take whole rows, `ROWS_TILE // next_pow2(K)` at a time, each loaded once: the row maxima, the scales,
+# the values (and, asked, the column maxima, kept over the program's rows, and the values transposed) all come
+# from that one tile. `ROWS_TILE` is 0 (the two loops) until a GPU has timed the two against each other
+# (`benchmarks/fp8_rows.py --parts rowsweep`). Its programs cover each expert's rows rounded up to 128, so the
+# transposed tiles' padding is written as zeros by the programs past the expert's end.
 # It computes the same activations as `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`,
 # the weight scales of the input gradient) before taking maxima.
 
@@ -935,7 +936,7 @@ class Fp8Rows(NamedTuple):
 
 ROWS_BM = 32      # rows per program of quantize_rows (its second loop reads them again); divides 128
 ROWS_WARPS = 4    # warps per program (benchmarks/fp8_rows.py --parts rowsweep times others)
-ROWS_TILE = 8192  # elements a program holds when whole rows fit (0: never): ROWS_TILE // next_pow2(K) rows at a time
+ROWS_TILE = 0     # elements a program holds with whole rows (0: two loops): ROWS_TILE // next_pow2(K) rows at a time
 
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
@@ -985,12 +986,13 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # gradient's B operand), or both. Finding the maxima is a read of its own: the second loop reads the rows again,
 # from L2 only while they are still there (at the wide widths' weights the pass's rate suggests they mostly are not:
 # benchmarks/RESULTS.md, "Where the FP8 step's time goes"). So the forward layout alone, the pass a layer runs
-# first, holds whole rows instead when they fit: `WEIGHT_ROW_TILE` elements per program, `WEIGHT_ROW_TILE //
-# next_pow2(K)` rows of all of K in one tile, which it loads once, reduces and writes. The transposed layout keeps
-# the two loops over 64 rows: its stores are along N, and a handful of rows would write a few bytes per line; so
-# does a weight read through `.mT` (its rows are strided, a handful of them a few bytes per line too). A
-# row's scale depends on nothing but the row, so a pass given the scales of an
-# earlier pass over the same, unchanged W (`scales`) skips the first loop and reads W once: an expert layer that
+# first, can hold whole rows instead: with `WEIGHT_ROW_TILE` elements per program, `WEIGHT_ROW_TILE //
+# next_pow2(K)` rows of all of K in one tile, which it loads once, reduces and writes. That path is off (0) until a
+# GPU has timed it against the two loops (`benchmarks/fp8_rows.py --parts weights`). The transposed layout keeps
+# the two loops over 64 rows: its stores run along N, and a handful of rows would write a few bytes per line; so
+# would a weight read through `.mT`, whose rows are strided. A row's scale depends on nothing but the row, so a
+# pass given the scales of an earlier pass over the same, unchanged W (`scales`) skips the first loop and reads W
+# once: an expert layer that
 # quantizes its weight at each use gives its backward's transposed pass the forward's scales (`weight_each_use`,
 # below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds them again. It
 # reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in place.
@@ -999,7 +1001,7 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 #| export
 WEIGHT_ROWS = 64        # rows of W per program
 WEIGHT_ROWS_WARPS = 8   # benchmarks/fp8_rows.py --parts rowsweep times others
-WEIGHT_ROW_TILE = 16384  # elements of W a program holds when whole rows fit (forward layout alone; 0: never)
+WEIGHT_ROW_TILE = 0     # elements of W a program holds with whole rows (forward layout alone; 0: two loops)
 
 
 @triton.jit
@@ -1130,7 +1132,7 @@ t = time.time()
 check_rows([70, 0, 1, 131], 212, 200, seed=12)
 check_rows([5], 5, 130, seed=13)
 tile = ROWS_TILE
-for ROWS_TILE in (0, 512):                 # rows too wide for a tile (two loops over K), and whole rows two at a time
+for ROWS_TILE in (8192, 512):              # whole rows, all 32 of a program in one tile and two at a time
     check_rows([70, 0, 1, 131], 212, 200, seed=12)
 ROWS_TILE = tile
 (w,) = randn(14, (3, 70, 260))
@@ -1156,10 +1158,10 @@ try:
 except ValueError as e:
     assert "scales must be float32 of shape (3, 70)" in str(e), e
 tile = WEIGHT_ROW_TILE
-for WEIGHT_ROW_TILE in (0, 512):           # the forward layout by two loops, and by whole rows one to a program
+for WEIGHT_ROW_TILE in (16384, 512):       # the forward layout by whole rows, 32 to a program and one
     assert same(quantize_weight_rows(w), (q, s)) and same(quantize_weight_rows(w[2]), (q[2], s[2]))
+    assert same(quantize_weight_rows(w.mT.contiguous().mT), (q, s))    # strided rows: the two loops still
 WEIGHT_ROW_TILE = tile
-assert same(quantize_weight_rows(w.mT.contiguous().mT), (q, s))        # strided rows: the two loops
 print(f"row quantization (activations, weights, per-expert columns) equals the reference ({time.time() - t:.1f} s)")
 
 

@@ -546,7 +546,7 @@ class Fp8Rows(NamedTuple):
 
 ROWS_BM = 32      # rows per program of quantize_rows (its second loop reads them again); divides 128
 ROWS_WARPS = 4    # warps per program (benchmarks/fp8_rows.py --parts rowsweep times others)
-ROWS_TILE = 8192  # elements a program holds when whole rows fit (0: never): ROWS_TILE // next_pow2(K) rows at a time
+ROWS_TILE = 0     # elements a program holds with whole rows (0: two loops): ROWS_TILE // next_pow2(K) rows at a time
 
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
@@ -593,7 +593,7 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # %% ../../nbs/ops/15_fp8.ipynb #0113dccb
 WEIGHT_ROWS = 64        # rows of W per program
 WEIGHT_ROWS_WARPS = 8   # benchmarks/fp8_rows.py --parts rowsweep times others
-WEIGHT_ROW_TILE = 16384  # elements of W a program holds when whole rows fit (forward layout alone; 0: never)
+WEIGHT_ROW_TILE = 0     # elements of W a program holds with whole rows (forward layout alone; 0: two loops)
 
 
 @triton.jit
