@@ -244,7 +244,7 @@ def bench_weights(name, weights):
     """Each weight's forward and transposed pass alone at each (rows per program, warps) of `WEIGHT_SWEEP` (two loops
     over K); the forward layout also with whole rows in a tile, at each (elements per program, warps) of
     `WHOLE_SWEEP`."""
-    default = fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE
+    default = fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE
     g = torch.Generator(device=DEV).manual_seed(3)
     try:
         for wname, (E, N, K) in weights.items():
@@ -259,7 +259,8 @@ def bench_weights(name, weights):
                     group, case, do_bench(fn, return_mode="median"), nbytes=w.numel() * 3))
                 fp8.WEIGHT_ROW_TILE = 0
                 for rows, warps in WEIGHT_SWEEP:
-                    fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS = rows, warps
+                    fp8.WEIGHT_ROWS = fp8.WEIGHT_ROWS_GIVEN = rows
+                    fp8.WEIGHT_ROWS_WARPS = warps
                     time_it(f"{rows} rows, {warps} warps")
                 for tile, warps in WHOLE_SWEEP if not layout and given is None else ():
                     fp8.WEIGHT_ROW_TILE, fp8.WEIGHT_ROWS_WARPS = tile, warps
@@ -267,7 +268,7 @@ def bench_weights(name, weights):
                         time_it(f"whole rows, {tile} elements, {warps} warps")
             del w
     finally:
-        fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE = default
+        fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE = default
 
 
 def bench_wgrad(name, shape, tokens):

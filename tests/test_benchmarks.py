@@ -56,8 +56,8 @@ fb.bench_quant_sweep("tiny", shape, tokens, warps=(4,))
 failed = [(r["group"], r["case"], r["note"]) for r in fb.ROWS if "FAILED" in r["note"]]
 assert not failed, failed
 from pith_lit.ops import fp8
-settings = fp8.ROWS_BM, fp8.WEIGHT_ROWS, fp8.QUANT_WARPS, fp8.WEIGHT_ROW_TILE, fp8.ROWS_TILE
-assert settings == (32, 64, 8, 0, 0), f"a sweep left its setting changed: {settings}"
+settings = fp8.ROWS_BM, fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.QUANT_WARPS, fp8.WEIGHT_ROW_TILE, fp8.ROWS_TILE
+assert settings == (32, 64, 128, 8, 0, 0), f"a sweep left its setting changed: {settings}"
 print("cases", len(fb.ROWS))
 '''
 

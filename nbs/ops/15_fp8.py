@@ -876,39 +876,39 @@ def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr,
                          mask=col_ok[None, :])
         if AMAX:
             tl.store(amax_ptr + t * K + cols, c_max, mask=col_ok)
-        return
-    rows = first + tl.arange(0, BM)
-    row_ok = rows < end
-    if AMAX and RMULT:
-        rmult = tl.load(rmult_ptr + rows, mask=row_ok, other=0.0)
-    r_max = tl.zeros((BM,), dtype=tl.float32)
-    for k0 in range(0, K, 128):
-        cols = k0 + tl.arange(0, 128)
-        col_ok = cols < K
-        x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & col_ok[None, :], K, ACT)
-        if AMAX:                                   # the columns' maxima over this tile's rows, times rmult
-            if RMULT:
-                tl.store(amax_ptr + t * K + cols, tl.max(tl.abs(x * rmult[:, None]), axis=0), mask=col_ok)
-            else:
-                tl.store(amax_ptr + t * K + cols, tl.max(tl.abs(x), axis=0), mask=col_ok)
-        if MULT:
-            x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
-        r_max = tl.maximum(r_max, tl.max(tl.abs(x), axis=1))
-    s, inv = _pow2_scale(r_max)
-    tl.store(s_ptr + rows, s, mask=row_ok)
-    for k0 in range(0, K, 128):
-        cols = k0 + tl.arange(0, 128)
-        col_ok = cols < K
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = _act_tile(x_ptr, dh_ptr, rows, cols, mask, K, ACT)
-        if MULT:
-            x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
-        q = _to_e4m3(x * inv[:, None])
-        if ROWS:
-            tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
-        if TRANS:                                  # rows past the expert's end are zeros: the tile's padding
-            tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * BM + tl.arange(0, BM))[:, None], q,
-                     mask=col_ok[None, :])
+    else:                                      # two loops over K, 128 columns at a time
+        rows = first + tl.arange(0, BM)
+        row_ok = rows < end
+        if AMAX and RMULT:
+            rmult = tl.load(rmult_ptr + rows, mask=row_ok, other=0.0)
+        r_max = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, K, 128):
+            cols = k0 + tl.arange(0, 128)
+            col_ok = cols < K
+            x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & col_ok[None, :], K, ACT)
+            if AMAX:                                   # the columns' maxima over this tile's rows, times rmult
+                if RMULT:
+                    tl.store(amax_ptr + t * K + cols, tl.max(tl.abs(x * rmult[:, None]), axis=0), mask=col_ok)
+                else:
+                    tl.store(amax_ptr + t * K + cols, tl.max(tl.abs(x), axis=0), mask=col_ok)
+            if MULT:
+                x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
+            r_max = tl.maximum(r_max, tl.max(tl.abs(x), axis=1))
+        s, inv = _pow2_scale(r_max)
+        tl.store(s_ptr + rows, s, mask=row_ok)
+        for k0 in range(0, K, 128):
+            cols = k0 + tl.arange(0, 128)
+            col_ok = cols < K
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = _act_tile(x_ptr, dh_ptr, rows, cols, mask, K, ACT)
+            if MULT:
+                x *= tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)[None, :]
+            q = _to_e4m3(x * inv[:, None])
+            if ROWS:
+                tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+            if TRANS:                                  # rows past the expert's end are zeros: the tile's padding
+                tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * BM + tl.arange(0, BM))[:, None], q,
+                         mask=col_ok[None, :])
 
 
 @triton.jit
@@ -992,14 +992,17 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # the two loops over 64 rows: its stores run along N, and a handful of rows would write a few bytes per line; so
 # would a weight read through `.mT`, whose rows are strided. A row's scale depends on nothing but the row, so a
 # pass given the scales of an earlier pass over the same, unchanged W (`scales`) skips the first loop and reads W
-# once: an expert layer that
-# quantizes its weight at each use gives its backward's transposed pass the forward's scales (`weight_each_use`,
-# below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds them again. It
-# reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in place.
+# once, `WEIGHT_ROWS_GIVEN` rows per program (on an H100 at the 235B width's expert weights, 128 rows wrote the
+# transposed layout 1.2× faster than 64: benchmarks/RESULTS.md, "The weight and row passes at the 235B width"): an
+# expert layer that quantizes its weight at each use gives its backward's transposed pass the forward's scales
+# (`weight_each_use`, below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds
+# them again. It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in
+# place.
 
 # %%
 #| export
 WEIGHT_ROWS = 64        # rows of W per program
+WEIGHT_ROWS_GIVEN = 128 # rows of W per program of a pass given its scales (one loop; fp8_rows.py --parts weights)
 WEIGHT_ROWS_WARPS = 8   # benchmarks/fp8_rows.py --parts rowsweep times others
 WEIGHT_ROW_TILE = 0     # elements of W a program holds with whole rows (forward layout alone; 0: two loops)
 
@@ -1019,27 +1022,27 @@ def _quant_weight_rows_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_e, s_n, s_k, 
         tl.store(s_ptr + e * N + n, s, mask=n_ok)
         tl.store(q_ptr + e.to(tl.int64) * N * K + n.to(tl.int64)[:, None] * K + k[None, :],
                  _to_e4m3(w * inv[:, None]), mask=mask)
-        return
-    if GIVEN:                                   # the scales s = 2^k of an earlier pass: 1/s = 2^-k from their bits
-        s_bits = tl.load(s_ptr + e * N + n, mask=n_ok, other=1.0).to(tl.int32, bitcast=True)
-        inv = ((254 - ((s_bits >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
-    else:
-        r_max = tl.zeros((BN,), dtype=tl.float32)
+    else:                                       # two loops over K, 128 columns at a time
+        if GIVEN:                                   # the scales s = 2^k of an earlier pass: 1/s = 2^-k from their bits
+            s_bits = tl.load(s_ptr + e * N + n, mask=n_ok, other=1.0).to(tl.int32, bitcast=True)
+            inv = ((254 - ((s_bits >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
+        else:
+            r_max = tl.zeros((BN,), dtype=tl.float32)
+            for k0 in range(0, K, 128):
+                k = k0 + tl.arange(0, 128)
+                w = tl.load(base + k[None, :] * s_k, mask=n_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+                r_max = tl.maximum(r_max, tl.max(tl.abs(w), axis=1))
+            s, inv = _pow2_scale(r_max)
+            tl.store(s_ptr + e * N + n, s, mask=n_ok)
+        off = e.to(tl.int64) * N * K
         for k0 in range(0, K, 128):
             k = k0 + tl.arange(0, 128)
-            w = tl.load(base + k[None, :] * s_k, mask=n_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            r_max = tl.maximum(r_max, tl.max(tl.abs(w), axis=1))
-        s, inv = _pow2_scale(r_max)
-        tl.store(s_ptr + e * N + n, s, mask=n_ok)
-    off = e.to(tl.int64) * N * K
-    for k0 in range(0, K, 128):
-        k = k0 + tl.arange(0, 128)
-        mask = n_ok[:, None] & (k < K)[None, :]
-        q = _to_e4m3(tl.load(base + k[None, :] * s_k, mask=mask, other=0.0).to(tl.float32) * inv[:, None])
-        if FWD:
-            tl.store(q_ptr + off + n[:, None] * K + k[None, :], q, mask=mask)
-        if TRANS:
-            tl.store(qt_ptr + off + k[None, :] * N + n[:, None], q, mask=mask)
+            mask = n_ok[:, None] & (k < K)[None, :]
+            q = _to_e4m3(tl.load(base + k[None, :] * s_k, mask=mask, other=0.0).to(tl.float32) * inv[:, None])
+            if FWD:
+                tl.store(q_ptr + off + n[:, None] * K + k[None, :], q, mask=mask)
+            if TRANS:
+                tl.store(qt_ptr + off + k[None, :] * N + n[:, None], q, mask=mask)
 
 
 def quantize_weight_rows(w: Tensor, transposed: bool | str = False, scales: Tensor | None = None):
@@ -1060,7 +1063,7 @@ def quantize_weight_rows(w: Tensor, transposed: bool | str = False, scales: Tens
     outs = [(torch.empty((E, K, N) if t else (E, N, K), dtype=FP8, device=w.device), s) for t in layouts]
     kp2 = triton.next_power_of_2(K)
     whole = layouts == (False,) and scales is None and kp2 <= WEIGHT_ROW_TILE and w3.stride(2) == 1
-    bn = WEIGHT_ROW_TILE // kp2 if whole else WEIGHT_ROWS
+    bn = WEIGHT_ROW_TILE // kp2 if whole else WEIGHT_ROWS if scales is None else WEIGHT_ROWS_GIVEN
     if E * N * K > 0:
         _quant_weight_rows_kernel[(E, triton.cdiv(N, bn))](
             w3, outs[0][0], outs[-1][0], s, N, K, *w3.stride(), FWD=False in layouts, TRANS=True in layouts,
