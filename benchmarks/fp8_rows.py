@@ -186,6 +186,7 @@ def bench_quant(name, shape, tokens):
             ("quantize_weight w1 (blocks) both", lambda: fp8.quantize_weight(w, "both"), w.numel() * 4)]:
         run(group, label, lambda: report(group, label, do_bench(fn, return_mode="median"), nbytes=nbytes))
 
+
 ROWS_WHOLE_SWEEP = [(8192, 4), (4096, 4), (8192, 8), (16384, 8)]   # (fp8.ROWS_TILE, warps) with whole rows
 WIDE = {"qwen3-235b-a22b": dict(hidden=4096, ffn=1536, experts=128, top_k=8),   # rowsweep's widths of issue 43 too
         "deepseek-v3": dict(hidden=7168, ffn=2048, experts=64, top_k=8)}        # (V3 cut to 64 experts, as in e2e)
@@ -235,9 +236,7 @@ WEIGHTS = {"qwen3-30b-a3b": {"gate_up": (128, 1536, 2048), "down": (128, 2048, 7
            "deepseek-v3": {"gate_up": (64, 4096, 7168), "down": (64, 7168, 2048), "o": (1, 7168, 16384),
                            "dense gate_up": (1, 36864, 7168), "dense down": (1, 7168, 18432)}}
 WEIGHT_SWEEP = [(64, 8), (32, 8), (32, 4), (16, 4), (16, 2), (8, 4), (8, 2), (128, 8)]
-
-
-WHOLE_SWEEP = [(16384, 8), (8192, 4), (8192, 8), (16384, 4), (16384, 16), (32768, 16)]
+WHOLE_SWEEP = [(16384, 8), (8192, 4), (8192, 8), (16384, 4), (16384, 16), (32768, 16)]   # (WEIGHT_ROW_TILE, warps)
 
 
 def bench_weights(name, weights):

@@ -886,7 +886,7 @@ def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr,
             cols = k0 + tl.arange(0, 128)
             col_ok = cols < K
             x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & col_ok[None, :], K, ACT)
-            if AMAX:                                   # the columns' maxima over this tile's rows, times rmult
+            if AMAX:                           # the columns' maxima over this tile's rows, times rmult
                 if RMULT:
                     tl.store(amax_ptr + t * K + cols, tl.max(tl.abs(x * rmult[:, None]), axis=0), mask=col_ok)
                 else:
@@ -906,7 +906,7 @@ def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr,
             q = _to_e4m3(x * inv[:, None])
             if ROWS:
                 tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
-            if TRANS:                                  # rows past the expert's end are zeros: the tile's padding
+            if TRANS:                          # rows past the expert's end are zeros: the tile's padding
                 tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * BM + tl.arange(0, BM))[:, None], q,
                          mask=col_ok[None, :])
 
@@ -993,9 +993,9 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # would a weight read through `.mT`, whose rows are strided. A row's scale depends on nothing but the row, so a
 # pass given the scales of an earlier pass over the same, unchanged W (`scales`) skips the first loop and reads W
 # once, `WEIGHT_ROWS_GIVEN` rows per program (on an H100 at the 235B width's expert weights, 128 rows wrote the
-# transposed layout 1.2× faster than 64: benchmarks/RESULTS.md, "The weight and row passes at the 235B width"): an
-# expert layer that quantizes its weight at each use gives its backward's transposed pass the forward's scales
-# (`weight_each_use`, below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds
+# transposed layout 1.16–1.24× faster than 64: benchmarks/RESULTS.md, "The weight and row passes at the 235B
+# width"): an expert layer that quantizes its weight at each use gives its backward's transposed pass the forward's
+# scales (`weight_each_use`, below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds
 # them again. It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in
 # place.
 
@@ -1023,7 +1023,7 @@ def _quant_weight_rows_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, s_e, s_n, s_k, 
         tl.store(q_ptr + e.to(tl.int64) * N * K + n.to(tl.int64)[:, None] * K + k[None, :],
                  _to_e4m3(w * inv[:, None]), mask=mask)
     else:                                       # two loops over K, 128 columns at a time
-        if GIVEN:                                   # the scales s = 2^k of an earlier pass: 1/s = 2^-k from their bits
+        if GIVEN:                               # the scales s = 2^k of an earlier pass: 1/s = 2^-k from their bits
             s_bits = tl.load(s_ptr + e * N + n, mask=n_ok, other=1.0).to(tl.int32, bitcast=True)
             inv = ((254 - ((s_bits >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
         else:
