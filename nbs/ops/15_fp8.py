@@ -992,11 +992,11 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # the two loops over 64 rows: its stores run along N, and a handful of rows would write a few bytes per line; so
 # would a weight read through `.mT`, whose rows are strided. A row's scale depends on nothing but the row, so a
 # pass given the scales of an earlier pass over the same, unchanged W (`scales`) skips the first loop and reads W
-# once, `WEIGHT_ROWS_GIVEN` rows per program (a setting of its own, chosen by timing it; the timings
-# are in benchmarks/RESULTS.md, "The weight and row passes at the 235B width"): an expert layer that quantizes its weight at each use gives its backward's transposed pass the forward's
-# scales (`weight_each_use`, below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds
-# them again. It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in
-# place.
+# once, `WEIGHT_ROWS_GIVEN` rows per program (a setting of its own, chosen by timing it; the timings are in
+# benchmarks/RESULTS.md, "The weight and row passes at the 235B width"): an expert layer that quantizes its weight
+# at each use gives its backward's transposed pass the forward's scales (`weight_each_use`, below). `fp8_linear`'s
+# forward and backward are operators of their own, so its backward finds them again. It reads W through strides,
+# so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in place.
 
 # %%
 #| export
