@@ -35,6 +35,9 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
   `MODELS`' widths and the wide ones of issue 43 (`WIDE`), and the weight pass writing both layouts at each of its own
   (`fp8.WEIGHT_ROWS`, `fp8.WEIGHT_ROWS_WARPS`).
 
+In `weights` and `rowsweep` each case's note says whether the pass under that setting wrote the same bits as under
+the package's own (`agreement`): "same", or "DIFFERS" and the parts that differ.
+
 Every case runs inside try/except (fp8_bench's `run`). Nothing here is a test; the numbers go to RESULTS.md.
 """
 import argparse
@@ -187,6 +190,20 @@ def bench_quant(name, shape, tokens):
         run(group, label, lambda: report(group, label, do_bench(fn, return_mode="median"), nbytes=nbytes))
 
 
+def agreement(got, want, used=None) -> str:
+    """"same" when a pass under a sweep's setting wrote what it writes under the package's, bit for bit, wherever it
+    defines its output (an `Fp8Rows`' q, s and column maxima, its transpose's first `used` columns; a weight pass's
+    values and scales), else "DIFFERS: " and the parts that differ."""
+    def parts(r):
+        if isinstance(r, fp8.Fp8Rows):
+            return {"q": r.q, "s": r.s, "col_amax": r.col_amax, "qt": None if r.qt is None else r.qt[:, :used]}
+        return {"values": r[0], "scales": r[1]}
+    bits = lambda t: t.view(torch.uint8) if t.dtype == fp8.FP8 else t
+    bad = [k for (k, a), b in zip(parts(got).items(), parts(want).values())
+           if (a is None) != (b is None) or a is not None and not torch.equal(bits(a), bits(b))]
+    return "DIFFERS: " + ", ".join(bad) if bad else "same"
+
+
 ROWS_WHOLE_SWEEP = [(8192, 4), (4096, 4), (8192, 8), (16384, 8)]   # (fp8.ROWS_TILE, warps) with whole rows
 WIDE = {"qwen3-235b-a22b": dict(hidden=4096, ffn=1536, experts=128, top_k=8),   # rowsweep's widths of issue 43 too
         "deepseek-v3": dict(hidden=7168, ffn=2048, experts=64, top_k=8)}        # (V3 cut to 64 experts, as in e2e)
@@ -208,13 +225,16 @@ def bench_rowsweep(name, shape, tokens):
                   gate_up, counts, act="swiglu_grad", dh=dh, mult=mult_i, col_amax=True, row_mult=s), n * I * 8)}
     default = fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE
     cases = [(32, 4, 0), (16, 4, 0), (64, 8, 0)] + [(32, warps, tile) for tile, warps in ROWS_WHOLE_SWEEP]
+    used = 128 * int(((counts + 127) // 128).sum())                  # the columns of qt the experts' tiles fill
+    want = {label: fn() for label, (fn, _) in passes.items()}         # the package's settings
     try:
         for bm, warps, tile in cases:
             fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE = bm, warps, tile
             case = f"{bm} rows, {warps} warps" + (f", whole rows in {tile} elements" if tile else ", two loops")
             for label, (fn, nbytes) in passes.items():
                 group = f"{name} quantize_rows {label}"
-                run(group, case, lambda: report(group, case, do_bench(fn, return_mode="median"), nbytes=nbytes))
+                run(group, case, lambda: report(group, case, do_bench(fn, return_mode="median"), nbytes=nbytes,
+                                                note=agreement(fn(), want[label], used)))
     finally:
         fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE = default
     default = fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS             # the weight pass writing both layouts
@@ -254,9 +274,11 @@ def bench_weights(name, weights):
                 what = ("transposed" if layout else "forward") + (", scales given" if given is not None else "")
                 group = f"{name} {wname} {what} {E}x{N}x{K}"
                 fn = lambda: fp8.quantize_weight_rows(w, layout, scales=given)
-                time_it = lambda case: run(group, case, lambda: report(
-                    group, case, do_bench(fn, return_mode="median"), nbytes=w.numel() * 3))
+                fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE = default
+                want = fn()                                                # the package's settings
                 fp8.WEIGHT_ROW_TILE = 0
+                time_it = lambda case: run(group, case, lambda: report(
+                    group, case, do_bench(fn, return_mode="median"), nbytes=w.numel() * 3, note=agreement(fn(), want)))
                 for rows, warps in WEIGHT_SWEEP:
                     fp8.WEIGHT_ROWS = fp8.WEIGHT_ROWS_GIVEN = rows
                     fp8.WEIGHT_ROWS_WARPS = warps

@@ -53,8 +53,10 @@ fb.SWEEP = fb.SWEEP[:2]                                  # fp8_bench.py's parts 
 fb.bench_experts("tiny", shape, tokens, True)
 fb.bench_mlp("tiny", shape, tokens)
 fb.bench_quant_sweep("tiny", shape, tokens, warps=(4,))
-failed = [(r["group"], r["case"], r["note"]) for r in fb.ROWS if "FAILED" in r["note"]]
+failed = [(r["group"], r["case"], r["note"]) for r in fb.ROWS if "FAILED" in r["note"] or "DIFFERS" in r["note"]]
 assert not failed, failed
+whole = [r for r in fb.ROWS if "whole rows" in r["case"]]   # the sweeps' settings against the package's, bit for bit
+assert len(whole) >= 8 and all(r["note"] == "same" for r in whole), whole
 from pith_lit.ops import fp8
 settings = fp8.ROWS_BM, fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.QUANT_WARPS, fp8.WEIGHT_ROW_TILE, fp8.ROWS_TILE
 assert settings == (32, 64, 128, 8, 0, 0), f"a sweep left its setting changed: {settings}"
