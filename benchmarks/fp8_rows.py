@@ -2,7 +2,7 @@
 an H200, torch 2.11, Triton 3.6). Run from the repository root:
 
     PYTHONPATH=. python3 benchmarks/fp8_rows.py [--tokens 16384] [--json /tmp/fp8_rows.json] [--parts gemm,mlp,quant]
-        [--only qwen3-235b-a22b,...]
+        [--only qwen3-235b-a22b,...]     (--parts resources: no GPU needed)
 
 At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), `do_bench` medians:
 
@@ -34,6 +34,8 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
   (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), by two loops over K and with whole rows in a tile (`fp8.ROWS_TILE`), at
   `MODELS`' widths and the wide ones of issue 43 (`WIDE`), and the weight pass writing both layouts at each of its own
   (`fp8.WEIGHT_ROWS`, `fp8.WEIGHT_ROWS_WARPS`).
+- `resources` (no GPU needed): each setting `weights` and `rowsweep` time, compiled for sm90 by the Triton installed
+  here: registers and stack bytes (spills) a thread, from `cuobjdump --dump-resource-usage` of the cubin.
 
 In `weights` and `rowsweep` each case's note says whether the pass under that setting wrote the same bits as under
 the package's own (`agreement`): "same", or "DIFFERS" and the parts that differ.
@@ -205,6 +207,8 @@ def agreement(got, want, used=None) -> str:
 
 
 ROWS_WHOLE_SWEEP = [(8192, 4), (4096, 4), (8192, 8), (16384, 8)]   # (fp8.ROWS_TILE, warps) with whole rows
+ROW_CASES = ([(32, 4, 0), (32, 8, 0), (16, 4, 0), (64, 8, 0)]                     # (ROWS_BM, ROWS_WARPS, ROWS_TILE)
+             + [(32, warps, tile) for tile, warps in ROWS_WHOLE_SWEEP])
 WIDE = {"qwen3-235b-a22b": dict(hidden=4096, ffn=1536, experts=128, top_k=8),   # rowsweep's widths of issue 43 too
         "deepseek-v3": dict(hidden=7168, ffn=2048, experts=64, top_k=8)}        # (V3 cut to 64 experts, as in e2e)
 
@@ -224,11 +228,10 @@ def bench_rowsweep(name, shape, tokens):
               f"swiglu_grad, mult, col_amax ({2 * I})": (lambda: fp8.quantize_rows(
                   gate_up, counts, act="swiglu_grad", dh=dh, mult=mult_i, col_amax=True, row_mult=s), n * I * 8)}
     default = fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE
-    cases = [(32, 4, 0), (16, 4, 0), (64, 8, 0)] + [(32, warps, tile) for tile, warps in ROWS_WHOLE_SWEEP]
     used = 128 * int(((counts + 127) // 128).sum())                  # the columns of qt the experts' tiles fill
     want = {label: fn() for label, (fn, _) in passes.items()}         # the package's settings
     try:
-        for bm, warps, tile in cases:
+        for bm, warps, tile in ROW_CASES:
             fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE = bm, warps, tile
             case = f"{bm} rows, {warps} warps" + (f", whole rows in {tile} elements" if tile else ", two loops")
             for label, (fn, nbytes) in passes.items():
@@ -257,6 +260,80 @@ WEIGHTS = {"qwen3-30b-a3b": {"gate_up": (128, 1536, 2048), "down": (128, 2048, 7
                            "dense gate_up": (1, 36864, 7168), "dense down": (1, 7168, 18432)}}
 WEIGHT_SWEEP = [(64, 8), (32, 8), (32, 4), (16, 4), (16, 2), (8, 4), (8, 2), (128, 8)]
 WHOLE_SWEEP = [(16384, 8), (8192, 4), (8192, 8), (16384, 4), (16384, 16), (32768, 16)]   # (WEIGHT_ROW_TILE, warps)
+
+
+# The row quantizers' arguments as `triton.compile` takes them (sm90), and the constexprs of each row pass
+WEIGHT_ARGS = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": "i32", "K": "i32",
+               "s_e": "i32", "s_n": "i32", "s_k": "i32"}
+ROW_ARGS = {"x_ptr": "*bf16", "dh_ptr": "*bf16", "mult_ptr": "*fp32", "rmult_ptr": "*fp32", "q_ptr": "*fp8e4nv",
+            "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "amax_ptr": "*fp32", "row_offs_ptr": "*i32",
+            "tile_offs_ptr": "*i32", "M": "i32", "K": "i32", "E": "i32", "LDT": "i32"}
+ROW_PASSES = {   # name: (constexprs, the width K it quantizes from a shape's hidden size H and expert width I)
+    "x, trans": (dict(MULT=False, RMULT=False, AMAX=False, ROWS=True, TRANS=True, ACT=0), lambda H, I: H),
+    "swiglu, trans": (dict(MULT=False, RMULT=False, AMAX=False, ROWS=True, TRANS=True, ACT=1), lambda H, I: I),
+    "dy, mult, col_amax": (dict(MULT=True, RMULT=True, AMAX=True, ROWS=True, TRANS=False, ACT=0), lambda H, I: H),
+    "swiglu_grad, mult, col_amax": (dict(MULT=True, RMULT=True, AMAX=True, ROWS=True, TRANS=False, ACT=2),
+                                    lambda H, I: 2 * I),
+    "the transpose alone": (dict(MULT=False, RMULT=False, AMAX=False, ROWS=False, TRANS=True, ACT=0),
+                            lambda H, I: H)}
+
+
+def compile_sm90(kernel, types, constexprs, warps):
+    "`kernel` compiled for sm90 (an H100 or H200) down to its cubin by the Triton installed here; no GPU needed."
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = dict(types, **{name: "constexpr" for name in constexprs})
+    return triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps})
+
+
+def resources(kernel, types, constexprs, warps) -> str:
+    "Registers a thread and stack bytes a thread (where spills go) of the compiled kernel, from cuobjdump."
+    import os
+    import re
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compile_sm90(kernel, types, constexprs, warps).asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return f"{regs} registers, {stack} B stack"
+
+
+def bench_resources(name, shape, weights):
+    """What Triton's compiler makes of each setting `weights` and `rowsweep` time, at `shape`'s widths (no GPU):
+    registers a thread, which with the warps set how many programs share an SM, and stack bytes, where spilled
+    registers go."""
+    for wname, (E, N, K) in weights.items():
+        kp2 = triton.next_power_of_2(K)
+        for layout, given in ((False, False), (True, False), (True, True)):
+            group = f"{name} {wname} " + ("transposed" if layout else "forward") + (", scales given" if given else "")
+            for rows, warps in WEIGHT_SWEEP:
+                ce = dict(FWD=not layout, TRANS=layout, BN=rows, GIVEN=given, KP2=0)
+                run(group, f"{rows} rows, {warps} warps", lambda: report(
+                    group, f"{rows} rows, {warps} warps", note=resources(fp8._quant_weight_rows_kernel,
+                                                                         WEIGHT_ARGS, ce, warps)))
+            for tile, warps in WHOLE_SWEEP if not layout else ():
+                if kp2 > tile:
+                    continue
+                ce = dict(FWD=True, TRANS=False, BN=tile // kp2, GIVEN=False, KP2=kp2)
+                case = f"whole rows, {tile} elements, {warps} warps"
+                run(group, case, lambda: report(group, case, note=resources(fp8._quant_weight_rows_kernel,
+                                                                           WEIGHT_ARGS, ce, warps)))
+    for label, (ce, width) in ROW_PASSES.items():
+        K = width(shape["hidden"], shape["ffn"])
+        kp2, group = triton.next_power_of_2(K), f"{name} quantize_rows {label} ({K})"
+        for bm, warps, tile in ROW_CASES:
+            sb = min(bm, tile // kp2)
+            if tile and not sb:
+                continue
+            case = f"{bm} rows, {warps} warps" + (f", whole rows in {tile} elements" if tile else ", two loops")
+            args = dict(ce, E_P2=fp8._e_p2(shape["experts"]), BM=bm, SB=max(sb, 1), KP2=kp2 if sb else 0)
+            run(group, case, lambda: report(group, case, note=resources(fp8._quant_rows_kernel, ROW_ARGS, args,
+                                                                        warps)))
 
 
 def bench_weights(name, weights):
@@ -406,8 +483,11 @@ def main():
         keep = lambda d: {k: v for k, v in d.items() if k in args.only.split(",")}
         for table in ("MODELS", "WIDE", "WEIGHTS", "DENSE"):
             globals()[table] = keep(globals()[table])
-    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__} triton "
-          f"{triton.__version__}", flush=True)
+    gpu = torch.cuda.get_device_name() if parts != ["resources"] else "no GPU (resources: compiled for sm90)"
+    print(f"{datetime.date.today()} {gpu} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    if "resources" in parts:
+        for name, shape in {**MODELS, **WIDE}.items():
+            bench_resources(name, shape, WEIGHTS.get(name, {}))
     if "dense" in parts:
         for name, d in DENSE.items():
             bench_dense(name, d, args.tokens)
@@ -432,7 +512,7 @@ def main():
         bench_rowsweep(name, shape, args.tokens)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+            json.dump(dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                            rows=ROWS), f, indent=1)
 
 
