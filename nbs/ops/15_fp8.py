@@ -984,9 +984,10 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes `WEIGHT_ROWS` rows per program, finds
 # their maxima over K, then writes them in the layouts asked, `W`'s `(E, N, K)`, transposed `(E, K, N)` (the input
 # gradient's B operand), or both. Finding the maxima is a read of its own: the second loop reads the rows again,
-# from L2 only while they are still there (at the wide widths' weights the pass's rate suggests they mostly are not:
-# benchmarks/RESULTS.md, "Where the FP8 step's time goes"). So the forward layout alone, the pass a layer runs
-# first, can hold whole rows instead: with `WEIGHT_ROW_TILE` elements per program, `WEIGHT_ROW_TILE //
+# from L2 only where they are still there, which the block size alone does not decide (smaller blocks leave room for
+# more programs in flight; the pass runs at one rate from 8 rows a block to 128: benchmarks/RESULTS.md, "The weight
+# and row passes at the 235B width"). So the forward layout alone, the pass a layer runs first, can hold whole rows
+# instead: with `WEIGHT_ROW_TILE` elements per program, `WEIGHT_ROW_TILE //
 # next_pow2(K)` rows of all of K in one tile, which it loads once, reduces and writes. That path is off (0) until a
 # GPU has timed it against the two loops (`benchmarks/fp8_rows.py --parts weights`). The transposed layout keeps
 # the two loops over 64 rows: its stores run along N, and a handful of rows would write a few bytes per line; so
