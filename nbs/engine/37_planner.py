@@ -51,6 +51,7 @@ from pith_lit.engine.mesh import stage_layers
 from pith_lit.models.family import family
 from pith_lit.models.protocol import norm_bytes
 from pith_lit.ops.attention import ds_bytes
+from pith_lit.ops.experts import fp8_copies_pay
 
 # %% [markdown]
 # ## What one step runs
@@ -662,8 +663,9 @@ class _Walk:
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
         # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
-        # kept until the step ends with several micro-batches; with one, each use's copy is a transient
-        self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and w.micro_batches > 1
+        # kept until the step ends where they pay (ops/18 `fp8_copies_pay`: several micro-batches, experts whole on
+        # the rank); otherwise each use's copy is a transient
+        self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and fp8_copies_pay(w.micro_batches, w.dp * w.cp)
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.embedding_grad = False   # whether the embedding's backward has run (the root's `late` gradient)
@@ -916,6 +918,19 @@ for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
     print(f"{'FP8 ' if fp8 else 'bf16'}, {m} micro-batch(es): predicted {want:6.2f} GiB, measured {got:6.2f} "
           f"({want / got - 1:+.1%})")
     assert abs(want / got - 1) < 0.01, (fp8, m, want, got)
+
+# %% [markdown]
+# Where FSDP shards the experts (dp 2 here) the copies are not kept (ops/18 `fp8_copies_pay`): whole, they would hold
+# 2 bytes an expert weight element for the step where the rank keeps 1 (its half of the bf16 weights). Each use's
+# copy is then a transient of its layer.
+
+# %%
+four = replace(bench, fp8=True, micro_batches=4)
+kept, sharded = (estimate(c, meta_of(c), replace(four, dp=dp)).peak for dp in (1, 2))
+experts = sum(p.numel() for n, p in meta_of(c)().named_parameters() if ".experts." in n)
+assert kept.parts["FP8 weight copies"] == 2 * experts and sharded.parts["FP8 weight copies"] == 0
+print(f"FP8, 4 micro-batches: dp 1 keeps {kept.parts['FP8 weight copies'] / GiB:.1f} GiB of copies "
+      f"(peak {kept.gib():.1f} GiB); dp 2 keeps none (peak {sharded.gib():.1f} GiB)")
 
 # %% [markdown]
 # The two wider widths of "FP8 end to end" (benchmarks/RESULTS.md), compiled, one micro-batch of 4 sequences:

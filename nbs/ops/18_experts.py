@@ -47,10 +47,13 @@ from pith_lit.ops.swiglu import swiglu
 # The copies pay for themselves only when a step runs several micro-batches. With one, a kept copy saves a single
 # read of the weight (one pass writing both layouts instead of one pass each way) and holds both layouts of every
 # expert weight from its layer's forward to the optimizer step, which takes FP8's peak above bf16's
-# (benchmarks/RESULTS.md, "FP8 end to end"). So with `keep` off an `Fp8Weights` keeps nothing:
-# each use quantizes the layout it needs from the weight, the forward's in the forward and the transposed in the
-# backward, and frees it when the product is done, as the dense projections do (ops/15). The trainer sets `keep`
-# from the step's number of micro-batches (`fp8_copies_kept`, train/45).
+# (benchmarks/RESULTS.md, "FP8 end to end"). Nor do they pay where FSDP shards the experts (over dp × cp ranks,
+# engine/36): a copy is made from the gathered, whole weight, so keeping it would hold every layer's experts whole
+# through the step, 2 bytes an element where FSDP keeps the rank 2 bytes over the number of ranks, undoing what the
+# sharding saves. So with `keep` off an `Fp8Weights` keeps nothing: each use quantizes the layout it needs from the
+# weight, the forward's in the forward and the transposed in the backward, and frees it when the product is done,
+# as the dense projections do (ops/15). `fp8_copies_pay` is that rule; the trainer sets `keep` by it
+# (`fp8_copies_kept`, train/45) and the planner counts the copies by it (engine/37).
 #
 # `scaling` is `train.fp8_scaling`: `"rows"` (its default, and the config's) or `"block"` (ops/15 explains both).
 # The FP8 layers keep their copies here in either implementation: the Triton kernels' on a GPU,
@@ -104,6 +107,12 @@ def keep_fp8_copies(model: torch.nn.Module, keep: bool) -> None:
     for v in _fp8_weights(model):
         v.keep = keep
         v.clear()
+
+
+def fp8_copies_pay(micro_batches: int, expert_shards: int) -> bool:
+    """Whether the experts keep their FP8 copies for the step: when a step runs several micro-batches through each
+    layer and this rank holds its experts whole (`expert_shards`, the ranks FSDP shards them over, is 1)."""
+    return micro_batches > 1 and expert_shards == 1
 
 # %% [markdown]
 # ## The two calls
@@ -221,5 +230,6 @@ def check_copies(scaling, n_in=256, n_out=128, counts=(100, 0, 60)):
 
 for scaling in ("rows", "block"):
     check_copies(scaling)
+assert [fp8_copies_pay(m, n) for m, n in ((1, 1), (4, 1), (4, 2), (1, 2))] == [False, True, False, False]
 print("FP8 copies: the same outputs and gradients, one quantization pass per step, fresh after drop_fp8_copies; "
       "without keep, one pass per use and nothing held")

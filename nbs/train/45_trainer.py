@@ -60,7 +60,7 @@ from pith_lit.engine.steptime import choose_stage_layers, profile_layers
 from pith_lit.models.family import family
 from pith_lit.models.protocol import LocalDispatcher, Options, head_loss, run_layers
 from pith_lit.ops.attention import doc_positions
-from pith_lit.ops.experts import drop_fp8_copies, keep_fp8_copies
+from pith_lit.ops.experts import drop_fp8_copies, fp8_copies_pay, keep_fp8_copies
 from pith_lit.ops.ring_attention import ring_group, zigzag_shard
 from pith_lit.train import checkpoint
 from pith_lit.train.config import (Config, ConfigError, UserError, dump_toml, from_dict, read_toml, to_dict,
@@ -77,7 +77,7 @@ from pith_lit.train.optim import build_optimizer, count_tokens, lr_at, optimizer
 # the mesh: `train.fp8` and `train.fp8_scaling` give the FP8 scaling of the experts and the dense projections
 # (ops/15, ops/18), `parallel.cp > 1` the ring's group (`ring_group(mesh.cp)`, ops/17), `train.route` the routing
 # (train/42). The experts' FP8 weight copies are kept for the step only when a step runs several micro-batches
-# through each layer (`fp8_copies_kept`; ops/18 says what they cost and save).
+# through each layer and FSDP does not shard the experts (`fp8_copies_kept`; ops/18 says what they cost and save).
 
 # %%
 #| export
@@ -96,8 +96,9 @@ def model_options(cfg: Config, mesh: Mesh | None) -> Options:
 
 
 def fp8_copies_kept(cfg: Config) -> bool:
-    "Whether the experts keep their FP8 weight copies for the step: when each layer runs several micro-batches."
-    return cfg.num_micro_batches > 1
+    """Whether the experts keep their FP8 weight copies for the step (ops/18 `fp8_copies_pay`): when each layer runs
+    several micro-batches and FSDP does not shard the experts (dp × cp is 1)."""
+    return fp8_copies_pay(cfg.num_micro_batches, cfg.parallel.dp * cfg.parallel.cp)
 
 # %% [markdown]
 # ### Where FP8 pays

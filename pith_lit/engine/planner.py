@@ -18,6 +18,7 @@ from .mesh import stage_layers
 from ..models.family import family
 from ..models.protocol import norm_bytes
 from ..ops.attention import ds_bytes
+from ..ops.experts import fp8_copies_pay
 
 # %% ../../nbs/engine/37_planner.ipynb #3e17b6f2
 GiB = 2 ** 30
@@ -268,8 +269,9 @@ class _Walk:
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
         # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
-        # kept until the step ends with several micro-batches; with one, each use's copy is a transient
-        self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and w.micro_batches > 1
+        # kept until the step ends where they pay (ops/18 `fp8_copies_pay`: several micro-batches, experts whole on
+        # the rank); otherwise each use's copy is a transient
+        self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and fp8_copies_pay(w.micro_batches, w.dp * w.cp)
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.embedding_grad = False   # whether the embedding's backward has run (the root's `late` gradient)

@@ -31,7 +31,7 @@ from ..engine.steptime import choose_stage_layers, profile_layers
 from ..models.family import family
 from ..models.protocol import LocalDispatcher, Options, head_loss, run_layers
 from ..ops.attention import doc_positions
-from ..ops.experts import drop_fp8_copies, keep_fp8_copies
+from ..ops.experts import drop_fp8_copies, fp8_copies_pay, keep_fp8_copies
 from ..ops.ring_attention import ring_group, zigzag_shard
 from . import checkpoint
 from .config import (Config, ConfigError, UserError, dump_toml, from_dict, read_toml, to_dict,
@@ -56,8 +56,9 @@ def model_options(cfg: Config, mesh: Mesh | None) -> Options:
 
 
 def fp8_copies_kept(cfg: Config) -> bool:
-    "Whether the experts keep their FP8 weight copies for the step: when each layer runs several micro-batches."
-    return cfg.num_micro_batches > 1
+    """Whether the experts keep their FP8 weight copies for the step (ops/18 `fp8_copies_pay`): when each layer runs
+    several micro-batches and FSDP does not shard the experts (dp × cp is 1)."""
+    return fp8_copies_pay(cfg.num_micro_batches, cfg.parallel.dp * cfg.parallel.cp)
 
 # %% ../../nbs/train/45_trainer.ipynb #5dccb262
 # FP8 (row scales) tokens/s over bf16's in the same call, compiled, one micro-batch a step, the default 4096 gate on
