@@ -1370,17 +1370,18 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         return dx, deliver_wgrad(ctx.queue, ctx.param, wgrad), None, None, None, None, None
 
 
-def weight_each_use(w: Tensor):
+def weight_each_use(w: Tensor, kept: dict | None = None, key=None):
     """The `weight(transposed, quantize)` of a layer that keeps no copy: quantize w itself at each use, in the
     direction asked. With row scales (`quantize_weight_rows`) a use after the first passes the first's scales on, so
-    it reads w once: w does not change between a layer's forward and its backward."""
-    scales = None
+    it reads w once: w does not change between a layer's forward and its backward. `kept`: a dict holding those
+    scales under `key` beyond this call, for the uses of later micro-batches while w stays unchanged (ops/18's
+    `Fp8Weights` keeps them for the step); without it they last for this call's uses."""
+    kept = {} if kept is None else kept
     def weight(transposed: bool, quantize):
-        nonlocal scales
         if quantize is not quantize_weight_rows:
             return quantize(w, transposed)
-        q, scales = quantize(w, transposed, scales=scales)
-        return q, scales
+        q, kept[key] = quantize(w, transposed, scales=kept.get(key))
+        return q, kept[key]
     return weight
 
 
@@ -1501,6 +1502,15 @@ try:
 finally:
     quantize_weight_rows = real_pass
 assert calls == [(False, False), (True, True)], calls
+kept, calls = {}, []                       # scales held beyond one call: a later use is given them from its start
+quantize_weight_rows = lambda w, transposed=False, scales=None: (calls.append(scales is not None),
+                                                                 real_pass(w, transposed, scales))[1]
+try:
+    for _ in range(2):
+        weight_each_use(w, kept, "w")(False, quantize_weight_rows)
+finally:
+    quantize_weight_rows = real_pass
+assert calls == [False, True] and torch.equal(kept["w"], real_pass(w)[1]), calls
 
 # %% [markdown]
 # **Deferred equals immediate, bitwise**, as in ops/grouped_linear: two layers, two backward passes accumulating

@@ -50,9 +50,10 @@ from pith_lit.ops.swiglu import swiglu
 # (benchmarks/RESULTS.md, "FP8 end to end"). Nor do they pay where FSDP shards the experts (over dp × cp ranks,
 # engine/36): a copy is made from the gathered, whole weight, so keeping it would hold every layer's experts whole
 # through the step, 2 bytes an element where FSDP keeps the rank 2 bytes over the number of ranks, undoing what the
-# sharding saves. So with `keep` off an `Fp8Weights` keeps nothing: each use quantizes the layout it needs from the
+# sharding saves. So with `keep` off an `Fp8Weights` keeps no copy: each use quantizes the layout it needs from the
 # weight, the forward's in the forward and the transposed in the backward, and frees it when the product is done,
-# as the dense projections do (ops/15). `fp8_copies_pay` is that rule; the trainer sets `keep` by it
+# as the dense projections do (ops/15). It keeps each weight's row scales, one float a row, which the step's first
+# use finds: every later use is given them and reads the weight once (ops/15 `weight_each_use`). `fp8_copies_pay` is that rule; the trainer sets `keep` by it
 # (`fp8_copies_kept`, train/45) and the planner counts the copies by it (engine/37).
 #
 # `scaling` is `train.fp8_scaling`: `"rows"` (its default, and the config's) or `"block"` (ops/15 explains both).
@@ -66,15 +67,17 @@ class Fp8Weights:
     def __init__(self, scaling: str = "rows"):
         self.scaling, self.keep = scaling, True   # keep_fp8_copies sets keep
         self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
+        self._scales: dict[str, Tensor] = {}       # with keep off: each weight's row scales, found by its first use
 
     def weight(self, name: str, w: Tensor):
         """`weight(transposed, quantize)` for `fp8_grouped_linear`: w's copy under `name`, quantized on first use.
         When gradients will flow into w (a training step: its backward asks for the transposed copy too), the
         first use makes both copies in one pass over w; otherwise only the one asked for. With `keep` off, every
-        use quantizes w in the direction it asks (ops/15 `weight_each_use`) and nothing is kept."""
+        use quantizes w in the direction it asks (ops/15 `weight_each_use`) and only the row scales are kept, so
+        every use after the step's first reads w once."""
         if not self.keep:
             from pith_lit.ops.fp8 import weight_each_use   # the FP8 path alone loads the FP8 kernels
-            return weight_each_use(w.detach())
+            return weight_each_use(w.detach(), self._scales, name)
         both = torch.is_grad_enabled() and w.requires_grad
         def get(transposed: bool, quantize) -> tuple[Tensor, Tensor]:
             key = (name, transposed)
@@ -89,6 +92,7 @@ class Fp8Weights:
 
     def clear(self) -> None:
         self._copies.clear()
+        self._scales.clear()
 
 
 def _fp8_weights(model: torch.nn.Module):
@@ -161,9 +165,11 @@ print("the four model families import without ops.fp8")
 # before Triton is imported, as ops/15 says). Two micro-batches through one `Fp8Weights`: the same outputs and
 # gradients as quantizing inside, each weight quantized once, both layouts in one pass; then the weight moves (as an
 # optimizer step would move it): without `clear` the output is still the old weight's, after `drop_fp8_copies` the
-# new one's. Under `no_grad` only the forward's copy is made. Both scalings.
+# new one's. Under `no_grad` only the forward's copy is made. Both scalings. With `keep` off, each use quantizes its
+# own layout; with row scales the step's first use finds the scales and every later one is given them.
 
 # %%
+import pith_lit.ops.fp8 as fp8_ops
 from pith_lit.ops.fp8 import fp8_grouped_linear
 
 # %%
@@ -227,6 +233,24 @@ def check_copies(scaling, n_in=256, n_out=128, counts=(100, 0, 60)):
         y.backward(dy)
         assert torch.equal(y, y_ref) and torch.equal(xr.grad, dx_ref)
     assert torch.equal(w.grad, ref_dw / 2) and not fp8._copies and made == [False, True, False, True], made
+    if scaling == "rows":                           # the row scales alone are kept: every use after the first is given them
+        given, real = [], fp8_ops.quantize_weight_rows
+        def spy(w, transposed=False, scales=None):
+            given.append(scales is not None)
+            return real(w, transposed, scales)
+        fp8.clear()
+        fp8_ops.quantize_weight_rows = spy          # the name the layer's passes and weight_each_use look up
+        try:
+            for x, (y_ref, dx_ref) in zip((x1, x2), ref):
+                xr = x.clone().requires_grad_()
+                y = fp8_grouped_linear(xr, w / 2, counts, impl="triton", weight=fp8.weight("w", w / 2), scaling=scaling)
+                y.backward(dy)
+                assert torch.equal(y, y_ref) and torch.equal(xr.grad, dx_ref)
+        finally:
+            fp8_ops.quantize_weight_rows = real
+        assert given == [False, True, True, True] and list(fp8._scales) == ["w"], given
+        drop_fp8_copies(holder)
+        assert not fp8._scales
 
 for scaling in ("rows", "block"):
     check_copies(scaling)

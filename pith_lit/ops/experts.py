@@ -16,15 +16,17 @@ class Fp8Weights:
     def __init__(self, scaling: str = "rows"):
         self.scaling, self.keep = scaling, True   # keep_fp8_copies sets keep
         self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
+        self._scales: dict[str, Tensor] = {}       # with keep off: each weight's row scales, found by its first use
 
     def weight(self, name: str, w: Tensor):
         """`weight(transposed, quantize)` for `fp8_grouped_linear`: w's copy under `name`, quantized on first use.
         When gradients will flow into w (a training step: its backward asks for the transposed copy too), the
         first use makes both copies in one pass over w; otherwise only the one asked for. With `keep` off, every
-        use quantizes w in the direction it asks (ops/15 `weight_each_use`) and nothing is kept."""
+        use quantizes w in the direction it asks (ops/15 `weight_each_use`) and only the row scales are kept, so
+        every use after the step's first reads w once."""
         if not self.keep:
             from pith_lit.ops.fp8 import weight_each_use   # the FP8 path alone loads the FP8 kernels
-            return weight_each_use(w.detach())
+            return weight_each_use(w.detach(), self._scales, name)
         both = torch.is_grad_enabled() and w.requires_grad
         def get(transposed: bool, quantize) -> tuple[Tensor, Tensor]:
             key = (name, transposed)
@@ -39,6 +41,7 @@ class Fp8Weights:
 
     def clear(self) -> None:
         self._copies.clear()
+        self._scales.clear()
 
 
 def _fp8_weights(model: torch.nn.Module):
