@@ -983,21 +983,20 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # %% [markdown]
 # Weights, one scale per row of each `W[e]`: `_quant_weight_rows_kernel` takes `WEIGHT_ROWS` rows per program, finds
 # their maxima over K, then writes them in the layouts asked, `W`'s `(E, N, K)`, transposed `(E, K, N)` (the input
-# gradient's B operand), or both. Finding the maxima is a read of its own: the second loop reads the rows again,
-# from L2 only where they are still there, which the block size alone does not decide (smaller blocks leave room for
-# more programs in flight; the pass runs at one rate from 8 rows a block to 128: benchmarks/RESULTS.md, "The weight
-# and row passes at the 235B width"). So the forward layout alone, the pass a layer runs first, can hold whole rows
-# instead: with `WEIGHT_ROW_TILE` elements per program, `WEIGHT_ROW_TILE //
-# next_pow2(K)` rows of all of K in one tile, which it loads once, reduces and writes. That path is off (0) until a
-# GPU has timed it against the two loops (`benchmarks/fp8_rows.py --parts weights`). The transposed layout keeps
-# the two loops over 64 rows: its stores run along N, and a handful of rows would write a few bytes per line; so
-# would a weight read through `.mT`, whose rows are strided. A row's scale depends on nothing but the row, so a
-# pass given the scales of an earlier pass over the same, unchanged W (`scales`) skips the first loop and reads W
-# once, `WEIGHT_ROWS_GIVEN` rows per program (a setting of its own, chosen by timing it; the timings are in
-# benchmarks/RESULTS.md, "The weight and row passes at the 235B width"): an expert layer that quantizes its weight
-# at each use gives its backward's transposed pass the forward's scales (`weight_each_use`, below). `fp8_linear`'s
-# forward and backward are operators of their own, so its backward finds them again. It reads W through strides,
-# so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in place.
+# gradient's B operand), or both. Finding the maxima is a read of its own: the second loop reads the rows again, from L2
+# only where they are still there, which the block size alone does not decide (smaller blocks leave room for more
+# programs in flight; the pass runs at one rate from 8 rows a block to 128: benchmarks/RESULTS.md, "The weight and row
+# passes at the 235B width"). So the forward layout alone, the pass a layer runs first, can hold whole rows instead:
+# with `WEIGHT_ROW_TILE` elements per program, `WEIGHT_ROW_TILE // next_pow2(K)` rows of all of K in one tile, which it
+# loads once, reduces and writes. That path is off (0) until a GPU has timed it against the two loops
+# (`benchmarks/fp8_rows.py --parts weights`). The transposed layout keeps the two loops over 64 rows: its stores run
+# along N, and a handful of rows would write a few bytes per line; so would a weight read through `.mT`, whose rows are
+# strided. A row's scale depends on nothing but the row, so a pass given the scales of an earlier pass over the same,
+# unchanged W (`scales`) skips the first loop and reads W once, `WEIGHT_ROWS_GIVEN` rows per program (a setting of its
+# own, chosen by timing it; the timings are in benchmarks/RESULTS.md, "The weight and row passes at the 235B width"): an
+# expert layer that quantizes its weight at each use gives its backward's transposed pass the forward's scales
+# (`weight_each_use`, below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds them
+# again. It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in place.
 
 # %%
 #| export
