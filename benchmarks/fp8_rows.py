@@ -34,8 +34,9 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
   (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), by two loops over K and with whole rows in a tile (`fp8.ROWS_TILE`), at
   `MODELS`' widths and the wide ones of issue 43 (`WIDE`), and the weight pass writing both layouts at each of its own
   (`fp8.WEIGHT_ROWS`, `fp8.WEIGHT_ROWS_WARPS`).
-- `resources` (no GPU needed): each setting `weights` and `rowsweep` time, compiled for sm90 by the Triton installed
-  here: registers and stack bytes (spills) a thread, from `cuobjdump --dump-resource-usage` of the cubin.
+- `resources` (no GPU needed): each setting `weights` and `rowsweep` time, and the row-scaled GEMMs at `gemm`'s
+  tiles, compiled for sm90 by the Triton installed here as the launcher specialises them: registers and stack bytes
+  (spills) a thread, from `cuobjdump --dump-resource-usage` of the cubin, and shared memory a program.
 
 In `weights` and `rowsweep` each case's note says whether the pass under that setting wrote the same bits as under
 the package's own (`agreement`): "same", or "DIFFERS" and the parts that differ.
@@ -278,35 +279,55 @@ ROW_PASSES = {   # name: (constexprs, the width K it quantizes from a shape's hi
                             lambda H, I: H)}
 
 
-def compile_sm90(kernel, types, constexprs, warps):
-    "`kernel` compiled for sm90 (an H100 or H200) down to its cubin by the Triton installed here; no GPU needed."
+def compile_sm90(kernel, types, constexprs, warps, stages=3):
+    """`kernel` compiled for sm90 (an H100 or H200) down to its cubin by the Triton installed here; no GPU needed.
+    Every argument in `types` is specialised as the launcher specialises it at the real shapes: pointers 16-byte
+    aligned and integers multiples of 16 (`tt.divisibility`), which lets the compiler vectorise and pipeline loads;
+    without it the code (and its registers) would be another kernel's."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = dict(types, **{name: "constexpr" for name in constexprs})
-    return triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps})
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in types}
+    return triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
 
 
-def resources(kernel, types, constexprs, warps) -> str:
-    "Registers a thread and stack bytes a thread (where spills go) of the compiled kernel, from cuobjdump."
+def resources(kernel, types, constexprs, warps, stages=3) -> str:
+    """Registers a thread, stack bytes a thread (where spills go) and shared memory a program of the compiled kernel,
+    from cuobjdump and the compiler."""
     import os
     import re
     import subprocess
     import tempfile
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    compiled = compile_sm90(kernel, types, constexprs, warps, stages)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compile_sm90(kernel, types, constexprs, warps).asm["cubin"])
+        f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return f"{regs} registers, {stack} B stack"
+    return f"{regs} registers, {stack} B stack, {compiled.metadata.shared} B shared"
+
+
+GEMM_ARGS = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
+             "row_offs_ptr": "*i32", "tile_offs_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32"}
+WGRAD_ARGS = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
+              "tile_offs_ptr": "*i32", "M": "i32", "N": "i32", "LD": "i32"}
 
 
 def bench_resources(name, shape, weights):
-    """What Triton's compiler makes of each setting `weights` and `rowsweep` time, at `shape`'s widths (no GPU):
-    registers a thread, which with the warps set how many programs share an SM, and stack bytes, where spilled
-    registers go."""
+    """What Triton's compiler makes of each setting `weights` and `rowsweep` time, at `shape`'s widths, and of the
+    row-scaled GEMMs at the tiles `gemm` times (no GPU): registers a thread, which with the warps set how many
+    programs share an SM, stack bytes, where spilled registers go, and shared memory (a GEMM's pipelined stages)."""
+    for cfg in dict.fromkeys([fp8.ROW_GEMM] + TILES):
+        case = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}, {cfg.warps} warps, {cfg.stages} stages"
+        for kernel, args, ce in ((fp8._fp8_gemm_kernel, GEMM_ARGS, dict(E_P2=fp8._e_p2(shape["experts"]), EVEN_K=True,
+                                                                         ROW_SCALES=True)),
+                                 (fp8._fp8_wgrad_kernel, WGRAD_ARGS, dict(GROUP_SCALES=True))):
+            ce = dict(ce, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, HAS_SB=True, PROMOTE=None)
+            group = f"{name} {kernel.__name__.strip('_')}"
+            run(group, case, lambda: report(group, case, note=resources(kernel, args, ce, cfg.warps, cfg.stages)))
     for wname, (E, N, K) in weights.items():
         kp2 = triton.next_power_of_2(K)
         for layout, given in ((False, False), (True, False), (True, True)):

@@ -38,8 +38,8 @@ for (name, (p, _)), (kp2, warps) in itertools.product(ROW_PASSES.items(), [(0, 4
     build(fp8._quant_rows_kernel, ROW_ARGS, dict(p, E_P2=128, BM=32, SB=sb, KP2=kp2), warps)
     print("rows", name, kp2, warps)
 used = resources(fp8._quant_weight_rows_kernel, WEIGHT_ARGS, cases[-1], 8)   # what `--parts resources` reads
-regs, stack = map(int, re.fullmatch(r"(\d+) registers, (\d+) B stack", used).groups())
-assert 16 <= regs <= 255 and stack >= 0, used
+regs, stack, shared = map(int, re.fullmatch(r"(\d+) registers, (\d+) B stack, (\d+) B shared", used).groups())
+assert 16 <= regs <= 255 and stack >= 0 and shared >= 0, used
 print("compiled")
 '''
 
