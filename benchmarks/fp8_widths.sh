@@ -29,9 +29,9 @@ M4="train.micro_batch=4+train.global_batch=4"
 M8="train.micro_batch=8+train.global_batch=8"
 F="train.fp8=true+train.fp8_scaling=rows"
 C235="model.hidden_size=4096+model.moe_intermediate_size=1536+model.num_attention_heads=64+model.num_key_value_heads=4"
-CV3="model.hidden_size=7168+model.intermediate_size=18432+model.moe_intermediate_size=2048+model.num_attention_heads=128"
-CV3="$CV3+model.num_key_value_heads=128+model.n_shared_experts=1+model.n_routed_experts=64+model.num_experts_per_tok=8"
-CV3="$CV3+model.q_lora_rank=1536"
+CV3="model.hidden_size=7168+model.intermediate_size=18432+model.moe_intermediate_size=2048"
+CV3="$CV3+model.num_attention_heads=128+model.num_key_value_heads=128+model.q_lora_rank=1536"
+CV3="$CV3+model.n_shared_experts=1+model.n_routed_experts=64+model.num_experts_per_tok=8"
 L2="model.num_hidden_layers=2"
 L6="model.num_hidden_layers=6"
 
@@ -53,8 +53,9 @@ for name in [n[1:] for n in runs if n.startswith("b")]:
     b, f = runs.get("b" + name, {}), runs.get("f" + name, {})
     tb, tf = b.get("tokens_per_s") or 0, f.get("tokens_per_s") or 0
     ratio = f"{tf / tb:.3f}x" if tb and tf else "-"
-    print(f"{name:12s} {tb:>14,d} {tf:>13,d} {ratio:>11s} {b.get('peak_gib', '-')!s:>9s} / {f.get('peak_gib', '-')!s:<9s}"
-          + ("" if tb and tf else f"  {b.get('error') or f.get('error') or 'a run did not finish: see its log'}"))
+    peaks = f"{b.get('peak_gib', '-')!s:>9s} / {f.get('peak_gib', '-')!s:<9s}"
+    why = "" if tb and tf else f"  {b.get('error') or f.get('error') or 'a run did not finish: see its log'}"
+    print(f"{name:12s} {tb:>14,d} {tf:>13,d} {ratio:>11s} {peaks}{why}")
 EOF
   cat "$OUT/e2e/results.jsonl" >> "$OUT/results.jsonl"
 }
@@ -70,7 +71,8 @@ for suite in "$@"; do
       OUT=$OUT/profile PROJ=. bash "$BENCH/sidebyside.sh" "pith:pb235:qwen3-30b-a3b:$P" \
         "pith:pf235:qwen3-30b-a3b:$P+$F" > "$OUT/profile.log" 2>&1
       for n in pb235 pf235; do
-        echo "--- $n"; PYTHONPATH=. python3 benchmarks/anatomy.py /tmp/pith_$n 2>&1 | tee "$OUT/anatomy_$n.txt" | tail -25
+        echo "--- $n"
+        PYTHONPATH=. python3 benchmarks/anatomy.py /tmp/pith_$n 2>&1 | tee "$OUT/anatomy_$n.txt" | tail -25
       done ;;
     kernels)
       PYTHONPATH=. python3 benchmarks/fp8_rows.py --parts weights,rowsweep --only qwen3-235b-a22b,deepseek-v3 \

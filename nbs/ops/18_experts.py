@@ -44,17 +44,17 @@ from pith_lit.ops.swiglu import swiglu
 # that has since changed would be silently stale, so the check below changes a weight in place and shows both what
 # `clear` prevents and that it does.
 #
-# The copies pay for themselves only when a step runs several micro-batches. With one, a kept copy saves a single
-# read of the weight (one pass writing both layouts instead of one pass each way) and holds both layouts of every
-# expert weight from its layer's forward to the optimizer step, which takes FP8's peak above bf16's
-# (benchmarks/RESULTS.md, "FP8 end to end"). Nor do they pay where FSDP shards the experts (over dp × cp ranks,
-# engine/36): a copy is made from the gathered, whole weight, so keeping it would hold every layer's experts whole
-# through the step, 2 bytes an element where FSDP keeps the rank 2 bytes over the number of ranks, undoing what the
-# sharding saves. So with `keep` off an `Fp8Weights` keeps no copy: each use quantizes the layout it needs from the
-# weight, the forward's in the forward and the transposed in the backward, and frees it when the product is done,
-# as the dense projections do (ops/15). It keeps each weight's row scales, one float a row, which the step's first
-# use finds: every later use is given them and reads the weight once (ops/15 `weight_each_use`). `fp8_copies_pay` is that rule; the trainer sets `keep` by it
-# (`fp8_copies_kept`, train/45) and the planner counts the copies by it (engine/37).
+# The copies pay for themselves only when a step runs several micro-batches. With one, a kept copy saves a single read
+# of the weight (one pass writing both layouts instead of one pass each way) and holds both layouts of every expert
+# weight from its layer's forward to the optimizer step, which takes FP8's peak above bf16's (benchmarks/RESULTS.md,
+# "FP8 end to end"). Nor do they pay where FSDP shards the experts (over dp × cp ranks, engine/36): a copy is made from
+# the gathered, whole weight, so keeping it would hold every layer's experts whole through the step, 2 bytes an element
+# where the rank's share of the bf16 weights is 2 bytes over the number of ranks, undoing what the sharding saves. So
+# with `keep` off an `Fp8Weights` keeps no copy: each use quantizes the layout it needs from the weight, the forward's
+# in the forward and the transposed in the backward, and frees it when the product is done, as the dense projections do
+# (ops/15). It keeps each weight's row scales, one float a row, which the step's first use finds: every later use is
+# given them and reads the weight once (ops/15 `weight_each_use`). `fp8_copies_pay` is that rule; the trainer sets
+# `keep` by it (`fp8_copies_kept`, train/45) and the planner counts the copies by it (engine/37).
 #
 # `scaling` is `train.fp8_scaling`: `"rows"` (its default, and the config's) or `"block"` (ops/15 explains both).
 # The FP8 layers keep their copies here in either implementation: the Triton kernels' on a GPU,
@@ -233,7 +233,7 @@ def check_copies(scaling, n_in=256, n_out=128, counts=(100, 0, 60)):
         y.backward(dy)
         assert torch.equal(y, y_ref) and torch.equal(xr.grad, dx_ref)
     assert torch.equal(w.grad, ref_dw / 2) and not fp8._copies and made == [False, True, False, True], made
-    if scaling == "rows":                           # the row scales alone are kept: every use after the first is given them
+    if scaling == "rows":                           # the row scales alone kept: every use after the first given them
         given, real = [], fp8_ops.quantize_weight_rows
         def spy(w, transposed=False, scales=None):
             given.append(scales is not None)
@@ -243,7 +243,8 @@ def check_copies(scaling, n_in=256, n_out=128, counts=(100, 0, 60)):
         try:
             for x, (y_ref, dx_ref) in zip((x1, x2), ref):
                 xr = x.clone().requires_grad_()
-                y = fp8_grouped_linear(xr, w / 2, counts, impl="triton", weight=fp8.weight("w", w / 2), scaling=scaling)
+                y = fp8_grouped_linear(xr, w / 2, counts, impl="triton", weight=fp8.weight("w", w / 2),
+                                       scaling=scaling)
                 y.backward(dy)
                 assert torch.equal(y, y_ref) and torch.equal(xr.grad, dx_ref)
         finally:
@@ -256,4 +257,4 @@ for scaling in ("rows", "block"):
     check_copies(scaling)
 assert [fp8_copies_pay(m, n) for m, n in ((1, 1), (4, 1), (4, 2), (1, 2))] == [False, True, False, False]
 print("FP8 copies: the same outputs and gradients, one quantization pass per step, fresh after drop_fp8_copies; "
-      "without keep, one pass per use and nothing held")
+      "without keep, one pass per use and only the row scales held")
