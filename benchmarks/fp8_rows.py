@@ -31,7 +31,7 @@ At each model's expert shapes (`benchmarks/fp8_bench.py`'s MODELS and routing), 
   one tile (`fp8.WEIGHT_ROW_TILE`) at each tile size and warp count; GB/s counts what the pass must move, 2 bytes
   read and 1 written per element (a second read of a block that falls out of L2 shows as a lower figure);
 - `rowsweep`: the row passes a SwiGLU expert MLP runs, at each rows-per-program and warp count of `quantize_rows`
-  (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), by two loops over K and with whole rows in a tile (`fp8.ROWS_TILE`), at
+  (`fp8.ROWS_BM`, `fp8.ROWS_WARPS`), by two loops over K and with whole rows (`fp8.ROWS_WHOLE`), at
   `MODELS`' widths and the wide ones of issue 43 (`WIDE`), and the weight pass writing both layouts at each of its own
   (`fp8.WEIGHT_ROWS`, `fp8.WEIGHT_ROWS_WARPS`).
 - `resources` (no GPU needed): each setting `weights` and `rowsweep` time, and the row-scaled GEMMs at `gemm`'s
@@ -207,9 +207,8 @@ def agreement(got, want, used=None) -> str:
     return "DIFFERS: " + ", ".join(bad) if bad else "same"
 
 
-ROWS_WHOLE_SWEEP = [(8192, 4), (4096, 4), (8192, 8), (16384, 8)]   # (fp8.ROWS_TILE, warps) with whole rows
-ROW_CASES = ([(32, 4, 0), (32, 8, 0), (16, 4, 0), (64, 8, 0)]                     # (ROWS_BM, ROWS_WARPS, ROWS_TILE)
-             + [(32, warps, tile) for tile, warps in ROWS_WHOLE_SWEEP])
+ROW_CASES = [(32, 4, 0), (32, 8, 0), (16, 4, 0), (64, 8, 0), (32, 4, 8192), (32, 8, 8192)]   # (ROWS_BM, ROWS_WARPS,
+                                                                                           #  ROWS_WHOLE)
 WIDE = {"qwen3-235b-a22b": dict(hidden=4096, ffn=1536, experts=128, top_k=8),   # rowsweep's widths of issue 43 too
         "deepseek-v3": dict(hidden=7168, ffn=2048, experts=64, top_k=8)}        # (V3 cut to 64 experts, as in e2e)
 
@@ -228,19 +227,19 @@ def bench_rowsweep(name, shape, tokens):
                                                                        row_mult=s), n * H * 3),
               f"swiglu_grad, mult, col_amax ({2 * I})": (lambda: fp8.quantize_rows(
                   gate_up, counts, act="swiglu_grad", dh=dh, mult=mult_i, col_amax=True, row_mult=s), n * I * 8)}
-    default = fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE
+    default = fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_WHOLE
     used = 128 * int(((counts + 127) // 128).sum())                  # the columns of qt the experts' tiles fill
     want = {label: fn() for label, (fn, _) in passes.items()}         # the package's settings
     try:
-        for bm, warps, tile in ROW_CASES:
-            fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE = bm, warps, tile
-            case = f"{bm} rows, {warps} warps" + (f", whole rows in {tile} elements" if tile else ", two loops")
+        for bm, warps, whole in ROW_CASES:
+            fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_WHOLE = bm, warps, whole
+            case = f"{bm} rows, {warps} warps" + (f", whole rows up to {whole}" if whole else ", two loops")
             for label, (fn, nbytes) in passes.items():
                 group = f"{name} quantize_rows {label}"
                 run(group, case, lambda: report(group, case, do_bench(fn, return_mode="median"), nbytes=nbytes,
                                                 note=agreement(fn(), want[label], used)))
     finally:
-        fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_TILE = default
+        fp8.ROWS_BM, fp8.ROWS_WARPS, fp8.ROWS_WHOLE = default
     default = fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_WARPS             # the weight pass writing both layouts
     group = f"{name} quantize_weight_rows w1 both"
     try:
@@ -347,12 +346,11 @@ def bench_resources(name, shape, weights):
     for label, (ce, width) in ROW_PASSES.items():
         K = width(shape["hidden"], shape["ffn"])
         kp2, group = triton.next_power_of_2(K), f"{name} quantize_rows {label} ({K})"
-        for bm, warps, tile in ROW_CASES:
-            sb = min(bm, tile // kp2)
-            if tile and not sb:
+        for bm, warps, whole in ROW_CASES:
+            if whole and (ce["TRANS"] or kp2 > whole):       # the package runs this pass by the two loops
                 continue
-            case = f"{bm} rows, {warps} warps" + (f", whole rows in {tile} elements" if tile else ", two loops")
-            args = dict(ce, E_P2=fp8._e_p2(shape["experts"]), BM=bm, SB=max(sb, 1), KP2=kp2 if sb else 0)
+            case = f"{bm} rows, {warps} warps" + (f", whole rows up to {whole}" if whole else ", two loops")
+            args = dict(ce, E_P2=fp8._e_p2(shape["experts"]), BM=bm, SB=1, KP2=kp2 if whole else 0)
             run(group, case, lambda: report(group, case, note=resources(fp8._quant_rows_kernel, ROW_ARGS, args,
                                                                         warps)))
 
@@ -361,7 +359,8 @@ def bench_weights(name, weights):
     """Each weight's forward and transposed pass alone at each (rows per program, warps) of `WEIGHT_SWEEP` (two loops
     over K); the forward layout also with whole rows in a tile, at each (elements per program, warps) of
     `WHOLE_SWEEP`."""
-    default = fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE
+    default = (fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE,
+               fp8.WEIGHT_ROW_TILE_WARPS)
     g = torch.Generator(device=DEV).manual_seed(3)
     try:
         for wname, (E, N, K) in weights.items():
@@ -372,7 +371,8 @@ def bench_weights(name, weights):
                 what = ("transposed" if layout else "forward") + (", scales given" if given is not None else "")
                 group = f"{name} {wname} {what} {E}x{N}x{K}"
                 fn = lambda: fp8.quantize_weight_rows(w, layout, scales=given)
-                fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE = default
+                (fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE,
+                 fp8.WEIGHT_ROW_TILE_WARPS) = default
                 want = fn()                                                # the package's settings
                 fp8.WEIGHT_ROW_TILE = 0
                 time_it = lambda case: run(group, case, lambda: report(
@@ -382,12 +382,13 @@ def bench_weights(name, weights):
                     fp8.WEIGHT_ROWS_WARPS = warps
                     time_it(f"{rows} rows, {warps} warps")
                 for tile, warps in WHOLE_SWEEP if not layout and given is None else ():
-                    fp8.WEIGHT_ROW_TILE, fp8.WEIGHT_ROWS_WARPS = tile, warps
+                    fp8.WEIGHT_ROW_TILE, fp8.WEIGHT_ROW_TILE_WARPS = tile, warps
                     if triton.next_power_of_2(K) <= tile:
                         time_it(f"whole rows, {tile} elements, {warps} warps")
             del w
     finally:
-        fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE = default
+        (fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.WEIGHT_ROWS_WARPS, fp8.WEIGHT_ROW_TILE,
+         fp8.WEIGHT_ROW_TILE_WARPS) = default
 
 
 def bench_wgrad(name, shape, tokens):

@@ -58,8 +58,9 @@ assert not failed, failed
 whole = [r for r in fb.ROWS if "whole rows" in r["case"]]   # the sweeps' settings against the package's, bit for bit
 assert len(whole) >= 8 and all(r["note"] == "same" for r in whole), whole
 from pith_lit.ops import fp8
-settings = fp8.ROWS_BM, fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.QUANT_WARPS, fp8.WEIGHT_ROW_TILE, fp8.ROWS_TILE
-assert settings == (32, 64, 128, 8, 0, 0), f"a sweep left its setting changed: {settings}"
+settings = (fp8.ROWS_BM, fp8.WEIGHT_ROWS, fp8.WEIGHT_ROWS_GIVEN, fp8.QUANT_WARPS, fp8.WEIGHT_ROW_TILE,
+            fp8.WEIGHT_ROW_TILE_WARPS, fp8.ROWS_WHOLE)
+assert settings == (32, 64, 128, 8, 16384, 4, 8192), f"a sweep left its setting changed: {settings}"
 print("cases", len(fb.ROWS))
 '''
 

@@ -826,12 +826,15 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 # `_quant_rows_kernel` takes `BM` rows of one expert per program and reads them twice, 128 columns at a time: the
 # first loop finds the row maxima (and, asked, the column maxima), the second quantizes and writes (and, asked,
 # writes the values transposed). The second read comes from L2 only while the program's rows are still there,
-# which at the wide widths, with every program in flight reading its own, they mostly may not be. So it can
-# instead take whole rows, `ROWS_TILE // next_pow2(K)` at a time, each loaded once: the row maxima, the scales,
-# the values (and, asked, the column maxima, kept over the program's rows, and the values transposed) all come
-# from that one tile. `ROWS_TILE` is 0 (the two loops) until a GPU has timed the two against each other
-# (`benchmarks/fp8_rows.py --parts rowsweep`). Its programs cover each expert's rows rounded up to 128, so the
-# transposed tiles' padding is written as zeros by the programs past the expert's end.
+# which at the wide widths, with every program in flight reading its own, they mostly may not be. So a pass that
+# writes no transpose takes whole rows instead, one at a time (`SB` = 1), each loaded once: the row maxima, the
+# scale, the values and, asked, the column maxima, kept over the program's rows, all come from that one tile. It
+# does so where the row, padded to a power of two, holds at most `ROWS_WHOLE` elements: the passes over the
+# gradients (dY with the column maxima, SwiGLU's gradient) then run 1.4–1.7× faster at the 235B and V3 widths. A
+# pass that writes the transpose keeps the two loops: with a few rows a program its transposed stores write a few
+# bytes a line, and whole rows ran 2–30× slower (benchmarks/RESULTS.md, "The weight and row passes at the 235B
+# width"). Its programs cover each expert's rows rounded up to 128, so the transposed tiles' padding is written as
+# zeros by the programs past the expert's end.
 # It computes the same activations as `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`,
 # the weight scales of the input gradient) before taking maxima.
 
@@ -936,7 +939,7 @@ class Fp8Rows(NamedTuple):
 
 ROWS_BM = 32      # rows per program of quantize_rows (its second loop reads them again); divides 128
 ROWS_WARPS = 4    # warps per program (benchmarks/fp8_rows.py --parts rowsweep times others)
-ROWS_TILE = 0     # elements a program holds with whole rows (0: two loops): ROWS_TILE // next_pow2(K) rows at a time
+ROWS_WHOLE = 8192  # a pass with no transpose holds a row whole, one a time, up to this next_pow2(K) (0: two loops)
 
 
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
@@ -965,14 +968,14 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
     row_offs, tile_offs = _schedule(counts, 128)
     tile_offs = tile_offs * (128 // ROWS_BM)   # each expert's 128-row tiles, split: a tile never holds two experts
     kp2 = triton.next_power_of_2(K)
-    sb = min(ROWS_BM, ROWS_TILE // kp2)        # whole rows at a time, or 0: two loops over K
+    whole = not trans and kp2 <= ROWS_WHOLE   # whole rows, one at a time, or two loops over K
     if T > 0 and K > 0:
         _quant_rows_kernel[(T,)](x, x if dh is None else dh, s if mult is None else mult.contiguous(),
                                  s if row_mult is None else row_mult.contiguous(), qt if q is None else q, s,
                                  q if qt is None else qt, s if tile_max is None else tile_max, row_offs, tile_offs,
                                  M, K, E, 128 * T128, MULT=mult is not None, RMULT=row_mult is not None,
                                  AMAX=col_amax, ROWS=rows, TRANS=trans, E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM,
-                                 SB=max(sb, 1), KP2=kp2 if sb else 0, num_warps=ROWS_WARPS)
+                                 SB=1, KP2=kp2 if whole else 0, num_warps=ROWS_WARPS)
     amax = None
     if col_amax:                               # each tile's column maxima, reduced per expert
         amax = torch.empty(E, K, dtype=torch.float32, device=x.device)
@@ -988,8 +991,9 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # programs in flight; the pass runs at one rate from 8 rows a block to 128: benchmarks/RESULTS.md, "The weight and row
 # passes at the 235B width"). So the forward layout alone, the pass a layer runs first, can hold whole rows instead:
 # with `WEIGHT_ROW_TILE` elements per program, `WEIGHT_ROW_TILE // next_pow2(K)` rows of all of K in one tile, which it
-# loads once, reduces and writes. That path is off (0) until a GPU has timed it against the two loops
-# (`benchmarks/fp8_rows.py --parts weights`). The transposed layout keeps the two loops over 64 rows: its stores run
+# loads once, reduces and writes, on `WEIGHT_ROW_TILE_WARPS` warps: 1.6–1.7× faster than the two loops at the experts'
+# weights of the 235B and V3 widths (benchmarks/RESULTS.md, "The weight and row passes at the 235B width"). The
+# transposed layout keeps the two loops over 64 rows: its stores run
 # along N, and a handful of rows would write a few bytes per line; so would a weight read through `.mT`, whose rows are
 # strided. A row's scale depends on nothing but the row, so a pass given the scales of an earlier pass over the same,
 # unchanged W (`scales`) skips the first loop and reads W once, `WEIGHT_ROWS_GIVEN` rows per program (a setting of its
@@ -1003,7 +1007,8 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 WEIGHT_ROWS = 64        # rows of W per program
 WEIGHT_ROWS_GIVEN = 128 # rows of W per program of a pass given its scales (one loop; fp8_rows.py --parts weights)
 WEIGHT_ROWS_WARPS = 8   # benchmarks/fp8_rows.py --parts rowsweep times others
-WEIGHT_ROW_TILE = 0     # elements of W a program holds with whole rows (forward layout alone; 0: two loops)
+WEIGHT_ROW_TILE = 16384 # elements of W a program holds with whole rows (forward layout alone; 0: two loops)
+WEIGHT_ROW_TILE_WARPS = 4   # warps per program with whole rows (fp8_rows.py --parts weights)
 
 
 @triton.jit
@@ -1066,7 +1071,8 @@ def quantize_weight_rows(w: Tensor, transposed: bool | str = False, scales: Tens
     if E * N * K > 0:
         _quant_weight_rows_kernel[(E, triton.cdiv(N, bn))](
             w3, outs[0][0], outs[-1][0], s, N, K, *w3.stride(), FWD=False in layouts, TRANS=True in layouts,
-            BN=bn, GIVEN=scales is not None, KP2=kp2 if whole else 0, num_warps=WEIGHT_ROWS_WARPS)
+            BN=bn, GIVEN=scales is not None, KP2=kp2 if whole else 0,
+            num_warps=WEIGHT_ROW_TILE_WARPS if whole else WEIGHT_ROWS_WARPS)
     return _weight_result(w, outs, transposed)
 
 # %% [markdown]
@@ -1133,10 +1139,10 @@ def check_rows(counts, M, K, seed):
 t = time.time()
 check_rows([70, 0, 1, 131], 212, 200, seed=12)
 check_rows([5], 5, 130, seed=13)
-tile = ROWS_TILE
-for ROWS_TILE in (8192, 512):              # whole rows, all 32 of a program in one tile and two at a time
+whole = ROWS_WHOLE
+for ROWS_WHOLE in (0,):                    # the two loops for every pass (the default takes whole rows where it can)
     check_rows([70, 0, 1, 131], 212, 200, seed=12)
-ROWS_TILE = tile
+ROWS_WHOLE = whole
 (w,) = randn(14, (3, 70, 260))
 w = w * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]
 q, s = quantize_weight_rows(w)
@@ -1160,7 +1166,7 @@ try:
 except ValueError as e:
     assert "scales must be float32 of shape (3, 70)" in str(e), e
 tile = WEIGHT_ROW_TILE
-for WEIGHT_ROW_TILE in (16384, 512):       # the forward layout by whole rows, 32 to a program and one
+for WEIGHT_ROW_TILE in (0, 512):           # the forward layout by two loops, and by whole rows one to a program
     assert same(quantize_weight_rows(w), (q, s)) and same(quantize_weight_rows(w[2]), (q[2], s[2]))
     assert same(quantize_weight_rows(w.mT.contiguous().mT), (q, s))    # strided rows: the two loops still
 WEIGHT_ROW_TILE = tile
