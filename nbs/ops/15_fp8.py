@@ -823,20 +823,19 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 # A row's scale is set by its largest element over all of K, so an outlier costs the whole row precision, where a
 # 1×128 tile confines it to 128 elements; how much that matters to training is measured (`nbs/validate/v05_fp8`).
 #
-# `_quant_rows_kernel` takes `BM` rows of one expert per program and reads them twice, 128 columns at a time: the
-# first loop finds the row maxima (and, asked, the column maxima), the second quantizes and writes (and, asked,
-# writes the values transposed). The second read comes from L2 only while the program's rows are still there,
-# which at the wide widths, with every program in flight reading its own, they mostly may not be. So a pass that
-# writes no transpose takes whole rows instead, one at a time (`SB` = 1), each loaded once: the row maxima, the
-# scale, the values and, asked, the column maxima, kept over the program's rows, all come from that one tile. It
-# does so where the row, padded to a power of two, holds at most `ROWS_WHOLE` elements: the passes over the
-# gradients (dY with the column maxima, SwiGLU's gradient) then run 1.4–1.7× faster at the 235B and V3 widths. A
-# pass that writes the transpose keeps the two loops: with a few rows a program its transposed stores write a few
-# bytes a line, and whole rows ran 2–30× slower (benchmarks/RESULTS.md, "The weight and row passes at the 235B
-# width"). Its programs cover each expert's rows rounded up to 128, so the transposed tiles' padding is written as
-# zeros by the programs past the expert's end.
-# It computes the same activations as `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`,
-# the weight scales of the input gradient) before taking maxima.
+# `_quant_rows_kernel` takes `BM` rows of one expert per program and reads them twice, 128 columns at a time: the first
+# loop finds the row maxima (and, asked, the column maxima), the second quantizes and writes (and, asked, writes the
+# values transposed). The second read comes from L2 only while the program's rows are still there, which at the wide
+# widths, with every program in flight reading its own, they mostly may not be. So a pass that writes no transpose takes
+# whole rows instead, one at a time (`SB` = 1), each loaded once: the row maxima, the scale, the values and, asked, the
+# column maxima, kept over the program's rows, all come from that one tile. It does so where the row, padded to a power
+# of two, holds at most `ROWS_WHOLE` elements: the passes over the gradients (dY with the column maxima, SwiGLU's
+# gradient) then run 1.4–1.7× faster at the 235B and V3 widths. A pass that writes the transpose keeps the two loops:
+# with a few rows a program its transposed stores write a few bytes a line, and whole rows ran 1.5–33× slower
+# (benchmarks/RESULTS.md, "The weight and row passes at the 235B width"). Its programs cover each expert's rows rounded
+# up to 128, so the transposed tiles' padding is written as zeros by the programs past the expert's end. It computes the
+# same activations as `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`, the weight scales of
+# the input gradient) before taking maxima.
 
 # %%
 #| export
@@ -993,14 +992,14 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
 # with `WEIGHT_ROW_TILE` elements per program, `WEIGHT_ROW_TILE // next_pow2(K)` rows of all of K in one tile, which it
 # loads once, reduces and writes, on `WEIGHT_ROW_TILE_WARPS` warps: 1.6–1.7× faster than the two loops at the experts'
 # weights of the 235B and V3 widths (benchmarks/RESULTS.md, "The weight and row passes at the 235B width"). The
-# transposed layout keeps the two loops over 64 rows: its stores run
-# along N, and a handful of rows would write a few bytes per line; so would a weight read through `.mT`, whose rows are
-# strided. A row's scale depends on nothing but the row, so a pass given the scales of an earlier pass over the same,
-# unchanged W (`scales`) skips the first loop and reads W once, `WEIGHT_ROWS_GIVEN` rows per program (a setting of its
-# own, chosen by timing it; the timings are in benchmarks/RESULTS.md, "The weight and row passes at the 235B width"): an
-# expert layer that quantizes its weight at each use gives its backward's transposed pass the forward's scales
-# (`weight_each_use`, below). `fp8_linear`'s forward and backward are operators of their own, so its backward finds them
-# again. It reads W through strides, so GPT-OSS's experts stored `(E, in, out)` and used as `.mT` are read in place.
+# transposed layout keeps the two loops over 64 rows: its stores run along N, and a handful of rows would write a few
+# bytes per line; so would a weight read through `.mT`, whose rows are strided. A row's scale depends on nothing but the
+# row, so a pass given the scales of an earlier pass over the same, unchanged W (`scales`) skips the first loop and
+# reads W once, `WEIGHT_ROWS_GIVEN` rows per program (a setting of its own, chosen by timing it; the timings are in
+# benchmarks/RESULTS.md, "The weight and row passes at the 235B width"): an expert layer that quantizes its weight at
+# each use gives its backward's transposed pass the forward's scales (`weight_each_use`, below). `fp8_linear`'s forward
+# and backward are operators of their own, so its backward finds them again. It reads W through strides, so GPT-OSS's
+# experts stored `(E, in, out)` and used as `.mT` are read in place.
 
 # %%
 #| export
