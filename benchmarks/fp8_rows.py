@@ -350,7 +350,7 @@ def bench_resources(name, shape, weights):
             if whole and (ce["TRANS"] or kp2 > whole):       # the package runs this pass by the two loops
                 continue
             case = f"{bm} rows, {warps} warps" + (f", whole rows up to {whole}" if whole else ", two loops")
-            args = dict(ce, E_P2=fp8._e_p2(shape["experts"]), BM=bm, SB=1, KP2=kp2 if whole else 0)
+            args = dict(ce, E_P2=fp8._e_p2(shape["experts"]), BM=bm, KP2=kp2 if whole else 0)
             run(group, case, lambda: report(group, case, note=resources(fp8._quant_rows_kernel, ROW_ARGS, args,
                                                                         warps)))
 

@@ -452,20 +452,21 @@ def fp8_grouped_wgrad(qat: Tensor, sat: Tensor, qbt: Tensor, sbt: Tensor | None,
 def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr, amax_ptr, row_offs_ptr,
                        tile_offs_ptr, M, K, E, LDT, MULT: tl.constexpr, RMULT: tl.constexpr, AMAX: tl.constexpr,
                        ROWS: tl.constexpr, TRANS: tl.constexpr, E_P2: tl.constexpr, ACT: tl.constexpr,
-                       BM: tl.constexpr, SB: tl.constexpr, KP2: tl.constexpr):
+                       BM: tl.constexpr, KP2: tl.constexpr):
     t = tl.program_id(0)
     e = _expert_of_tile(t, tile_offs_ptr, E, E_P2)
     if e >= E:
         return
     first, end = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * BM, tl.load(row_offs_ptr + e + 1)
-    if KP2 > 0:                                # whole rows, SB at a time: each element read once
+    if KP2 > 0:                                # whole rows, one at a time: each element read once
+        tl.static_assert(not TRANS, "a pass writing the transpose takes two loops over K")
         cols = tl.arange(0, KP2)
         col_ok = cols < K
         if MULT:
             mult = tl.load(mult_ptr + e * K + cols, mask=col_ok, other=0.0)
         c_max = tl.zeros((KP2,), dtype=tl.float32)
-        for r0 in range(0, BM, SB):
-            rows = first + r0 + tl.arange(0, SB)
+        for r in range(0, BM):
+            rows = first + r + tl.arange(0, 1)
             row_ok = rows < end
             x = _act_tile(x_ptr, dh_ptr, rows, cols, row_ok[:, None] & col_ok[None, :], K, ACT)
             if AMAX:
@@ -479,12 +480,8 @@ def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr,
             s, inv = _pow2_scale(tl.max(tl.abs(x), axis=1))
             tl.store(s_ptr + rows, s, mask=row_ok)
             q = _to_e4m3(x * inv[:, None])
-            if ROWS:
-                tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q,
-                         mask=row_ok[:, None] & col_ok[None, :])
-            if TRANS:
-                tl.store(qt_ptr + cols.to(tl.int64)[None, :] * LDT + (t * BM + r0 + tl.arange(0, SB))[:, None], q,
-                         mask=col_ok[None, :])
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q,
+                     mask=row_ok[:, None] & col_ok[None, :])
         if AMAX:
             tl.store(amax_ptr + t * K + cols, c_max, mask=col_ok)
     else:                                      # two loops over K, 128 columns at a time
@@ -583,7 +580,7 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
                                  q if qt is None else qt, s if tile_max is None else tile_max, row_offs, tile_offs,
                                  M, K, E, 128 * T128, MULT=mult is not None, RMULT=row_mult is not None,
                                  AMAX=col_amax, ROWS=rows, TRANS=trans, E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM,
-                                 SB=1, KP2=kp2 if whole else 0, num_warps=ROWS_WARPS)
+                                 KP2=kp2 if whole else 0, num_warps=ROWS_WARPS)
     amax = None
     if col_amax:                               # each tile's column maxima, reduced per expert
         amax = torch.empty(E, K, dtype=torch.float32, device=x.device)
