@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT bash benchmarks/fp8_widths.sh SUITE...
 #
-# Each SUITE runs bf16 and FP8 in the same call on the harness's data, 14 compiled steps each, and prints their
+# Each SUITE runs bf16 and FP8 in the same call on the harness's data, 14 compiled steps each (deep: 12), and prints their
 # tokens/s, FP8 / bf16 and both peaks (tokens/s: the harmonic mean of steps 6-14). The cuts, each small enough for
 # one 80 GB card:
 #   235b     Qwen3-235B-A22B's width (hidden 4096, 128 experts of 1536, top 8, 64 query and 4 KV heads), 2 layers,
@@ -13,11 +13,13 @@
 #   v3       DeepSeek-V3's width (hidden 7168, MLA with V3's ranks and 128 heads, one shared expert and 64 routed
 #            experts of 2048 with top 8, V3's dense width 18432), 2 layers: one dense, one MoE; micro-batch 4
 #   qwen3    the Qwen3-30B-A3B bench cut to 6 layers, micro-batches of 4 and of 8
+#   deep     the 235B and V3 cuts with 3 layers (V3's: one dense, two MoE), micro-batch 4, 12 steps (bf16 at the 235B
+#            width runs out of an H100's memory in its 13th): less the 2-layer runs, what FP8 does to one layer
 #   profile  one profiled step of each dtype at the 235B cut (micro-batch 4), read by benchmarks/anatomy.py
 #   kernels  benchmarks/fp8_rows.py --parts weights,rowsweep at the 235B and V3 widths: the settings of
 #            quantize_weight_rows and quantize_rows (two loops, whole rows), each checked bit for bit against the
 #            package's own
-# Runs per suite: 235b and qwen3 four, v3 and profile two. sidebyside.sh stops a run after PITH_TIMEOUT (300 s) and
+# Runs per suite: 235b, qwen3 and deep four, v3 and profile two. sidebyside.sh stops a run after PITH_TIMEOUT (300 s) and
 # prints each run's wall time: choose the suites of one call so that their runs fit its 600 s.
 set -u
 OUT=${OUT:-/tmp/fp8_widths}
@@ -33,6 +35,7 @@ CV3="model.hidden_size=7168+model.intermediate_size=18432+model.moe_intermediate
 CV3="$CV3+model.num_attention_heads=128+model.num_key_value_heads=128+model.q_lora_rank=1536"
 CV3="$CV3+model.n_shared_experts=1+model.n_routed_experts=64+model.num_experts_per_tok=8"
 L2="model.num_hidden_layers=2"
+L3="model.num_hidden_layers=3"
 L6="model.num_hidden_layers=6"
 
 pairs() {  # NAME MODEL SETS [NAME MODEL SETS ...]: bf16 and FP8 of each, in one sidebyside.sh call
@@ -66,6 +69,7 @@ for suite in "$@"; do
     235b) pairs 235m4 qwen3-30b-a3b "$S+$M4+$C235+$L2" 235m8 qwen3-30b-a3b "$S+$M8+$C235+$L2" ;;
     v3) pairs v3m4 deepseek-v2-lite "$S+$M4+$CV3+$L2" ;;
     qwen3) pairs q6m4 qwen3-30b-a3b "$S+$M4+$L6" q6m8 qwen3-30b-a3b "$S+$M8+$L6" ;;
+    deep) pairs 235l3 qwen3-30b-a3b "$S+$M4+$C235+$L3+train.steps=12" v3l3 deepseek-v2-lite "$S+$M4+$CV3+$L3+train.steps=12" ;;
     profile)
       P="$S+$M4+$C235+$L2+log.profile_step=8+train.steps=9"
       OUT=$OUT/profile PROJ=. bash "$BENCH/sidebyside.sh" "pith:pb235:qwen3-30b-a3b:$P" \
@@ -77,6 +81,6 @@ for suite in "$@"; do
     kernels)
       PYTHONPATH=. python3 benchmarks/fp8_rows.py --parts weights,rowsweep --only qwen3-235b-a22b,deepseek-v3 \
         --json "$OUT/fp8_rows.json" 2>&1 | tee "$OUT/fp8_rows.log" | grep -E "whole rows|DIFFERS|FAILED|^20" ;;
-    *) echo "unknown suite $suite: one of 235b v3 qwen3 profile kernels" ;;
+    *) echo "unknown suite $suite: one of 235b v3 qwen3 deep profile kernels" ;;
   esac
 done

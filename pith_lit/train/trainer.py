@@ -63,11 +63,11 @@ def fp8_copies_kept(cfg: Config) -> bool:
 # %% ../../nbs/train/45_trainer.ipynb #5dccb262
 # FP8 (row scales) tokens/s over bf16's in the same call, compiled, one micro-batch a step, the default 4096 gate on
 # the dense projections: (hidden size, routed expert width, tokens per micro-batch, ratio, the run)
-FP8_MEASURED = ((2048, 768, 4 * 4096, 0.93, "the Qwen3-30B-A3B bench cut to 6 layers, micro-batch 4, one H100"),
-                (2048, 768, 8 * 4096, 0.96, "the Qwen3-30B-A3B bench cut to 6 layers, micro-batch 8, one H100"),
-                (4096, 1536, 4 * 4096, 0.99, "Qwen3-235B-A22B's width, 2 layers, micro-batch 4, one H100"),
-                (4096, 1536, 8 * 4096, 1.06, "Qwen3-235B-A22B's width, 2 layers, micro-batch 8, one H100"),
-                (7168, 2048, 4 * 2048, 1.03, "DeepSeek-V3's width, 2 layers, micro-batch 4, one H100"))
+FP8_MEASURED = ((2048, 768, 4 * 4096, 0.97, "the Qwen3-30B-A3B bench cut to 6 layers, micro-batch 4, one H100"),
+                (2048, 768, 8 * 4096, 1.00, "the Qwen3-30B-A3B bench cut to 6 layers, micro-batch 8, one H100"),
+                (4096, 1536, 4 * 4096, 1.03, "Qwen3-235B-A22B's width, 2 layers, micro-batch 4, one H100"),
+                (4096, 1536, 8 * 4096, 1.08, "Qwen3-235B-A22B's width, 2 layers, micro-batch 8, one H100"),
+                (7168, 2048, 4 * 2048, 1.05, "DeepSeek-V3's width, 2 layers, micro-batch 4, one H100"))
 
 
 def fp8_note(cfg: Config, device: torch.device) -> str | None:
