@@ -15,11 +15,13 @@
 #   qwen3    the Qwen3-30B-A3B bench cut to 6 layers, micro-batches of 4 and of 8
 #   deep     the 235B and V3 cuts with 3 layers (V3's: one dense, two MoE), micro-batch 4, 12 steps (bf16 at the 235B
 #            width runs out of an H100's memory in its 13th): less the 2-layer runs, what FP8 does to one layer
+#   copies   the Qwen3 cut (6 layers) and the 235B cut (2 layers), four micro-batches of 4 a step, 10 steps: bf16, FP8
+#            with each use quantizing its weights (the default) and FP8 keeping the copies (train.fp8_keep_copies)
 #   profile  one profiled step of each dtype at the 235B cut (micro-batch 4), read by benchmarks/anatomy.py
 #   kernels  benchmarks/fp8_rows.py --parts weights,rowsweep at the 235B and V3 widths: the settings of
 #            quantize_weight_rows and quantize_rows (two loops, whole rows), each checked bit for bit against the
 #            package's own
-# Runs per suite: 235b, qwen3 and deep four, v3 and profile two. sidebyside.sh stops a run after PITH_TIMEOUT (300 s) and
+# Runs per suite: copies six, 235b, qwen3 and deep four, v3 and profile two. sidebyside.sh stops a run after PITH_TIMEOUT (300 s) and
 # prints each run's wall time: choose the suites of one call so that their runs fit its 600 s.
 set -u
 OUT=${OUT:-/tmp/fp8_widths}
@@ -38,10 +40,12 @@ L2="model.num_hidden_layers=2"
 L3="model.num_hidden_layers=3"
 L6="model.num_hidden_layers=6"
 
-pairs() {  # NAME MODEL SETS [NAME MODEL SETS ...]: bf16 and FP8 of each, in one sidebyside.sh call
+pairs() {  # NAME MODEL SETS [NAME MODEL SETS ...]: bf16 and FP8 of each (and, with KEEP=1, FP8 keeping the experts'
+           # copies for the step, train.fp8_keep_copies), in one sidebyside.sh call
   local parts=()
   while [ $# -ge 3 ]; do
     parts+=("pith:b$1:$2:$3" "pith:f$1:$2:$3+$F")
+    [ "${KEEP:-0}" = 1 ] && parts+=("pith:k$1:$2:$3+$F+train.fp8_keep_copies=true")
     shift 3
   done
   local log
@@ -51,14 +55,17 @@ pairs() {  # NAME MODEL SETS [NAME MODEL SETS ...]: bf16 and FP8 of each, in one
   python3 - "$OUT/e2e/results.jsonl" <<'EOF'
 import json, sys
 runs = {r["run"]: r for r in map(json.loads, open(sys.argv[1])) if r.get("system") == "pith_lit"}
-print(f"{'cut':12s} {'bf16 tokens/s':>14s} {'FP8 tokens/s':>13s} {'FP8 / bf16':>11s} {'peak bf16 / FP8 GiB':>20s}")
+print(f"{'cut':17s} {'bf16 tokens/s':>14s} {'FP8 tokens/s':>13s} {'FP8 / bf16':>11s} {'peak bf16 / FP8 GiB':>20s}")
 for name in [n[1:] for n in runs if n.startswith("b")]:
-    b, f = runs.get("b" + name, {}), runs.get("f" + name, {})
-    tb, tf = b.get("tokens_per_s") or 0, f.get("tokens_per_s") or 0
-    ratio = f"{tf / tb:.3f}x" if tb and tf else "-"
-    peaks = f"{b.get('peak_gib', '-')!s:>9s} / {f.get('peak_gib', '-')!s:<9s}"
-    why = "" if tb and tf else f"  {b.get('error') or f.get('error') or 'a run did not finish: see its log'}"
-    print(f"{name:12s} {tb:>14,d} {tf:>13,d} {ratio:>11s} {peaks}{why}")
+    for v, label in (("f", name), ("k", name + " kept")):
+        if v == "k" and "k" + name not in runs:
+            continue
+        b, f = runs.get("b" + name, {}), runs.get(v + name, {})
+        tb, tf = b.get("tokens_per_s") or 0, f.get("tokens_per_s") or 0
+        ratio = f"{tf / tb:.3f}x" if tb and tf else "-"
+        peaks = f"{b.get('peak_gib', '-')!s:>9s} / {f.get('peak_gib', '-')!s:<9s}"
+        why = "" if tb and tf else f"  {b.get('error') or f.get('error') or 'a run did not finish: see its log'}"
+        print(f"{label:17s} {tb:>14,d} {tf:>13,d} {ratio:>11s} {peaks}{why}")
 EOF
   cat "$OUT/e2e/results.jsonl" >> "$OUT/results.jsonl"
 }
@@ -69,6 +76,8 @@ for suite in "$@"; do
     235b) pairs 235m4 qwen3-30b-a3b "$S+$M4+$C235+$L2" 235m8 qwen3-30b-a3b "$S+$M8+$C235+$L2" ;;
     v3) pairs v3m4 deepseek-v2-lite "$S+$M4+$CV3+$L2" ;;
     qwen3) pairs q6m4 qwen3-30b-a3b "$S+$M4+$L6" q6m8 qwen3-30b-a3b "$S+$M8+$L6" ;;
+    copies) KEEP=1 pairs q6g16 qwen3-30b-a3b "$S+$M4+$L6+train.global_batch=16+train.steps=10" \
+      235g16 qwen3-30b-a3b "$S+$M4+$C235+$L2+train.global_batch=16+train.steps=10" ;;
     deep) pairs 235l3 qwen3-30b-a3b "$S+$M4+$C235+$L3+train.steps=12" v3l3 deepseek-v2-lite "$S+$M4+$CV3+$L3+train.steps=12" ;;
     profile)
       P="$S+$M4+$C235+$L2+log.profile_step=8+train.steps=9"
@@ -81,6 +90,6 @@ for suite in "$@"; do
     kernels)
       PYTHONPATH=. python3 benchmarks/fp8_rows.py --parts weights,rowsweep --only qwen3-235b-a22b,deepseek-v3 \
         --json "$OUT/fp8_rows.json" 2>&1 | tee "$OUT/fp8_rows.log" | grep -E "whole rows|DIFFERS|FAILED|^20" ;;
-    *) echo "unknown suite $suite: one of 235b v3 qwen3 deep profile kernels" ;;
+    *) echo "unknown suite $suite: one of 235b v3 qwen3 deep copies profile kernels" ;;
   esac
 done

@@ -220,3 +220,18 @@ def test_muon_run_resumes_exactly(tmp_path):
     split = train(split_cfg, until=3, quiet=True)["history"] + train(split_cfg, quiet=True)["history"]
     assert [r["loss"] for r in split] == [r["loss"] for r in straight]
     assert straight[-1]["loss"] < straight[0]["loss"] - 0.3
+
+
+def test_fp8_copies_kept_only_when_asked(tmp_path):
+    """The experts' FP8 copies are made at each use unless `train.fp8_keep_copies` asks (and a step runs several
+    micro-batches with the experts whole), and keeping them changes no value: the same losses both ways."""
+    from pith_lit.train.trainer import fp8_copies_kept
+    over = ["train.fp8=true", "train.steps=3", "train.warmup=1", "train.global_batch=4", "train.micro_batch=2",
+            "train.seq_len=32", *QUIET]
+    cfg = ROOT / "configs" / "tiny.toml"
+    made, kept = (load_config(cfg, over + [f"run.dir={tmp_path}/{k}", f"train.fp8_keep_copies={k}"])
+                  for k in ("false", "true"))
+    assert not fp8_copies_kept(made) and fp8_copies_kept(kept)
+    assert not fp8_copies_kept(load_config(cfg, over + ["train.fp8_keep_copies=true", "train.micro_batch=4"]))
+    losses = [[r["loss"] for r in train(c, quiet=True)["history"]] for c in (made, kept)]
+    assert len(losses[0]) == 3 and losses[0] == losses[1], losses

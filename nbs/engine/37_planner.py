@@ -85,6 +85,7 @@ class Workload:
     sync_free: bool = False       # parallel.ep_sync_free
     stage_layers: tuple = ()      # parallel.pp_stage_layers (empty: even)
     fp8: bool = False             # train.fp8: FP8 copies of the expert weights, FP8 saved inputs (ops/15)
+    fp8_keep: bool = False        # train.fp8_keep_copies: the experts' copies kept for the step where they pay
     document_mask: bool = False   # data.document_mask: attention within documents, by ops/14's kernels
 
     @property
@@ -663,9 +664,10 @@ class _Walk:
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
         # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
-        # kept until the step ends where they pay (ops/18 `fp8_copies_pay`: several micro-batches, experts whole on
-        # the rank); otherwise each use's copy is a transient
-        self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and fp8_copies_pay(w.micro_batches, w.dp * w.cp)
+        # kept until the step ends where asked (train.fp8_keep_copies) and they pay (ops/18 `fp8_copies_pay`: several
+        # micro-batches, experts whole on the rank); otherwise each use's copy is a transient
+        self.fp8, self.fp8_made = 0.0, set()
+        self.fp8_kept = w.fp8 and w.fp8_keep and fp8_copies_pay(w.micro_batches, w.dp * w.cp)
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.embedding_grad = False   # whether the embedding's backward has run (the root's `late` gradient)
@@ -907,30 +909,36 @@ assert e.peaks[0].total > e.peaks[1].total   # rank 0 holds the embedding and th
 # The Qwen3 bench with and without `train.fp8` (row scales), one and four micro-batches per step, against the peaks
 # the H200 measured (benchmarks/RESULTS.md, "The planner's accuracy"). FP8 keeps the experts' saved inputs in FP8
 # instead of bf16, in column layouts sized for the most 128-row tiles a micro-batch's rows can need (E − 1 spare
-# tiles a layer, 45 MB at Qwen3's width), and adds the expert weights' two FP8 copies for the step when it runs four
-# micro-batches; with one it keeps no copies (ops/18), and its peak falls below bf16's.
+# tiles a layer, 45 MB at Qwen3's width), and the four-micro-batch FP8 run kept the expert weights' two FP8 copies
+# for the step (`train.fp8_keep_copies`, as the trainer then did by default); with one micro-batch a step no copies
+# are kept (ops/18), and FP8's peak falls below bf16's.
 
 # %%
 MEASURED_BENCH_PEAKS = {(False, 1): 76.18, (True, 1): 72.61, (False, 4): 91.27, (True, 4): 101.20}   # GiB
 c = config_model("bench-qwen3-30b-a3b")
 for (fp8, m), got in MEASURED_BENCH_PEAKS.items():
-    want = estimate(c, meta_of(c), replace(bench, fp8=fp8, micro_batches=m)).peaks[0].gib()
+    want = estimate(c, meta_of(c), replace(bench, fp8=fp8, fp8_keep=True, micro_batches=m)).peaks[0].gib()
     print(f"{'FP8 ' if fp8 else 'bf16'}, {m} micro-batch(es): predicted {want:6.2f} GiB, measured {got:6.2f} "
           f"({want / got - 1:+.1%})")
     assert abs(want / got - 1) < 0.01, (fp8, m, want, got)
 
 # %% [markdown]
-# Where FSDP shards the experts (dp 2 here) the copies are not kept (ops/18 `fp8_copies_pay`): whole, they would hold
-# 2 bytes an expert weight element for the step where the rank keeps 1 (its half of the bf16 weights). Each use's
-# copy is then a transient of its layer.
+# Where FSDP shards the experts (dp 2 here) the copies are not kept even when asked (ops/18 `fp8_copies_pay`): whole,
+# they would hold 2 bytes an expert weight element for the step where the rank keeps 1 (its half of the bf16
+# weights). Each use's copy is then a transient of its layer, as it is by default (not asked), which keeps FP8's peak
+# under bf16's with four micro-batches too.
 
 # %%
-four = replace(bench, fp8=True, micro_batches=4)
-kept, sharded = (estimate(c, meta_of(c), replace(four, dp=dp)).peak for dp in (1, 2))
+four = replace(bench, fp8=True, fp8_keep=True, micro_batches=4)
+kept, sharded, each_use = (estimate(c, meta_of(c), w).peak for w in
+                           (four, replace(four, dp=2), replace(four, fp8_keep=False)))
+bf16_four = estimate(c, meta_of(c), replace(four, fp8=False)).peak
 experts = sum(p.numel() for n, p in meta_of(c)().named_parameters() if ".experts." in n)
 assert kept.parts["FP8 weight copies"] == 2 * experts and sharded.parts["FP8 weight copies"] == 0
-print(f"FP8, 4 micro-batches: dp 1 keeps {kept.parts['FP8 weight copies'] / GiB:.1f} GiB of copies "
-      f"(peak {kept.gib():.1f} GiB); dp 2 keeps none (peak {sharded.gib():.1f} GiB)")
+assert each_use.parts["FP8 weight copies"] < experts / 64 and each_use.total < bf16_four.total < kept.total
+print(f"FP8, 4 micro-batches: dp 1 keeps {kept.parts['FP8 weight copies'] / GiB:.1f} GiB of copies when asked "
+      f"(peak {kept.gib():.1f} GiB), none by default (peak {each_use.gib():.1f} GiB; bf16 {bf16_four.gib():.1f}); "
+      f"dp 2 keeps none (peak {sharded.gib():.1f} GiB)")
 
 # %% [markdown]
 # The two wider widths of "FP8 end to end" (benchmarks/RESULTS.md), compiled, one micro-batch of 4 sequences:

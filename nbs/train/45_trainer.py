@@ -76,8 +76,9 @@ from pith_lit.train.optim import build_optimizer, count_tokens, lr_at, optimizer
 # `Model`. The model is built with the run's `Options` (models/20), which `model_options` reads from the config and
 # the mesh: `train.fp8` and `train.fp8_scaling` give the FP8 scaling of the experts and the dense projections
 # (ops/15, ops/18), `parallel.cp > 1` the ring's group (`ring_group(mesh.cp)`, ops/17), `train.route` the routing
-# (train/42). The experts' FP8 weight copies are kept for the step only when a step runs several micro-batches
-# through each layer and FSDP does not shard the experts (`fp8_copies_kept`; ops/18 says what they cost and save).
+# (train/42). The experts' FP8 weight copies are kept for the step only when `train.fp8_keep_copies` asks, a step
+# runs several micro-batches through each layer and FSDP does not shard the experts (`fp8_copies_kept`; ops/18 says
+# what they cost and save). By default each use quantizes its own, so that FP8's peak stays under bf16's.
 
 # %%
 #| export
@@ -96,9 +97,9 @@ def model_options(cfg: Config, mesh: Mesh | None) -> Options:
 
 
 def fp8_copies_kept(cfg: Config) -> bool:
-    """Whether the experts keep their FP8 weight copies for the step (ops/18 `fp8_copies_pay`): when each layer runs
-    several micro-batches and FSDP does not shard the experts (dp × cp is 1)."""
-    return fp8_copies_pay(cfg.num_micro_batches, cfg.parallel.dp * cfg.parallel.cp)
+    """Whether the experts keep their FP8 weight copies for the step: when `train.fp8_keep_copies` asks and they pay
+    (ops/18 `fp8_copies_pay`: each layer runs several micro-batches and FSDP does not shard the experts)."""
+    return cfg.train.fp8_keep_copies and fp8_copies_pay(cfg.num_micro_batches, cfg.parallel.dp * cfg.parallel.cp)
 
 # %% [markdown]
 # ### Where FP8 pays

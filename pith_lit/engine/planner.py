@@ -44,6 +44,7 @@ class Workload:
     sync_free: bool = False       # parallel.ep_sync_free
     stage_layers: tuple = ()      # parallel.pp_stage_layers (empty: even)
     fp8: bool = False             # train.fp8: FP8 copies of the expert weights, FP8 saved inputs (ops/15)
+    fp8_keep: bool = False        # train.fp8_keep_copies: the experts' copies kept for the step where they pay
     document_mask: bool = False   # data.document_mask: attention within documents, by ops/14's kernels
 
     @property
@@ -269,9 +270,10 @@ class _Walk:
         self.cost = {key: layer_bytes(c, int(key), w) for st in stages for key in st}
         self.static = sum(u.shard * w.param_bytes + u.states * w.param_bytes for u in units)
         # train.fp8: a layer's expert weights quantized both ways (1 byte each way) at its first forward of the step,
-        # kept until the step ends where they pay (ops/18 `fp8_copies_pay`: several micro-batches, experts whole on
-        # the rank); otherwise each use's copy is a transient
-        self.fp8, self.fp8_made, self.fp8_kept = 0.0, set(), w.fp8 and fp8_copies_pay(w.micro_batches, w.dp * w.cp)
+        # kept until the step ends where asked (train.fp8_keep_copies) and they pay (ops/18 `fp8_copies_pay`: several
+        # micro-batches, experts whole on the rank); otherwise each use's copy is a transient
+        self.fp8, self.fp8_made = 0.0, set()
+        self.fp8_kept = w.fp8 and w.fp8_keep and fp8_copies_pay(w.micro_batches, w.dp * w.cp)
         self.attention = attention_transient(c, w)
         self.gathered, self.grads = set(), set()
         self.embedding_grad = False   # whether the embedding's backward has run (the root's `late` gradient)

@@ -113,9 +113,8 @@ class TrainConfig:
         "repeated. Less memory for more compute (engine/32_stages)")
     fp8: bool = cfg(False, "the routed experts' matmuls, and the dense projections' (attention's q/k/v/o, MLA's, "
                            "shared experts, dense MLPs) where both their widths are train.fp8_dense_min or more, in "
-                           "FP8: E4M3 values with power-of-two scales (train.fp8_scaling); an expert weight is "
-                           "quantized once per step when a step runs several micro-batches and FSDP does not shard the "
-                           "experts (dp × cp = 1), at each use otherwise; "
+                           "FP8: E4M3 values with power-of-two scales (train.fp8_scaling); each use of an expert weight "
+                           "quantizes the layout it needs (train.fp8_keep_copies: once a step); "
                            "Triton kernels on CUDA (sm89 or newer), their torch reference on a CPU. Attention's "
                            "softmax, router, norms, embedding and head stay in train.dtype (ops/15_fp8). The FP8 "
                            "products are faster than bf16's but the quantization passes cost time, so it pays only "
@@ -130,6 +129,12 @@ class TrainConfig:
                                    "is narrower stays in train.dtype (0: every dense projection in FP8). The "
                                    "default is the width where FP8 measured ahead of bf16 (benchmarks/RESULTS.md, "
                                    "FP8 dense projections)", ge=0)
+    fp8_keep_copies: bool = cfg(False, "with train.fp8 and several micro-batches a step: quantize each expert weight "
+                                       "once a step, both layouts, and keep them until the optimizer step, instead of "
+                                       "twice a micro-batch. Faster, but the copies hold 2 bytes an expert weight "
+                                       "element, as much as a bf16 copy of the experts, which takes FP8's peak above "
+                                       "bf16's (ops/18_experts; `python -m pith_lit.plan` counts them). No effect with "
+                                       "one micro-batch or where FSDP shards the experts (dp × cp > 1)")
 
 
 @dataclass
@@ -281,7 +286,7 @@ class Config:
                         optimizer=t.optimizer, recompute=t.recompute, compile=t.compile, pipelined=self.pipelined,
                         sync_free=p.ep_sync_free,
                         stage_layers=tuple(p.pp_stage_layers) if isinstance(p.pp_stage_layers, list) else (),
-                        fp8=t.fp8, document_mask=self.data.document_mask)
+                        fp8=t.fp8, fp8_keep=t.fp8_keep_copies, document_mask=self.data.document_mask)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -56,9 +56,9 @@ def model_options(cfg: Config, mesh: Mesh | None) -> Options:
 
 
 def fp8_copies_kept(cfg: Config) -> bool:
-    """Whether the experts keep their FP8 weight copies for the step (ops/18 `fp8_copies_pay`): when each layer runs
-    several micro-batches and FSDP does not shard the experts (dp × cp is 1)."""
-    return fp8_copies_pay(cfg.num_micro_batches, cfg.parallel.dp * cfg.parallel.cp)
+    """Whether the experts keep their FP8 weight copies for the step: when `train.fp8_keep_copies` asks and they pay
+    (ops/18 `fp8_copies_pay`: each layer runs several micro-batches and FSDP does not shard the experts)."""
+    return cfg.train.fp8_keep_copies and fp8_copies_pay(cfg.num_micro_batches, cfg.parallel.dp * cfg.parallel.cp)
 
 # %% ../../nbs/train/45_trainer.ipynb #5dccb262
 # FP8 (row scales) tokens/s over bf16's in the same call, compiled, one micro-batch a step, the default 4096 gate on
