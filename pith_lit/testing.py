@@ -22,6 +22,7 @@ from .engine.fsdp import begin_step, clip_factor, grad_norm, reduce_gradients, s
 from .engine.mesh import build_mesh, init_distributed, run_ranked
 from .models.family import family as model_family
 from .models.protocol import LocalDispatcher, Options, Routing, head_loss, run_layers
+from .ops.experts import drop_fp8_copies, keep_fp8_copies
 from .ops.ring_attention import ring_group, zigzag_shard
 
 # %% ../nbs/engine/39_testing.ipynb #e7c76633
@@ -283,15 +284,19 @@ def _same_grads(model, ref, what: str) -> float:
 
 def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, family: str = "qwen3_moe", M: int = 4,
                overlap: bool = False, steps: int = 2, device: torch.device = torch.device("cpu"),
-               optimizer: str = "adamw", cp: int = 1, documents: bool = False) -> str:
+               optimizer: str = "adamw", cp: int = 1, documents: bool = False, fp8: str | None = None) -> str:
     """Worker: FSDP2 training steps against a single-process reference (see above); returns this rank's line.
     `optimizer`: train/43's "adamw" (ops/19) or "muon" (which orthogonalises whole matrices of sharded parameters).
     `cp`: context-parallel ranks, each given its zigzag chunks of the sequences (ops/17); `documents`: packed
-    documents (`packed_positions`) in every row."""
+    documents (`packed_positions`) in every row. `fp8`: both models in FP8 with that scaling, the dense projections
+    too, each use quantizing its own copy of a weight as the trainer has it."""
     mesh = build_mesh(pp, dp, cp, ep, device.type, 120, dp_replicate=dp_replicate)
     layers, shards, pipelined = max(5, 2 * pp + 1), mesh.batch.size(), pp > 1 or overlap
-    ref = tiny_model(family, layers, dtype=torch.float64).to(device)
-    model = tiny_model(family, layers, dtype=torch.float64, options=Options(cp_group=ring_group(mesh.cp))).to(device)
+    ref = tiny_model(family, layers, dtype=torch.float64, options=Options(fp8=fp8, fp8_dense_min=0)).to(device)
+    model = tiny_model(family, layers, dtype=torch.float64, options=Options(cp_group=ring_group(mesh.cp), fp8=fp8,
+                                                                            fp8_dense_min=0)).to(device)
+    for m in (ref, model):
+        keep_fp8_copies(m, False)
     parts = split_model(model, mesh.pp.rank(), pp) if pipelined else None
     dispatcher = _dispatcher(model, mesh, 4)
     shard_model(model, mesh)
@@ -303,7 +308,7 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
     loss_fn = (lambda h, labels: head_loss(model, h, labels)) if mesh.pp.rank() == 0 else None
     pipe = DualPipeV(parts, mesh.pp, dispatcher, loss_fn, aux, device) if pipelined else None
     what = (f"rank {dist.get_rank()}: {family} pp={pp} dp_replicate={dp_replicate} dp={dp} cp={cp} ep={ep} "
-            f"{optimizer}{' documents' if documents else ''}")
+            f"{optimizer}{' documents' if documents else ''}{' fp8 ' + fp8 if fp8 else ''}")
     worst = 0.0
     for step in range(steps):
         data = _step_batches(step, M, shards, S, documents, device)
@@ -326,6 +331,7 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
         assert max_rel_err(norm, ref_norm) <= 1e-10, f"{what} step {step}: gradient norm {norm} vs {ref_norm}"
         opt.step(grad_scale=clip_factor(norm, 1.0)), ref_opt.step()   # inside the update
         opt.zero_grad(), ref_opt.zero_grad()
+        drop_fp8_copies(model), drop_fp8_copies(ref)   # the next step quantizes the updated weights anew
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         err = max_rel_err(whole(p.detach()), ref_params[name].detach())
@@ -366,7 +372,7 @@ def main(argv=None) -> None:
     ap.add_argument("--overlap", action="store_true", help="fsdp: run the step through DualPipeV at pp = 1")
     ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="fsdp: the optimizer checked")
     ap.add_argument("--stage-layers", type=int, nargs="*", help="pipeline: layers of each stage (default: even)")
-    ap.add_argument("--fp8", choices=["rows", "block"], help="pipeline: both models in FP8 with this scaling")
+    ap.add_argument("--fp8", choices=["rows", "block"], help="pipeline, fsdp: both models in FP8 with this scaling")
     ap.add_argument("--timeline", help="pipeline: also record a timeline and write it to this JSON file")
     ap.add_argument("--timeline-micro", type=int, default=8, help="micro-batches of the timeline step")
     ap.add_argument("--timeline-hidden", type=int, default=128, help="hidden size of the timeline's model")
@@ -380,7 +386,7 @@ def main(argv=None) -> None:
     elif a.check == "fsdp":
         for family in a.model or ("qwen3_moe", "deepseek_v2"):
             line = run_ranked(fsdp_check, *a.layout, family, overlap=a.overlap, device=device, optimizer=a.optimizer,
-                              cp=a.cp, documents=a.documents)
+                              cp=a.cp, documents=a.documents, fp8=a.fp8)
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, line)
             if dist.get_rank() == 0:
