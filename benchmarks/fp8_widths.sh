@@ -5,9 +5,9 @@
 #
 #     OUT=$OUT bash benchmarks/fp8_widths.sh SUITE...
 #
-# Each SUITE runs bf16 and FP8 in the same call on the harness's data, 14 compiled steps each (deep: 12), and prints their
-# tokens/s, FP8 / bf16 and both peaks (tokens/s: the harmonic mean of steps 6-14). The cuts, each small enough for
-# one 80 GB card:
+# Each SUITE runs bf16 and FP8 in the same call on the harness's data, 14 compiled steps each (deep 12, copies 10), and
+# prints their tokens/s, FP8 / bf16 and both peaks (tokens/s: the harmonic mean of steps 6 to the last). The cuts,
+# each small enough for one 80 GB card:
 #   235b     Qwen3-235B-A22B's width (hidden 4096, 128 experts of 1536, top 8, 64 query and 4 KV heads), 2 layers,
 #            micro-batches of 4 and of 8
 #   v3       DeepSeek-V3's width (hidden 7168, MLA with V3's ranks and 128 heads, one shared expert and 64 routed
@@ -21,8 +21,8 @@
 #   kernels  benchmarks/fp8_rows.py --parts weights,rowsweep at the 235B and V3 widths: the settings of
 #            quantize_weight_rows and quantize_rows (two loops, whole rows), each checked bit for bit against the
 #            package's own
-# Runs per suite: copies six, 235b, qwen3 and deep four, v3 and profile two. sidebyside.sh stops a run after PITH_TIMEOUT (300 s) and
-# prints each run's wall time: choose the suites of one call so that their runs fit its 600 s.
+# Runs per suite: copies six, 235b, qwen3 and deep four, v3 and profile two. sidebyside.sh stops a run after
+# PITH_TIMEOUT (300 s) and prints each run's wall time: choose the suites of one call so that their runs fit its 600 s.
 set -u
 OUT=${OUT:-/tmp/fp8_widths}
 BENCH=${BENCH:-.bench}
@@ -78,7 +78,8 @@ for suite in "$@"; do
     qwen3) pairs q6m4 qwen3-30b-a3b "$S+$M4+$L6" q6m8 qwen3-30b-a3b "$S+$M8+$L6" ;;
     copies) KEEP=1 pairs q6g16 qwen3-30b-a3b "$S+$M4+$L6+train.global_batch=16+train.steps=10" \
       235g16 qwen3-30b-a3b "$S+$M4+$C235+$L2+train.global_batch=16+train.steps=10" ;;
-    deep) pairs 235l3 qwen3-30b-a3b "$S+$M4+$C235+$L3+train.steps=12" v3l3 deepseek-v2-lite "$S+$M4+$CV3+$L3+train.steps=12" ;;
+    deep) pairs 235l3 qwen3-30b-a3b "$S+$M4+$C235+$L3+train.steps=12" \
+      v3l3 deepseek-v2-lite "$S+$M4+$CV3+$L3+train.steps=12" ;;
     profile)
       P="$S+$M4+$C235+$L2+log.profile_step=8+train.steps=9"
       OUT=$OUT/profile PROJ=. bash "$BENCH/sidebyside.sh" "pith:pb235:qwen3-30b-a3b:$P" \

@@ -459,7 +459,7 @@ def _quant_rows_kernel(x_ptr, dh_ptr, mult_ptr, rmult_ptr, q_ptr, s_ptr, qt_ptr,
         return
     first, end = tl.load(row_offs_ptr + e) + (t - tl.load(tile_offs_ptr + e)) * BM, tl.load(row_offs_ptr + e + 1)
     if KP2 > 0:                                # whole rows, one at a time: each element read once
-        tl.static_assert(not TRANS, "a pass writing the transpose takes two loops over K")
+        tl.static_assert(ROWS and not TRANS, "whole rows write the rows alone; a transpose takes two loops over K")
         cols = tl.arange(0, KP2)
         col_ok = cols < K
         if MULT:
