@@ -345,12 +345,13 @@ def bench_resources(name, shape, weights):
                                                                            WEIGHT_ARGS, ce, warps)))
     for label, (ce, width) in ROW_PASSES.items():
         K = width(shape["hidden"], shape["ffn"])
-        kp2, group = triton.next_power_of_2(K), f"{name} quantize_rows {label} ({K})"
+        group = f"{name} quantize_rows {label} ({K})"
         for bm, warps, whole in ROW_CASES:
-            if whole and (ce["TRANS"] or kp2 > whole):       # the package runs this pass by the two loops
+            kp2 = fp8._rows_kp2(K, ce["TRANS"], whole)
+            if whole and not kp2:                             # the package runs this pass by the two loops
                 continue
             case = f"{bm} rows, {warps} warps" + (f", whole rows up to {whole}" if whole else ", two loops")
-            args = dict(ce, E_P2=fp8._e_p2(shape["experts"]), BM=bm, KP2=kp2 if whole else 0)
+            args = dict(ce, E_P2=fp8._e_p2(shape["experts"]), BM=bm, KP2=kp2)
             run(group, case, lambda: report(group, case, note=resources(fp8._quant_rows_kernel, ROW_ARGS, args,
                                                                         warps)))
 

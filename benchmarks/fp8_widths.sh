@@ -57,9 +57,7 @@ import json, sys
 runs = {r["run"]: r for r in map(json.loads, open(sys.argv[1])) if r.get("system") == "pith_lit"}
 print(f"{'cut':17s} {'bf16 tokens/s':>14s} {'FP8 tokens/s':>13s} {'FP8 / bf16':>11s} {'peak bf16 / FP8 GiB':>20s}")
 for name in [n[1:] for n in runs if n.startswith("b")]:
-    for v, label in (("f", name), ("k", name + " kept")):
-        if v == "k" and "k" + name not in runs:
-            continue
+    for v, label in [("f", name)] + [("k", name + " kept")] * ("k" + name in runs):
         b, f = runs.get("b" + name, {}), runs.get(v + name, {})
         tb, tf = b.get("tokens_per_s") or 0, f.get("tokens_per_s") or 0
         ratio = f"{tf / tb:.3f}x" if tb and tf else "-"

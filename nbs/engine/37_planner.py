@@ -910,8 +910,8 @@ assert e.peaks[0].total > e.peaks[1].total   # rank 0 holds the embedding and th
 # the H200 measured (benchmarks/RESULTS.md, "The planner's accuracy"). FP8 keeps the experts' saved inputs in FP8
 # instead of bf16, in column layouts sized for the most 128-row tiles a micro-batch's rows can need (E − 1 spare
 # tiles a layer, 45 MB at Qwen3's width), and the four-micro-batch FP8 run kept the expert weights' two FP8 copies
-# for the step (`train.fp8_keep_copies`, as the trainer then did by default); with one micro-batch a step no copies
-# are kept (ops/18), and FP8's peak falls below bf16's.
+# for the step (`train.fp8_keep_copies`); with one micro-batch a step no copies are kept (ops/18), and FP8's peak
+# falls below bf16's.
 
 # %%
 MEASURED_BENCH_PEAKS = {(False, 1): 76.18, (True, 1): 72.61, (False, 4): 91.27, (True, 4): 101.20}   # GiB

@@ -938,6 +938,12 @@ ROWS_WARPS = 4    # warps per program (benchmarks/fp8_rows.py --parts rowsweep t
 ROWS_WHOLE = 8192  # a pass with no transpose holds a row whole, one a time, up to this next_pow2(K) (0: two loops)
 
 
+def _rows_kp2(K: int, trans: bool, whole: int) -> int:
+    "The tile width `quantize_rows` holds a whole row in (`next_pow2(K)`), or 0 where it takes two loops over K."
+    kp2 = triton.next_power_of_2(K)
+    return kp2 if not trans and kp2 <= whole else 0
+
+
 def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = None, dh: Tensor | None = None,
                   mult: Tensor | None = None, col_amax: bool = False, row_mult: Tensor | None = None,
                   trans: bool = False, rows: bool = True) -> Fp8Rows:
@@ -963,15 +969,13 @@ def quantize_rows(x: Tensor, counts: Tensor | None = None, act: str | None = Non
     tile_max = torch.empty(T, K, dtype=torch.float32, device=x.device) if col_amax else None
     row_offs, tile_offs = _schedule(counts, 128)
     tile_offs = tile_offs * (128 // ROWS_BM)   # each expert's 128-row tiles, split: a tile never holds two experts
-    kp2 = triton.next_power_of_2(K)
-    whole = not trans and kp2 <= ROWS_WHOLE   # whole rows, one at a time, or two loops over K
     if T > 0 and K > 0:
         _quant_rows_kernel[(T,)](x, x if dh is None else dh, s if mult is None else mult.contiguous(),
                                  s if row_mult is None else row_mult.contiguous(), qt if q is None else q, s,
                                  q if qt is None else qt, s if tile_max is None else tile_max, row_offs, tile_offs,
                                  M, K, E, 128 * T128, MULT=mult is not None, RMULT=row_mult is not None,
                                  AMAX=col_amax, ROWS=rows, TRANS=trans, E_P2=_e_p2(E), ACT=_ACTS[act], BM=ROWS_BM,
-                                 KP2=kp2 if whole else 0, num_warps=ROWS_WARPS)
+                                 KP2=_rows_kp2(K, trans, ROWS_WHOLE), num_warps=ROWS_WARPS)
     amax = None
     if col_amax:                               # each tile's column maxima, reduced per expert
         amax = torch.empty(E, K, dtype=torch.float32, device=x.device)

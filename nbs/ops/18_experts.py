@@ -54,10 +54,9 @@ from pith_lit.ops.swiglu import swiglu
 # in the forward and the transposed in the backward, and frees it when the product is done, as the dense projections do
 # (ops/15). It keeps each weight's row scales, one float a row, which the step's first use finds: every later use is
 # given them and reads the weight once (ops/15 `weight_each_use`). `fp8_copies_pay` is that rule. Where the copies
-# pay in time they still cost memory: with several micro-batches a step they take FP8's peak above bf16's (9.9 GiB
-# above it at the Qwen3 bench with four, benchmarks/RESULTS.md "FP8 end to end"), so the trainer keeps them only when
-# `train.fp8_keep_copies` asks and the rule agrees (`fp8_copies_kept`, train/45), and the planner counts them the same
-# way (engine/37).
+# pay in time they still cost memory: with several micro-batches a step they take FP8's peak above bf16's
+# (benchmarks/RESULTS.md, "FP8 end to end"), so the trainer keeps them only when `train.fp8_keep_copies` asks and the
+# rule agrees (`fp8_copies_kept`, train/45), and the planner counts them the same way (engine/37).
 #
 # `scaling` is `train.fp8_scaling`: `"rows"` (its default, and the config's) or `"block"` (ops/15 explains both).
 # The FP8 layers keep their copies here in either implementation: the Triton kernels' on a GPU,
