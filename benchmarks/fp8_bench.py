@@ -207,7 +207,7 @@ def bench_mlp(name, shape, tokens):
     counts, x, w1, w2, dy = mlp_inputs(shape, tokens)
     n, H, I = x.shape[0], shape["hidden"], shape["ffn"]
     group = f"{name} SwiGLU MLP {H}->{2 * I}->{H}"
-    copies = Fp8Weights("block")
+    copies = Fp8Weights("block", keep=True)
     c1, c2 = copies.weight("gate_up", w1), copies.weight("down", w2)
     cases = {"bf16": lambda: grouped_linear(swiglu(grouped_linear(x, w1, counts)), w2, counts),
              "fp8 apart": lambda: fp8.fp8_grouped_linear(swiglu(fp8.fp8_grouped_linear(x, w1, counts, weight=c1)),

@@ -136,9 +136,9 @@ def bench_mlp(name, shape, tokens):
     flops = 6 * n * H * 2 * I + 6 * n * I * H
 
     def fp8_mlp(scaling, fresh):
-        kept = Fp8Weights(scaling)
+        kept = Fp8Weights(scaling, keep=True)
         def mlp():
-            c = Fp8Weights(scaling) if fresh else kept
+            c = Fp8Weights(scaling, keep=True) if fresh else kept
             return fp8.fp8_swiglu_experts(x, w1, w2, counts, weight_gate_up=c.weight("gate_up", w1),
                                           weight_down=c.weight("down", w2), scaling=scaling)
         return mlp

@@ -22,7 +22,7 @@ from .engine.fsdp import begin_step, clip_factor, grad_norm, reduce_gradients, s
 from .engine.mesh import build_mesh, init_distributed, run_ranked
 from .models.family import family as model_family
 from .models.protocol import LocalDispatcher, Options, Routing, head_loss, run_layers
-from .ops.experts import drop_fp8_copies, keep_fp8_copies
+from .ops.experts import keep_fp8_copies
 from .ops.ring_attention import ring_group, zigzag_shard
 
 # %% ../nbs/engine/39_testing.ipynb #e7c76633
@@ -209,7 +209,7 @@ def _dispatcher(model, mesh, num_experts: int):
 def pipeline_check(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = torch.device("cpu"),
                    family: str = "qwen3_moe", sizes: list[int] | None = None, fp8: str | None = None) -> None:
     """Worker: DualPipeV against a single-process reference (see above); rank 0 prints one line per rank and count.
-    `fp8`: both models built with that FP8 scaling (the reference too)."""
+    `fp8`: both models built with that FP8 scaling (the reference too), the experts' copies kept for the step."""
     pp_group, pp_rank, pp, ep_rank, mesh = _pipeline_parallel(ep, device)
     cpu = device.type == "cpu"
     dtype, (grad_tol, loss_tol) = (torch.float32, (1e-5, 1e-6)) if cpu else (torch.bfloat16, (3e-2, 1e-3))
@@ -217,6 +217,8 @@ def pipeline_check(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
     for M in micro_counts:
         opts = Options(fp8=fp8, fp8_dense_min=0)   # every dense projection in FP8 too, at these small widths
         ref, model = (tiny_model(family, layers, dtype=dtype, options=opts).to(device) for _ in range(2))
+        for m in (ref, model):
+            keep_fp8_copies(m, True)   # with fp8: the copies kept across the micro-batches (fsdp_check: each use)
         shards = [[(x.to(device), y.to(device)) for x, y in micro_batches(M, 64, M + 100 * e)] for e in range(ep)]
         scale, aux = 1 / (M * ep * 16), aux_fn(4)
         ref_loss, ref_aux = reference_step(ref, sum(shards, []), scale, aux)
@@ -289,14 +291,13 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
     `optimizer`: train/43's "adamw" (ops/19) or "muon" (which orthogonalises whole matrices of sharded parameters).
     `cp`: context-parallel ranks, each given its zigzag chunks of the sequences (ops/17); `documents`: packed
     documents (`packed_positions`) in every row. `fp8`: both models in FP8 with that scaling, the dense projections
-    too, each use quantizing its own copy of a weight as the trainer has it."""
+    too, each use quantizing its own copy of a weight as the trainer has it (`Fp8Weights`' default; each optimizer
+    step drops the row scales found, ops/18)."""
     mesh = build_mesh(pp, dp, cp, ep, device.type, 120, dp_replicate=dp_replicate)
     layers, shards, pipelined = max(5, 2 * pp + 1), mesh.batch.size(), pp > 1 or overlap
     ref = tiny_model(family, layers, dtype=torch.float64, options=Options(fp8=fp8, fp8_dense_min=0)).to(device)
     model = tiny_model(family, layers, dtype=torch.float64, options=Options(cp_group=ring_group(mesh.cp), fp8=fp8,
                                                                             fp8_dense_min=0)).to(device)
-    for m in (ref, model):
-        keep_fp8_copies(m, False)
     parts = split_model(model, mesh.pp.rank(), pp) if pipelined else None
     dispatcher = _dispatcher(model, mesh, 4)
     shard_model(model, mesh)
@@ -331,7 +332,6 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
         assert max_rel_err(norm, ref_norm) <= 1e-10, f"{what} step {step}: gradient norm {norm} vs {ref_norm}"
         opt.step(grad_scale=clip_factor(norm, 1.0)), ref_opt.step()   # inside the update
         opt.zero_grad(), ref_opt.zero_grad()
-        drop_fp8_copies(model), drop_fp8_copies(ref)   # the next step quantizes the updated weights anew
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         err = max_rel_err(whole(p.detach()), ref_params[name].detach())

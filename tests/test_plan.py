@@ -26,6 +26,14 @@ def test_plan_lists_the_layouts_of_eight_gpus(capsys):
     assert "does not fit" in capsys.readouterr().out   # the whole 30B model on one GPU
 
 
+def test_plan_of_a_tiny_model_names_where_its_peak_falls(capsys):
+    "A peak with no part as large as 0.05 GiB still reads as a sentence: where it falls, with nothing before it."
+    from pith_lit.plan import main
+    assert main([str(ROOT / "configs" / "tiny.toml")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "GiB per GPU (at the loss of micro-batch 1)" in first, first
+
+
 def test_plan_predicts_step_time_from_a_profile(tmp_path, capsys):
     "With a profile the table has tokens/s, and a pipelined layout gets a cut other than the even one."
     from pith_lit.engine.steptime import Profile

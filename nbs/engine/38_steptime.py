@@ -200,7 +200,9 @@ def _time_ends(ends: nn.Module, ids, x, device, reps: int) -> tuple[dict, dict]:
 
 # %% [markdown]
 # `profile_layers` puts them together. The layers run as the model was built: FP8 experts when its `Options` say so
-# (models/20; the trainer's `meta_model` builds it with the run's), which must agree with the workload's `fp8`.
+# (models/20; the trainer's `meta_model` builds it with the run's), which must agree with the workload's `fp8`. Their
+# `Fp8Weights` hold no copies (ops/18's default, the trainer's unless `train.fp8_keep_copies`), so every timed
+# repetition quantizes the weights it uses, as each micro-batch of a run does.
 
 # %%
 #| export

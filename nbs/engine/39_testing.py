@@ -40,7 +40,7 @@ from pith_lit.engine.fsdp import begin_step, clip_factor, grad_norm, reduce_grad
 from pith_lit.engine.mesh import build_mesh, init_distributed, run_ranked
 from pith_lit.models.family import family as model_family
 from pith_lit.models.protocol import LocalDispatcher, Options, Routing, head_loss, run_layers
-from pith_lit.ops.experts import drop_fp8_copies, keep_fp8_copies
+from pith_lit.ops.experts import keep_fp8_copies
 from pith_lit.ops.ring_attention import ring_group, zigzag_shard
 
 # %%
@@ -300,7 +300,7 @@ def _dispatcher(model, mesh, num_experts: int):
 def pipeline_check(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = torch.device("cpu"),
                    family: str = "qwen3_moe", sizes: list[int] | None = None, fp8: str | None = None) -> None:
     """Worker: DualPipeV against a single-process reference (see above); rank 0 prints one line per rank and count.
-    `fp8`: both models built with that FP8 scaling (the reference too)."""
+    `fp8`: both models built with that FP8 scaling (the reference too), the experts' copies kept for the step."""
     pp_group, pp_rank, pp, ep_rank, mesh = _pipeline_parallel(ep, device)
     cpu = device.type == "cpu"
     dtype, (grad_tol, loss_tol) = (torch.float32, (1e-5, 1e-6)) if cpu else (torch.bfloat16, (3e-2, 1e-3))
@@ -308,6 +308,8 @@ def pipeline_check(micro_counts=(4, 5, 6), ep: int = 1, device: torch.device = t
     for M in micro_counts:
         opts = Options(fp8=fp8, fp8_dense_min=0)   # every dense projection in FP8 too, at these small widths
         ref, model = (tiny_model(family, layers, dtype=dtype, options=opts).to(device) for _ in range(2))
+        for m in (ref, model):
+            keep_fp8_copies(m, True)   # with fp8: the copies kept across the micro-batches (fsdp_check: each use)
         shards = [[(x.to(device), y.to(device)) for x, y in micro_batches(M, 64, M + 100 * e)] for e in range(ep)]
         scale, aux = 1 / (M * ep * 16), aux_fn(4)
         ref_loss, ref_aux = reference_step(ref, sum(shards, []), scale, aux)
@@ -400,14 +402,13 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
     `optimizer`: train/43's "adamw" (ops/19) or "muon" (which orthogonalises whole matrices of sharded parameters).
     `cp`: context-parallel ranks, each given its zigzag chunks of the sequences (ops/17); `documents`: packed
     documents (`packed_positions`) in every row. `fp8`: both models in FP8 with that scaling, the dense projections
-    too, each use quantizing its own copy of a weight as the trainer has it."""
+    too, each use quantizing its own copy of a weight as the trainer has it (`Fp8Weights`' default; each optimizer
+    step drops the row scales found, ops/18)."""
     mesh = build_mesh(pp, dp, cp, ep, device.type, 120, dp_replicate=dp_replicate)
     layers, shards, pipelined = max(5, 2 * pp + 1), mesh.batch.size(), pp > 1 or overlap
     ref = tiny_model(family, layers, dtype=torch.float64, options=Options(fp8=fp8, fp8_dense_min=0)).to(device)
     model = tiny_model(family, layers, dtype=torch.float64, options=Options(cp_group=ring_group(mesh.cp), fp8=fp8,
                                                                             fp8_dense_min=0)).to(device)
-    for m in (ref, model):
-        keep_fp8_copies(m, False)
     parts = split_model(model, mesh.pp.rank(), pp) if pipelined else None
     dispatcher = _dispatcher(model, mesh, 4)
     shard_model(model, mesh)
@@ -442,7 +443,6 @@ def fsdp_check(pp: int = 1, dp_replicate: int = 1, dp: int = 1, ep: int = 1, fam
         assert max_rel_err(norm, ref_norm) <= 1e-10, f"{what} step {step}: gradient norm {norm} vs {ref_norm}"
         opt.step(grad_scale=clip_factor(norm, 1.0)), ref_opt.step()   # inside the update
         opt.zero_grad(), ref_opt.zero_grad()
-        drop_fp8_copies(model), drop_fp8_copies(ref)   # the next step quantizes the updated weights anew
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         err = max_rel_err(whole(p.detach()), ref_params[name].detach())
@@ -601,7 +601,9 @@ print("\n".join(sorted(l for l in torchrun(2, "pipeline", "--micro", "4", "6", "
 
 # %% [markdown]
 # In FP8 (`--fp8`, both models built with `Options(fp8=..., fp8_dense_min=0)`, the dense projections and the experts
-# in FP8, on a CPU ops/15's torch definition), at pp 2 and at ep 2, against the single-process run in FP8 under the
+# in FP8, on a CPU ops/15's torch definition; the experts' copies kept across the micro-batches, as
+# `train.fp8_keep_copies` keeps them, where fsdp_check's FP8 run makes them at each use), at pp 2 and at ep 2, against
+# the single-process run in FP8 under the
 # same fp32 bounds. At ep 2 an expert's weight gradient quantizes its columns over the rows it gets from both ranks,
 # where the reference had one rank's micro-batch; the scales are powers of two, so a column whose maximum moves to
 # another binade is scaled by an exact power of two and its normal E4M3 values do not change: only values in E4M3's

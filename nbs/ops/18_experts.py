@@ -25,8 +25,11 @@
 
 # %%
 #| export
+import weakref
+
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from pith_lit.ops.grouped_linear import WeightGradQueue, grouped_linear
 from pith_lit.ops.swiglu import swiglu
@@ -35,14 +38,22 @@ from pith_lit.ops.swiglu import swiglu
 # ## One FP8 copy of each expert weight per step
 #
 # A step runs every expert layer once per micro-batch, forward and backward, and the weights change only at the
-# optimizer step. So `train.fp8` quantizes each expert weight once per step: `Fp8Weights` holds the copies of one
+# optimizer step. So `train.fp8` can quantize each expert weight once per step: `Fp8Weights` holds the copies of one
 # experts module (forward layout and transposed, both made by one pass over the weight on first use when the weight
-# will get a gradient, only the forward's under `no_grad`) and `clear()` drops them; the trainer calls
-# `drop_fp8_copies(model)` after each optimizer step, which clears every `Fp8Weights` the model's modules hold. The
-# copies cost 2 bytes per expert weight element for the step (1 each way), as much as a bf16 copy of the weights,
-# and turn the 2 quantization passes over each weight per micro-batch into 1 per step. A copy made from a weight
-# that has since changed would be silently stale, so the check below changes a weight in place and shows both what
-# `clear` prevents and that it does.
+# will get a gradient, only the forward's under `no_grad`) and `clear()` drops them. The copies cost 2 bytes per
+# expert weight element for the step (1 each way), as much as a bf16 copy of the weights, and turn the 2
+# quantization passes over each weight per micro-batch into 1 per step.
+#
+# A copy made from a weight that has since changed would be silently stale: the layer would go on multiplying by
+# last step's weights. So the copies do not rely on their caller to drop them. Importing this module registers a hook
+# that runs after every `torch.optim.Optimizer`'s step (PyTorch's global `register_optimizer_step_post_hook`; ops/19's
+# AdamW and train/43's Muon are optimizers of that kind) and clears every live `Fp8Weights` of the process, the
+# trainer's and those of a user's own loop alike. Clearing those of a model the step did not update costs a
+# quantization pass and never a wrong value. It frees the copies where the trainer would want them freed, before the
+# next forward makes new ones. A weight changed any other way (a checkpoint loaded into a model that has already
+# run, an edit under `no_grad`) needs `drop_fp8_copies(model)`, which clears every `Fp8Weights` the model's modules
+# hold. The check below changes a weight in place and shows what `clear` prevents, that it does, and that an
+# optimizer's step does it unasked.
 #
 # The copies pay for themselves only when a step runs several micro-batches. With one, a kept copy saves a single read
 # of the weight (one pass writing both layouts instead of one pass each way) and holds both layouts of every expert
@@ -65,9 +76,15 @@ from pith_lit.ops.swiglu import swiglu
 # %%
 #| export
 class Fp8Weights:
-    "The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling."
-    def __init__(self, scaling: str = "rows"):
-        self.scaling, self.keep = scaling, True   # keep_fp8_copies sets keep
+    """The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling;
+    `keep`: copies kept until the step ends (or each use quantizing its own). Every optimizer step clears them."""
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        _LIVE.add(self)                            # here, not in __init__: a deepcopy (or unpickling) skips __init__
+        return self
+
+    def __init__(self, scaling: str = "rows", keep: bool = False):
+        self.scaling, self.keep = scaling, keep    # the trainer sets keep by keep_fp8_copies
         self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
         self._scales: dict[str, Tensor] = {}       # with keep off: each weight's row scales, found by its first use
 
@@ -97,13 +114,26 @@ class Fp8Weights:
         self._scales.clear()
 
 
+_LIVE: "weakref.WeakSet[Fp8Weights]" = weakref.WeakSet()   # every Fp8Weights alive in the process
+
+
+def _weights_moved(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    "After any optimizer's step: every live `Fp8Weights` drops its copies and row scales, made from the old weights."
+    for v in list(_LIVE):
+        v.clear()
+
+
+_weights_moved_hook = register_optimizer_step_post_hook(_weights_moved)
+
+
 def _fp8_weights(model: torch.nn.Module):
     "Every `Fp8Weights` held by a module of `model`."
     return [v for m in model.modules() for v in vars(m).values() if isinstance(v, Fp8Weights)]
 
 
 def drop_fp8_copies(model: torch.nn.Module) -> None:
-    "Clear every `Fp8Weights` held by a module of `model` (after an optimizer step: the next forward quantizes anew)."
+    """Clear every `Fp8Weights` held by a module of `model`: the next forward quantizes anew. Needed where the weights
+    change other than by an optimizer's step, which clears them itself (a checkpoint loaded, an edit in place)."""
     for v in _fp8_weights(model):
         v.clear()
 
@@ -151,6 +181,7 @@ def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
 # not hold `pith_lit.ops.fp8` afterwards.
 
 # %%
+import copy
 import os
 import subprocess
 import sys
@@ -167,7 +198,9 @@ print("the four model families import without ops.fp8")
 # before Triton is imported, as ops/15 says). Two micro-batches through one `Fp8Weights`: the same outputs and
 # gradients as quantizing inside, each weight quantized once, both layouts in one pass; then the weight moves (as an
 # optimizer step would move it): without `clear` the output is still the old weight's, after `drop_fp8_copies` the
-# new one's. Under `no_grad` only the forward's copy is made. Both scalings. With `keep` off, each use quantizes its
+# new one's; then an optimizer's step moves it, and the copies are gone from the `Fp8Weights` and from a deep copy of
+# its module, with no call to clear, and the next output is the moved weight's. Under `no_grad` only the forward's
+# copy is made. Both scalings. With `keep` off, each use quantizes its
 # own layout; with row scales the step's first use finds the scales and every later one is given them.
 
 # %%
@@ -200,7 +233,7 @@ def check_copies(scaling, n_in=256, n_out=128, counts=(100, 0, 60)):
         ref.append((y.detach(), xr.grad))
     ref_dw, w.grad = w.grad, None
     holder = torch.nn.Module()                 # an experts module holding its copies
-    holder.copies = fp8 = Fp8Weights(scaling)
+    holder.copies = fp8 = Fp8Weights(scaling, keep=True)
     made = []
     def counted(get):              # a weight() (made outside the layer, as expert_mlp does) recording each pass
         def weight(transposed, quantize):
@@ -221,6 +254,17 @@ def check_copies(scaling, n_in=256, n_out=128, counts=(100, 0, 60)):
     drop_fp8_copies(holder)
     fresh = fp8_grouped_linear(x1, w, counts, impl="triton", weight=fp8.weight("w", w), scaling=scaling)
     assert torch.equal(stale, ref[0][0]) and rel_err(fresh, 2 * ref[0][0]) < 1e-6
+    twin = copy.deepcopy(holder).copies             # a copy of the module: its own Fp8Weights, with the copies made
+    assert fp8._copies and twin._copies
+    w.grad = -w.detach()
+    torch.optim.SGD([w], lr=1.0).step()             # w moves to 2w (4 times the first); no one calls clear
+    assert not fp8._copies and not twin._copies
+    moved = fp8_grouped_linear(x1, w, counts, impl="triton", weight=fp8.weight("w", w), scaling=scaling)
+    assert rel_err(moved, 4 * ref[0][0]) < 1e-6
+    with torch.no_grad():
+        w.mul_(0.5)                                 # back to twice the first, exactly (a power of two)
+    w.grad = None
+    drop_fp8_copies(holder)
     fp8.clear()                                     # the torch implementation (a CPU run's) keeps the same copies
     with torch.no_grad():
         y = expert_linear(x1, w, counts, None, fp8, "w")
@@ -258,5 +302,5 @@ def check_copies(scaling, n_in=256, n_out=128, counts=(100, 0, 60)):
 for scaling in ("rows", "block"):
     check_copies(scaling)
 assert [fp8_copies_pay(m, n) for m, n in ((1, 1), (4, 1), (4, 2), (1, 2))] == [False, True, False, False]
-print("FP8 copies: the same outputs and gradients, one quantization pass per step, fresh after drop_fp8_copies; "
-      "without keep, one pass per use and only the row scales held")
+print("FP8 copies: the same outputs and gradients, one quantization pass per step, fresh after drop_fp8_copies and "
+      "after any optimizer's step; without keep, one pass per use and only the row scales held")

@@ -60,7 +60,7 @@ from pith_lit.engine.steptime import choose_stage_layers, profile_layers
 from pith_lit.models.family import family
 from pith_lit.models.protocol import LocalDispatcher, Options, head_loss, run_layers
 from pith_lit.ops.attention import doc_positions
-from pith_lit.ops.experts import drop_fp8_copies, fp8_copies_pay, keep_fp8_copies
+from pith_lit.ops.experts import fp8_copies_pay, keep_fp8_copies
 from pith_lit.ops.ring_attention import ring_group, zigzag_shard
 from pith_lit.train import checkpoint
 from pith_lit.train.config import (Config, ConfigError, UserError, dump_toml, from_dict, read_toml, to_dict,
@@ -78,7 +78,9 @@ from pith_lit.train.optim import build_optimizer, count_tokens, lr_at, optimizer
 # (ops/15, ops/18), `parallel.cp > 1` the ring's group (`ring_group(mesh.cp)`, ops/17), `train.route` the routing
 # (train/42). The experts' FP8 weight copies are kept for the step only when `train.fp8_keep_copies` asks, a step
 # runs several micro-batches through each layer and FSDP does not shard the experts (`fp8_copies_kept`; ops/18 says
-# what they cost and save). By default each use quantizes its own, so that FP8's peak stays under bf16's.
+# what they cost and save). By default each use quantizes its own, so that FP8's peak stays under bf16's. Whatever is
+# kept, copies or row scales, is dropped by the optimizer's step itself (a hook ops/18 registers), so nothing here
+# has to remember to.
 
 # %%
 #| export
@@ -690,9 +692,7 @@ def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
     ce_sum, aux_sum, n_tokens = _forward_backward(run, step)
     norm = grad_norm(list(run.model.parameters()), run.mesh.replicate.size())
     run.optimizer.step(grad_scale=clip_factor(norm, t.grad_clip))   # clipping inside the update (ops/19)
-    run.optimizer.zero_grad(set_to_none=True)
-    if t.fp8:
-        drop_fp8_copies(run.model)   # the weights moved: the next step quantizes them again (ops/18)
+    run.optimizer.zero_grad(set_to_none=True)   # with train.fp8 the step dropped the FP8 weight copies (ops/18)
     totals = run.lb.totals()   # this rank's MoE layers: the step's expert counts, summed over the dense group
     if t.lb_bias_rate:         # aux-loss-free balancing: every rank holding a layer applies the same update
         update_bias(routers(run.model), totals, t.lb_bias_rate)

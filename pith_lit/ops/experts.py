@@ -4,17 +4,26 @@
 __all__ = ['Fp8Weights', 'drop_fp8_copies', 'keep_fp8_copies', 'fp8_copies_pay', 'expert_linear', 'expert_mlp']
 
 # %% ../../nbs/ops/18_experts.ipynb #1afcaa12
+import weakref
+
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .grouped_linear import WeightGradQueue, grouped_linear
 from .swiglu import swiglu
 
 # %% ../../nbs/ops/18_experts.ipynb #3b99f4ae
 class Fp8Weights:
-    "The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling."
-    def __init__(self, scaling: str = "rows"):
-        self.scaling, self.keep = scaling, True   # keep_fp8_copies sets keep
+    """The FP8 copies of one experts module's weights for the current step, by name and direction, and the scaling;
+    `keep`: copies kept until the step ends (or each use quantizing its own). Every optimizer step clears them."""
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        _LIVE.add(self)                            # here, not in __init__: a deepcopy (or unpickling) skips __init__
+        return self
+
+    def __init__(self, scaling: str = "rows", keep: bool = False):
+        self.scaling, self.keep = scaling, keep    # the trainer sets keep by keep_fp8_copies
         self._copies: dict[tuple[str, bool], tuple[Tensor, Tensor]] = {}
         self._scales: dict[str, Tensor] = {}       # with keep off: each weight's row scales, found by its first use
 
@@ -44,13 +53,26 @@ class Fp8Weights:
         self._scales.clear()
 
 
+_LIVE: "weakref.WeakSet[Fp8Weights]" = weakref.WeakSet()   # every Fp8Weights alive in the process
+
+
+def _weights_moved(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    "After any optimizer's step: every live `Fp8Weights` drops its copies and row scales, made from the old weights."
+    for v in list(_LIVE):
+        v.clear()
+
+
+_weights_moved_hook = register_optimizer_step_post_hook(_weights_moved)
+
+
 def _fp8_weights(model: torch.nn.Module):
     "Every `Fp8Weights` held by a module of `model`."
     return [v for m in model.modules() for v in vars(m).values() if isinstance(v, Fp8Weights)]
 
 
 def drop_fp8_copies(model: torch.nn.Module) -> None:
-    "Clear every `Fp8Weights` held by a module of `model` (after an optimizer step: the next forward quantizes anew)."
+    """Clear every `Fp8Weights` held by a module of `model`: the next forward quantizes anew. Needed where the weights
+    change other than by an optimizer's step, which clears them itself (a checkpoint loaded, an edit in place)."""
     for v in _fp8_weights(model):
         v.clear()
 

@@ -31,7 +31,7 @@ from ..engine.steptime import choose_stage_layers, profile_layers
 from ..models.family import family
 from ..models.protocol import LocalDispatcher, Options, head_loss, run_layers
 from ..ops.attention import doc_positions
-from ..ops.experts import drop_fp8_copies, fp8_copies_pay, keep_fp8_copies
+from ..ops.experts import fp8_copies_pay, keep_fp8_copies
 from ..ops.ring_attention import ring_group, zigzag_shard
 from . import checkpoint
 from .config import (Config, ConfigError, UserError, dump_toml, from_dict, read_toml, to_dict,
@@ -399,9 +399,7 @@ def train_step(run: Run, step: int, stop: StopFlag | None = None) -> dict:
     ce_sum, aux_sum, n_tokens = _forward_backward(run, step)
     norm = grad_norm(list(run.model.parameters()), run.mesh.replicate.size())
     run.optimizer.step(grad_scale=clip_factor(norm, t.grad_clip))   # clipping inside the update (ops/19)
-    run.optimizer.zero_grad(set_to_none=True)
-    if t.fp8:
-        drop_fp8_copies(run.model)   # the weights moved: the next step quantizes them again (ops/18)
+    run.optimizer.zero_grad(set_to_none=True)   # with train.fp8 the step dropped the FP8 weight copies (ops/18)
     totals = run.lb.totals()   # this rank's MoE layers: the step's expert counts, summed over the dense group
     if t.lb_bias_rate:         # aux-loss-free balancing: every rank holding a layer applies the same update
         update_bias(routers(run.model), totals, t.lb_bias_rate)
