@@ -600,14 +600,13 @@ print("\n".join(sorted(l for l in torchrun(2, "pipeline", "--micro", "4", "6", "
                        if l.startswith("rank"))))
 
 # %% [markdown]
-# In FP8 (`--fp8`, both models built with `Options(fp8=..., fp8_dense_min=0)`, the dense projections and the experts
-# in FP8, on a CPU ops/15's torch definition; the experts' copies kept across the micro-batches, as
-# `train.fp8_keep_copies` keeps them, where fsdp_check's FP8 run makes them at each use), at pp 2 and at ep 2, against
-# the single-process run in FP8 under the
-# same fp32 bounds. At ep 2 an expert's weight gradient quantizes its columns over the rows it gets from both ranks,
-# where the reference had one rank's micro-batch; the scales are powers of two, so a column whose maximum moves to
-# another binade is scaled by an exact power of two and its normal E4M3 values do not change: only values in E4M3's
-# subnormal range can round differently, and the check holds at the fp32 bound.
+# In FP8 (`--fp8`, both models built with `Options(fp8=..., fp8_dense_min=0)`, the dense projections and the experts in
+# FP8, on a CPU ops/15's torch definition; the experts' copies kept across the micro-batches, as `train.fp8_keep_copies`
+# keeps them, where fsdp_check's FP8 run makes them at each use), at pp 2 and at ep 2, against the single-process run in
+# FP8 under the same fp32 bounds. At ep 2 an expert's weight gradient quantizes its columns over the rows it gets from
+# both ranks, where the reference had one rank's micro-batch; the scales are powers of two, so a column whose maximum
+# moves to another binade is scaled by an exact power of two and its normal E4M3 values do not change: only values in
+# E4M3's subnormal range can round differently, and the check holds at the fp32 bound.
 
 # %%
 for extra in ((), ("--ep", "2")):

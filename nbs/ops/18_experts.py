@@ -194,14 +194,14 @@ for family in ("qwen3_moe", "deepseek_v2", "gpt_oss", "qwen3_5_moe"):
 print("the four model families import without ops.fp8")
 
 # %% [markdown]
-# The FP8 checks run on the GPU when there is one, otherwise under the Triton interpreter (set in the environment
-# before Triton is imported, as ops/15 says). Two micro-batches through one `Fp8Weights`: the same outputs and
-# gradients as quantizing inside, each weight quantized once, both layouts in one pass; then the weight moves (as an
-# optimizer step would move it): without `clear` the output is still the old weight's, after `drop_fp8_copies` the
-# new one's; then an optimizer's step moves it, and the copies are gone from the `Fp8Weights` and from a deep copy of
-# its module, with no call to clear, and the next output is the moved weight's. Under `no_grad` only the forward's
-# copy is made. Both scalings. With `keep` off, each use quantizes its
-# own layout; with row scales the step's first use finds the scales and every later one is given them.
+# The FP8 checks run on the GPU when there is one, otherwise under the Triton interpreter (set in the environment before
+# Triton is imported, as ops/15 says). Two micro-batches through one `Fp8Weights`: the same outputs and gradients as
+# quantizing inside, each weight quantized once, both layouts in one pass; then the weight moves (as an optimizer step
+# would move it): without `clear` the output is still the old weight's, after `drop_fp8_copies` the new one's; then an
+# optimizer's step moves it, and the copies are gone from the `Fp8Weights` and from a deep copy of its module, with no
+# call to clear, and the next output is the moved weight's. Under `no_grad` only the forward's copy is made. Both
+# scalings. With `keep` off, each use quantizes its own layout; with row scales the step's first use finds the scales
+# and every later one is given them.
 
 # %%
 import pith_lit.ops.fp8 as fp8_ops

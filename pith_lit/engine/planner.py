@@ -456,8 +456,8 @@ class Estimate:
 
     def summary(self) -> str:
         p = self.peak
-        top = [", ".join(f"{k} {v / GiB:.1f}" for k, v in p.parts.items() if v >= 0.05 * GiB)]   # GiB, the large
-        return f"peak {p.gib():.1f} GiB per GPU ({'; '.join([*filter(None, top), f'at the {p.where}'])})"
+        top = ", ".join(f"{k} {v / GiB:.1f}" for k, v in p.parts.items() if v >= 0.05 * GiB)
+        return f"peak {p.gib():.1f} GiB per GPU ({top + '; ' if top else ''}at the {p.where})"
 
 
 def estimate(c, make_model, w: Workload, states=lambda name, p: 2, cache: dict | None = None) -> Estimate:
