@@ -827,15 +827,15 @@ print(f"grouped FP8 weight gradient vs quantized reference: max rel err {max(err
 # loop finds the row maxima (and, asked, the column maxima), the second quantizes and writes (and, asked, writes the
 # values transposed). The second read comes from L2 only while the program's rows are still there, which at the wide
 # widths, with every program in flight reading its own, they mostly may not be. So a pass that writes no transpose takes
-# whole rows instead, one at a time, each loaded once: the row maxima, the scale, the values and, asked, the
-# column maxima, kept over the program's rows, all come from that one tile. It does so where the row, padded to a power
-# of two, holds at most `ROWS_WHOLE` elements: the passes over the gradients (dY with the column maxima, SwiGLU's
-# gradient) then run 1.4–1.7× faster at the 235B and V3 widths. A pass that writes the transpose keeps the two loops:
-# with a few rows a program its transposed stores write a few bytes a line, and whole rows ran 1.5–33× slower
-# (benchmarks/RESULTS.md, "The weight and row passes at the 235B width"). Its programs cover each expert's rows rounded
-# up to 128, so the transposed tiles' padding is written as zeros by the programs past the expert's end. It computes the
-# same activations as `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`, the weight scales of
-# the input gradient) before taking maxima.
+# whole rows instead, one at a time, each loaded once: the row maxima, the scale, the values and, asked, the column
+# maxima, kept over the program's rows, all come from that one tile. It does so where the row, padded to a power of two,
+# holds at most `ROWS_WHOLE` elements: the passes over the gradients (dY with the column maxima, SwiGLU's gradient) then
+# run faster at the 235B and V3 widths. A pass that writes the transpose keeps the two loops: with a few rows a program
+# its transposed stores write a few bytes a line, and whole rows ran several times slower (benchmarks/RESULTS.md, "The
+# weight and row passes at the 235B width"). Its programs cover each expert's rows rounded up to 128, so the transposed
+# tiles' padding is written as zeros by the programs past the expert's end. It computes the same activations as
+# `quantize_act` (`act`), and multiplies by a per-expert column factor (`mult`, the weight scales of the input gradient)
+# before taking maxima.
 
 # %%
 #| export

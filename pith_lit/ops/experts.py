@@ -62,7 +62,7 @@ def _weights_moved(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         v.clear()
 
 
-_weights_moved_hook = register_optimizer_step_post_hook(_weights_moved)
+register_optimizer_step_post_hook(_weights_moved)   # for the life of the process
 
 
 def _fp8_weights(model: torch.nn.Module):
